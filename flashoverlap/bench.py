@@ -1,0 +1,255 @@
+"""Side-by-side benchmark of GEMM + AllReduce: sequential vs flashoverlap, in one run.
+
+    torchrun --nproc-per-node 2 -m flashoverlap.bench --shapes 4096x8192x8192 \
+        --configs '{}' '{"comm_sms": 16}' --csv results.csv
+
+Every variant runs interleaved with the others in each iteration (so drift hits all alike),
+after warm-up, on random inputs rotated through sets larger than L2, timed with CUDA events
+after a barrier; the reported time is the median over iterations, the largest over ranks.
+"""
+
+from __future__ import annotations
+
+import argparse
+import csv
+import json
+import math
+import os
+import statistics
+import sys
+from collections.abc import Callable, Sequence
+
+import torch
+import torch.distributed as dist
+
+TRANSPORTS = {
+    "nvlink": {},
+    # NCCL through host shared memory, as on PCIe consumer GPUs without P2P (RTX 4090).
+    "pcie": {"NCCL_P2P_DISABLE": "1"},
+    # sockets: a multi-node stand-in
+    "net": {"NCCL_P2P_DISABLE": "1", "NCCL_SHM_DISABLE": "1"},
+}
+
+
+def parse_shape(text: str) -> tuple[int, int, int]:
+    try:
+        m, n, k = (int(v) for v in text.lower().split("x"))
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"shape must be MxNxK (e.g. 4096x8192x8192), got {text!r}") from None
+    if min(m, n, k) < 1:
+        raise argparse.ArgumentTypeError(f"shape dimensions must be positive, got {text!r}")
+    return m, n, k
+
+
+def parse_config(text: str) -> dict:
+    try:
+        value = json.loads(text)
+    except json.JSONDecodeError as exc:
+        raise argparse.ArgumentTypeError(f"config must be a JSON object, got {text!r}: {exc}") from None
+    if not isinstance(value, dict):
+        raise argparse.ArgumentTypeError(f"config must be a JSON object, got {text!r}")
+    return value
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="python -m flashoverlap.bench", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument("--shapes", nargs="+", type=parse_shape, default=[(4096, 8192, 8192)])
+    parser.add_argument(
+        "--configs",
+        nargs="+",
+        type=parse_config,
+        default=[{}],
+        help="OverlapConfig fields as JSON objects; each is one flashoverlap variant",
+    )
+    parser.add_argument("--dtype", choices=["bfloat16", "float16"], default="bfloat16")
+    parser.add_argument("--transport", choices=sorted(TRANSPORTS), default="nvlink")
+    parser.add_argument("--iters", type=int, default=30)
+    parser.add_argument("--warmup", type=int, default=5)
+    parser.add_argument("--csv", help="write one row per shape and variant here (rank 0)")
+    return parser
+
+
+def median_ms(samples: Sequence[float]) -> float:
+    return statistics.median(samples)
+
+
+def overlap_efficiency(t_seq: float, t_ovl: float, t_gemm: float, t_comm: float) -> float:
+    """Share of the hideable time (the shorter of GEMM and communication) actually hidden."""
+    return (t_seq - t_ovl) / min(t_gemm, t_comm)
+
+
+def input_sets(m: int, n: int, k: int, dtype: torch.dtype, l2_bytes: int) -> int:
+    """How many operand sets to rotate through so that consecutive iterations miss in L2."""
+    per_set = (m * k + n * k) * torch.finfo(dtype).bits // 8
+    return max(2, math.ceil(3 * l2_bytes / per_set))
+
+
+def time_variants(variants: dict[str, Callable[[int], object]], iters: int, warmup: int) -> dict[str, float]:
+    """Median ms per variant (max over ranks), variants interleaved within each iteration."""
+    for i in range(warmup):
+        for fn in variants.values():
+            fn(i)
+    samples: dict[str, list[float]] = {name: [] for name in variants}
+    events = []
+    for i in range(iters):
+        for name, fn in variants.items():
+            torch.cuda.synchronize()
+            dist.barrier()
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            fn(i)
+            end.record()
+            events.append((name, start, end))
+    torch.cuda.synchronize()
+    for name, start, end in events:
+        samples[name].append(start.elapsed_time(end))
+    medians = torch.tensor([median_ms(samples[name]) for name in variants], dtype=torch.float64, device="cuda")
+    dist.all_reduce(medians, op=dist.ReduceOp.MAX)
+    return dict(zip(variants, medians.tolist()))
+
+
+def bench_shape(shape, configs, dtype, iters, warmup) -> list[dict]:
+    from . import gemm_all_reduce
+    from .config import resolve
+    from .overlap import prepare
+
+    m, n, k = shape
+    rank, world = dist.get_rank(), dist.get_world_size()
+    props = torch.cuda.get_device_properties(torch.cuda.current_device())
+    sets = input_sets(m, n, k, dtype, props.L2_cache_size)
+    gen = torch.Generator(device="cuda").manual_seed(1234 + rank)
+    a = [torch.randn(m, k, device="cuda", generator=gen).to(dtype) for _ in range(sets)]
+    w = [torch.randn(n, k, device="cuda", generator=gen).to(dtype) / math.sqrt(k) for _ in range(sets)]
+    c = torch.randn(m, n, device="cuda", generator=gen).to(dtype)
+
+    def seq(i):
+        out = a[i % sets] @ w[i % sets].t()
+        dist.all_reduce(out)
+        return out
+
+    variants: dict[str, Callable[[int], object]] = {
+        "gemm": lambda i: a[i % sets] @ w[i % sets].t(),
+        "comm": lambda i: dist.all_reduce(c),
+        "seq": seq,
+    }
+    cfgs = [resolve(cfg) for cfg in configs]
+    errors = {}
+    for j, cfg in enumerate(cfgs):
+        variants[f"fo{j}"] = lambda i, cfg=cfg: gemm_all_reduce(a[i % sets], w[i % sets], config=cfg)
+        if not cfg.sequential:
+            prep = prepare(m, n, k, dtype, "nk", a[0].device, cfg)
+            buf = torch.empty(m * n, dtype=dtype, device="cuda")
+
+            def kernel_only(i, prep=prep, buf=buf):
+                prep.kernel.run(
+                    a[i % sets],
+                    w[i % sets],
+                    buf,
+                    prep.slots,
+                    prep.counters,
+                    prep.plan.tiles_m,
+                    prep.plan.tiles_n,
+                    prep.sm_count,
+                    torch.cuda.current_stream(),
+                )
+                prep.counters.zero_()
+
+            variants[f"kernel{j}"] = kernel_only
+        got, want = gemm_all_reduce(a[0], w[0], config=cfg).float(), seq(0).float()
+        errors[j] = ((got - want).norm() / want.norm()).item()
+    times = time_variants(variants, iters, warmup)
+
+    rows = []
+    t_gemm, t_comm, t_seq = times["gemm"], times["comm"], times["seq"]
+    for j, cfg in enumerate(cfgs):
+        t_fo = times[f"fo{j}"]
+        plan = None if cfg.sequential else prepare(m, n, k, dtype, "nk", a[0].device, cfg).plan
+        rows.append(
+            {
+                "m": m,
+                "n": n,
+                "k": k,
+                "world": world,
+                "dtype": str(dtype).removeprefix("torch."),
+                "config": json.dumps(configs[j], sort_keys=True),
+                "waves": plan.num_waves if plan else "",
+                "groups": plan.num_groups if plan else "",
+                "t_gemm_ms": t_gemm,
+                "t_comm_ms": t_comm,
+                "t_seq_ms": t_seq,
+                "t_fo_ms": t_fo,
+                "t_kernel_ms": times.get(f"kernel{j}", float("nan")),
+                "speedup": t_seq / t_fo,
+                "ideal_speedup": t_seq / max(t_gemm, t_comm),
+                "efficiency": overlap_efficiency(t_seq, t_fo, t_gemm, t_comm),
+                "kernel_vs_cublas": t_gemm / times.get(f"kernel{j}", float("nan")),
+                "rel_err": errors[j],
+            }
+        )
+    return rows
+
+
+COLUMNS = [
+    ("m", "M", "d"),
+    ("n", "N", "d"),
+    ("k", "K", "d"),
+    ("t_gemm_ms", "gemm", ".3f"),
+    ("t_comm_ms", "comm", ".3f"),
+    ("t_seq_ms", "seq", ".3f"),
+    ("t_fo_ms", "fo", ".3f"),
+    ("speedup", "speedup", ".3f"),
+    ("ideal_speedup", "ideal", ".3f"),
+    ("efficiency", "eff", ".2f"),
+    ("kernel_vs_cublas", "kern/cublas", ".3f"),
+    ("rel_err", "rel_err", ".1e"),
+    ("config", "config", "s"),
+]
+
+
+def format_table(rows: list[dict]) -> str:
+    cells = [[title for _, title, _ in COLUMNS]]
+    for row in rows:
+        cells.append([format(row[key], fmt) if row[key] != "" else "-" for key, _, fmt in COLUMNS])
+    widths = [max(len(r[i]) for r in cells) for i in range(len(COLUMNS))]
+    return "\n".join("  ".join(c.rjust(w) for c, w in zip(r, widths)) for r in cells)
+
+
+def write_csv(path: str, rows: list[dict]) -> None:
+    with open(path, "w", newline="") as handle:
+        writer = csv.DictWriter(handle, fieldnames=list(rows[0]))
+        writer.writeheader()
+        writer.writerows(rows)
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    os.environ.update(TRANSPORTS[args.transport])  # before NCCL creates its communicators
+    if "RANK" not in os.environ:
+        print("run under torchrun, e.g. torchrun --nproc-per-node 2 -m flashoverlap.bench", file=sys.stderr)
+        return 2
+    local_rank = int(os.environ.get("LOCAL_RANK", 0))
+    torch.cuda.set_device(local_rank)
+    dist.init_process_group("nccl", device_id=torch.device("cuda", local_rank))
+    try:
+        dtype = getattr(torch, args.dtype)
+        rows = []
+        for shape in args.shapes:
+            rows += bench_shape(shape, args.configs, dtype, args.iters, args.warmup)
+        if dist.get_rank() == 0:
+            name = torch.cuda.get_device_name()
+            print(
+                f"\n{name} x{dist.get_world_size()}, transport={args.transport}, {args.dtype}, "
+                f"median of {args.iters} iterations (ms)"
+            )
+            print(format_table(rows), flush=True)
+            if args.csv:
+                write_csv(args.csv, [dict(row, gpu=name, transport=args.transport) for row in rows])
+    finally:
+        dist.destroy_process_group()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

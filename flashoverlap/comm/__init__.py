@@ -1,0 +1,51 @@
+"""Per-group collectives on contiguous buffer ranges, and the restore to row-major C.
+
+Communication is plain torch.distributed (NCCL on GPUs, gloo in the CPU reference executor) on
+one contiguous range per group, so any backend and transport works.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+
+from .. import jit
+from ..plan import Plan, slot_view
+
+COLLECTIVES = ("all_reduce",)
+
+
+def collective(name: str, chunk: torch.Tensor, group: dist.ProcessGroup | None) -> None:
+    """Run collective ``name`` in place on ``chunk`` (one group's buffer range)."""
+    if name == "all_reduce":
+        dist.all_reduce(chunk, group=group)
+    else:
+        raise ValueError(f"unknown collective {name!r}; supported: {COLLECTIVES}")
+
+
+def restore(buffer: torch.Tensor, out: torch.Tensor, plan: Plan, slots: torch.Tensor | None = None) -> None:
+    """Copy every tile from its slot in the flat ``buffer`` into row-major ``out`` [m, n].
+
+    On CUDA this is one gather kernel on the current stream (``slots`` is the plan's slot table
+    on the device); on the CPU, a loop over tiles.
+    """
+    if buffer.is_cuda:
+        lib = jit.runtime_library()
+        status = lib.fo_restore(
+            buffer.data_ptr(),
+            out.data_ptr(),
+            slots.data_ptr(),
+            plan.num_tiles,
+            plan.m,
+            plan.n,
+            plan.tile_m,
+            plan.tile_n,
+            plan.tiles_n,
+            buffer.element_size(),
+            torch.cuda.current_stream(buffer.device).cuda_stream,
+        )
+        jit.check(lib, status, "fo_runtime_error")
+        return
+    for tile in range(plan.num_tiles):
+        r0, c0, rows, cols = plan.tile_extent(tile)
+        out[r0 : r0 + rows, c0 : c0 + cols] = slot_view(buffer, plan, tile)

@@ -1,0 +1,107 @@
+"""Overlap configuration: the GEMM instance, the SM budget and the group partition.
+
+A config is an :class:`OverlapConfig`, a mapping with the same keys, or a YAML file holding
+one. Validation names the source, the key and the allowed values.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any
+
+import yaml
+
+from .gemm.generator import validate_instance
+from .plan import LAYOUTS
+
+
+@dataclass(frozen=True)
+class OverlapConfig:
+    """How one overlapped GEMM + collective runs.
+
+    tile_m, tile_n, tile_k, cluster_m: the CUTLASS instance (see ``flashoverlap.gemm``).
+    comm_sms: SMs left out of the GEMM's persistent grid so NCCL kernels can run beside it.
+    partition: waves per group, summing to the GEMM's wave count; ``None`` picks a default.
+    layout: ``rows`` (groups rounded to row bands, stored in place) or ``tiles`` (exact wave
+      groups, packed slots, restored after).
+    sequential: run the plain GEMM then the collective (where overlap cannot pay).
+    """
+
+    tile_m: int = 128
+    tile_n: int = 256
+    tile_k: int = 64
+    cluster_m: int = 1
+    comm_sms: int = 8
+    partition: tuple[int, ...] | None = None
+    layout: str = "rows"
+    sequential: bool = False
+
+    def __post_init__(self) -> None:
+        if self.partition is not None:
+            object.__setattr__(self, "partition", tuple(self.partition))
+        problems = _problems(self)
+        if problems:
+            raise ValueError("invalid flashoverlap config: " + "; ".join(problems))
+
+    @classmethod
+    def from_dict(cls, data: Mapping[str, Any], source: str = "config") -> OverlapConfig:
+        if not isinstance(data, Mapping):
+            raise ValueError(f"{source}: expected a mapping of config keys, got {type(data).__name__}")
+        known = {f.name for f in dataclasses.fields(cls)}
+        unknown = sorted(set(data) - known)
+        if unknown:
+            raise ValueError(f"{source}: unknown key(s) {unknown}; allowed: {sorted(known)}")
+        try:
+            return cls(**data)
+        except ValueError as exc:
+            raise ValueError(f"{source}: {exc}") from None
+
+    @classmethod
+    def from_yaml(cls, path: str | os.PathLike[str]) -> OverlapConfig:
+        path = os.fspath(path)
+        try:
+            with open(path) as handle:
+                data = yaml.safe_load(handle)
+        except FileNotFoundError:
+            raise FileNotFoundError(f"flashoverlap config file not found: {path}") from None
+        except yaml.YAMLError as exc:
+            raise ValueError(f"{path}: malformed YAML: {exc}") from None
+        return cls.from_dict(data if data is not None else {}, source=path)
+
+
+def _problems(cfg: OverlapConfig) -> list[str]:
+    problems = []
+    for name in ("tile_m", "tile_n", "tile_k", "cluster_m", "comm_sms"):
+        value = getattr(cfg, name)
+        if not isinstance(value, int) or isinstance(value, bool):
+            problems.append(f"{name} must be an integer, got {value!r}")
+    if problems:
+        return problems
+    problems += validate_instance(cfg.tile_m, cfg.tile_n, cfg.tile_k, cfg.cluster_m)
+    if cfg.comm_sms < 0:
+        problems.append(f"comm_sms must be >= 0, got {cfg.comm_sms}")
+    if cfg.partition is not None and (
+        not cfg.partition or any(not isinstance(w, int) or isinstance(w, bool) or w < 1 for w in cfg.partition)
+    ):
+        problems.append(f"partition must be a non-empty list of positive integers (waves), got {list(cfg.partition)}")
+    if cfg.layout not in LAYOUTS:
+        problems.append(f"layout must be one of {list(LAYOUTS)}, got {cfg.layout!r}")
+    if not isinstance(cfg.sequential, bool):
+        problems.append(f"sequential must be true or false, got {cfg.sequential!r}")
+    return problems
+
+
+def resolve(config: OverlapConfig | Mapping[str, Any] | str | os.PathLike[str] | None) -> OverlapConfig:
+    """Turn what a user passed as ``config=`` into an :class:`OverlapConfig`."""
+    if config is None:
+        return OverlapConfig()
+    if isinstance(config, OverlapConfig):
+        return config
+    if isinstance(config, Mapping):
+        return OverlapConfig.from_dict(config)
+    if isinstance(config, (str, os.PathLike)):
+        return OverlapConfig.from_yaml(config)
+    raise TypeError(f"config must be an OverlapConfig, a mapping or a YAML path, got {type(config).__name__}")

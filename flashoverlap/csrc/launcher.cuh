@@ -1,0 +1,95 @@
+// C entry points of one generated signal-GEMM instance, loaded from Python with ctypes.
+// The generated translation unit defines Element, Epilogue, Kernel and Gemm before including this.
+#pragma once
+
+#include <cstdio>
+
+#include <cuda_runtime.h>
+
+#include "cutlass/util/packed_stride.hpp"
+
+namespace {
+
+thread_local char g_error[512] = {0};
+
+int fail(char const* what, char const* detail) {
+  std::snprintf(g_error, sizeof(g_error), "%s: %s", what, detail);
+  return 1;
+}
+
+cutlass::KernelHardwareInfo hardware(int device, int sm_count) {
+  cutlass::KernelHardwareInfo hw;
+  hw.device_id = device;
+  hw.sm_count = sm_count;
+  // 0: let the scheduler size the persistent grid from sm_count alone, which keeps the SMs
+  // outside the budget free for the communication kernels.
+  hw.max_active_clusters = 0;
+  return hw;
+}
+
+typename Kernel::TileSchedulerArguments scheduler_arguments() {
+  typename Kernel::TileSchedulerArguments sched{};
+  // Fixed raster so that the planner knows the tile order: along N, no swizzle.
+  sched.max_swizzle_size = 1;
+  sched.raster_order = cutlass::gemm::kernel::detail::RasterOrderOptions::AlongN;
+  return sched;
+}
+
+}  // namespace
+
+extern "C" {
+
+char const* fo_last_error() { return g_error; }
+
+int fo_signals_per_tile() { return Epilogue::kSignalsPerTile; }
+
+// Number of persistent CTAs (tiles per wave) the kernel launches for this problem.
+int fo_num_ctas(int M, int N, int K, int sm_count, int device) {
+  auto problem = cute::make_shape(M, N, K, 1);
+  auto hw = hardware(device, sm_count);
+  auto sched = scheduler_arguments();
+  typename Kernel::Params params{};
+  params.problem_shape = problem;
+  params.hw_info = hw;
+  params.scheduler = Kernel::TileScheduler::to_underlying_arguments(problem, typename Kernel::TileShape{},
+                                                                     typename Kernel::ClusterShape{}, hw, sched);
+  dim3 grid = Kernel::get_grid_shape(params);
+  return int(grid.x * grid.y * grid.z);
+}
+
+int fo_run(void const* a, void const* b, void* out, void const* tiles, unsigned* counters, int M, int N, int K,
+           int tiles_m, int tiles_n, int sm_count, int device, void* stream) {
+  using StrideA = typename Kernel::StrideA;
+  using StrideB = typename Kernel::StrideB;
+  auto stride_a = cutlass::make_cute_packed_stride(StrideA{}, cute::make_shape(M, K, 1));
+  auto stride_b = cutlass::make_cute_packed_stride(StrideB{}, cute::make_shape(N, K, 1));
+
+  typename Gemm::Arguments args{
+      cutlass::gemm::GemmUniversalMode::kGemm,
+      {M, N, K, 1},
+      {static_cast<Element const*>(a), stride_a, static_cast<Element const*>(b), stride_b},
+      {static_cast<Element*>(out), static_cast<flashoverlap::TileSlot const*>(tiles), counters, tiles_m, tiles_n},
+      hardware(device, sm_count),
+      scheduler_arguments()};
+
+  Gemm gemm;
+  if (gemm.can_implement(args) != cutlass::Status::kSuccess) {
+    return fail("can_implement", "CUTLASS rejected the problem (alignment or shape)");
+  }
+  if (Gemm::get_workspace_size(args) != 0) {
+    return fail("workspace", "unexpected workspace requirement");
+  }
+  auto cuda_stream = static_cast<cudaStream_t>(stream);
+  cutlass::Status status = gemm.initialize(args, nullptr, cuda_stream);
+  if (status != cutlass::Status::kSuccess) {
+    return fail("initialize", cutlassGetStatusString(status));
+  }
+  status = gemm.run(cuda_stream);
+  cudaError_t err = cudaGetLastError();
+  if (status != cutlass::Status::kSuccess || err != cudaSuccess) {
+    return fail("launch", err != cudaSuccess ? cudaGetErrorString(err) : cutlassGetStatusString(status));
+  }
+  return 0;
+}
+
+}  // extern "C"

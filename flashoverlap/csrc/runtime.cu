@@ -1,0 +1,71 @@
+// Small runtime kernels: restoring C from packed group buffers, and the spin-wait fallback for
+// devices without stream memory operations. Loaded with ctypes (flashoverlap.jit.runtime_library).
+#include <cstdint>
+#include <cstdio>
+
+#include <cuda_runtime.h>
+
+#include "tile_slot.cuh"
+
+namespace {
+
+thread_local char g_error[256] = {0};
+
+int check_launch(char const* what) {
+  cudaError_t err = cudaGetLastError();
+  if (err != cudaSuccess) {
+    std::snprintf(g_error, sizeof(g_error), "%s: %s", what, cudaGetErrorString(err));
+    return 1;
+  }
+  return 0;
+}
+
+// One CTA per tile copies its rows x cols block from the packed slot into row-major C with
+// 16-byte vectors (the host guarantees 16-byte aligned rows: cols and ld are multiples of 8
+// two-byte elements).
+__global__ void restore_tiles(uint4 const* __restrict__ buffer, uint4* __restrict__ out,
+                              flashoverlap::TileSlot const* __restrict__ tiles, int m, int n, int tile_m,
+                              int tile_n, int tiles_n, int elem_bytes) {
+  int const tile = blockIdx.x;
+  int const mt = tile / tiles_n, nt = tile % tiles_n;
+  int const rows = min(tile_m, m - mt * tile_m);
+  int const vec_per_row = min(tile_n, n - nt * tile_n) * elem_bytes / 16;
+  int const per = 16 / elem_bytes;
+  flashoverlap::TileSlot const slot = tiles[tile];
+  int64_t const src0 = slot.offset / per, src_ld = slot.ld / per;
+  int64_t const dst0 = (int64_t(mt) * tile_m * n + int64_t(nt) * tile_n) / per, dst_ld = n / per;
+  for (int i = threadIdx.x; i < rows * vec_per_row; i += blockDim.x) {
+    int const r = i / vec_per_row, v = i % vec_per_row;
+    out[dst0 + r * dst_ld + v] = buffer[src0 + r * src_ld + v];
+  }
+}
+
+__global__ void spin_wait(uint32_t const* counter, uint32_t target) {
+  uint32_t value;
+  while (true) {
+    asm volatile("ld.acquire.gpu.global.u32 %0, [%1];" : "=r"(value) : "l"(counter) : "memory");
+    if (int32_t(value - target) >= 0) break;  // cyclic >=, as cuStreamWaitValue32 GEQ
+    __nanosleep(200);
+  }
+}
+
+}  // namespace
+
+extern "C" {
+
+char const* fo_runtime_error() { return g_error; }
+
+int fo_restore(void const* buffer, void* out, void const* tiles, int num_tiles, int m, int n, int tile_m,
+               int tile_n, int tiles_n, int elem_bytes, void* stream) {
+  restore_tiles<<<num_tiles, 256, 0, static_cast<cudaStream_t>(stream)>>>(
+      static_cast<uint4 const*>(buffer), static_cast<uint4*>(out),
+      static_cast<flashoverlap::TileSlot const*>(tiles), m, n, tile_m, tile_n, tiles_n, elem_bytes);
+  return check_launch("restore");
+}
+
+int fo_spin_wait(void const* counter, unsigned target, void* stream) {
+  spin_wait<<<1, 1, 0, static_cast<cudaStream_t>(stream)>>>(static_cast<uint32_t const*>(counter), target);
+  return check_launch("spin_wait");
+}
+
+}  // extern "C"

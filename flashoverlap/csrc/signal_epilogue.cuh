@@ -1,0 +1,131 @@
+// flashoverlap signal epilogue for CUTLASS 3.x sm90 warp-specialized GEMMs.
+//
+// Contract with the Python planner (flashoverlap/plan.py):
+//   tiles[mt * tiles_n + nt] = {offset, ld, group}: the tile's rows*cols valid elements go to
+//   out[offset + r * ld + c]; once every consumer warp has stored its part, each warp adds 1
+//   to counters[group] with release semantics (group < 0: no signal). A group is complete when
+//   its counter reaches tiles_in_group * kSignalsPerTile.
+// Nothing else differs from a plain GEMM: the mainloop is CUTLASS's, untouched.
+#pragma once
+
+#include <cstdint>
+
+#include "cute/tensor.hpp"
+#include "cutlass/cutlass.h"
+#include "cutlass/numeric_conversion.h"
+#include "cutlass/array.h"
+#include "cutlass/gemm/gemm.h"
+
+#include "tile_slot.cuh"
+
+namespace flashoverlap {
+
+template <class Element_, class TileShape_, int kMmaThreads>
+class SignalEpilogue {
+ public:
+  using Element = Element_;
+  // The kernel layer reads these names; C is never loaded (no source operand).
+  using ElementC = Element;
+  using ElementD = Element;
+  using StrideC = cute::Stride<int64_t, cute::Int<1>, int64_t>;
+  using StrideD = StrideC;
+  using GmemTiledCopyC = void;
+  using GmemTiledCopyD = void;
+  using ThreadEpilogueOp = void;  // the device adapter names it; there is no thread-level op
+
+  static constexpr int kSignalsPerTile = kMmaThreads / 32;
+
+  struct SharedStorage {};
+  using TensorStorage = SharedStorage;
+
+  struct Arguments {
+    Element* out = nullptr;
+    TileSlot const* tiles = nullptr;
+    uint32_t* counters = nullptr;
+    int tiles_m = 0;
+    int tiles_n = 0;
+  };
+  using Params = Arguments;
+
+  template <class ProblemShape>
+  static constexpr Params to_underlying_arguments(ProblemShape const&, Arguments const& args, void*) {
+    return args;
+  }
+  template <class ProblemShape>
+  static size_t get_workspace_size(ProblemShape const&, Arguments const&) {
+    return 0;
+  }
+  template <class ProblemShape>
+  static cutlass::Status initialize_workspace(ProblemShape const&, Arguments const&, void*, cudaStream_t,
+                                              cutlass::CudaHostAdapter* = nullptr) {
+    return cutlass::Status::kSuccess;
+  }
+  template <class ProblemShape>
+  static bool can_implement(ProblemShape const&, Arguments const& args) {
+    return args.out != nullptr && args.tiles != nullptr;
+  }
+
+  CUTLASS_HOST_DEVICE
+  SignalEpilogue(Params const& params, SharedStorage const& = SharedStorage()) : params_(params) {}
+
+  CUTLASS_DEVICE bool is_source_needed() { return false; }
+
+  template <class ProblemShapeMNKL, class BlockShapeMNK, class BlockCoordMNKL, class FrgEngine, class FrgLayout,
+            class TiledMma, class ResidueMNK>
+  CUTLASS_DEVICE void operator()(ProblemShapeMNKL problem_shape_mnkl, BlockShapeMNK blk_shape_mnk,
+                                 BlockCoordMNKL blk_coord_mnkl,
+                                 cute::Tensor<FrgEngine, FrgLayout> const& accumulators, TiledMma tiled_mma,
+                                 ResidueMNK, int thread_idx, char*) {
+    using namespace cute;
+    constexpr int kBM = size<0>(BlockShapeMNK{});
+    constexpr int kBN = size<1>(BlockShapeMNK{});
+
+    int const mt = int(get<0>(blk_coord_mnkl));
+    int const nt = int(get<1>(blk_coord_mnkl));
+    // The scheduler pads the tile grid to whole clusters; padded tiles own no output.
+    if (mt >= params_.tiles_m || nt >= params_.tiles_n) {
+      return;
+    }
+    TileSlot const slot = params_.tiles[int64_t(mt) * params_.tiles_n + nt];
+    int const rows = min(kBM, int(get<0>(problem_shape_mnkl)) - mt * kBM);
+    int const cols = min(kBN, int(get<1>(problem_shape_mnkl)) - nt * kBN);
+    Element* const out = params_.out + slot.offset;
+
+    // Tile-local (row, col) of every accumulator element this thread holds.
+    Tensor coords = tiled_mma.get_thread_slice(thread_idx).partition_C(make_identity_tensor(take<0, 2>(blk_shape_mnk)));
+    static_assert(decltype(size(coords))::value == decltype(size(accumulators))::value, "fragment mismatch");
+    static_assert(decltype(size(accumulators))::value % 2 == 0, "fragment holds column pairs");
+
+    using Pair = cutlass::AlignedArray<Element, 2, 4>;
+    cutlass::NumericArrayConverter<Element, float, 2, cutlass::FloatRoundStyle::round_to_nearest> convert;
+    CUTLASS_PRAGMA_UNROLL
+    for (int i = 0; i < size(accumulators); i += 2) {
+      // wgmma accumulators hold (row, col), (row, col + 1) at i, i + 1; cols and col are even
+      // (N % 8 == 0 is checked on the host), so a pair is either wholly inside or outside.
+      int const r = get<0>(coords(i));
+      int const c = get<1>(coords(i));
+      if (r < rows && c < cols) {
+        cutlass::Array<float, 2> acc;
+        acc[0] = accumulators(i);
+        acc[1] = accumulators(i + 1);
+        auto v = convert(acc);
+        *reinterpret_cast<Pair*>(out + int64_t(r) * slot.ld + c) = reinterpret_cast<Pair const&>(v);
+      }
+    }
+
+    if (slot.group >= 0) {
+      // Every lane's stores are ordered before lane 0's release by the warp barrier; the
+      // release at gpu scope makes them visible to whoever observes the counter.
+      __syncwarp();
+      if ((threadIdx.x & 31) == 0) {
+        uint32_t* counter = params_.counters + slot.group;
+        asm volatile("red.release.gpu.global.add.u32 [%0], 1;" ::"l"(counter) : "memory");
+      }
+    }
+  }
+
+ private:
+  Params params_;
+};
+
+}  // namespace flashoverlap

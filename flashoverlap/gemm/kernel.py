@@ -1,0 +1,65 @@
+"""Load a compiled signal-GEMM instance and launch it from Python (ctypes, no torch C++ ABI)."""
+
+from __future__ import annotations
+
+import ctypes
+import functools
+
+import torch
+
+from .. import jit
+from .generator import GemmSpec, generate
+
+
+class SignalGemm:
+    """One compiled instance; built on first use into the on-disk cache."""
+
+    def __init__(self, spec: GemmSpec) -> None:
+        self.spec = spec
+        lib = ctypes.CDLL(str(jit.build(spec.name, generate(spec), arch=spec.arch, cutlass=True)))
+        lib.fo_last_error.restype = ctypes.c_char_p
+        lib.fo_num_ctas.argtypes = [ctypes.c_int] * 5
+        lib.fo_run.argtypes = [ctypes.c_void_p] * 5 + [ctypes.c_int] * 7 + [ctypes.c_void_p]
+        self._lib = lib
+        self.signals_per_tile: int = lib.fo_signals_per_tile()
+
+    def num_ctas(self, m: int, n: int, k: int, sm_count: int, device: int) -> int:
+        """Persistent CTAs the kernel launches for this problem: the tiles of one wave."""
+        return int(self._lib.fo_num_ctas(m, n, k, sm_count, device))
+
+    def run(
+        self,
+        a: torch.Tensor,
+        weight: torch.Tensor,
+        out: torch.Tensor,
+        slots: torch.Tensor,
+        counters: torch.Tensor,
+        tiles_m: int,
+        tiles_n: int,
+        sm_count: int,
+        stream: torch.cuda.Stream,
+    ) -> None:
+        """C = a @ B into ``out`` at the tile slots given by ``slots``, bumping ``counters``."""
+        m, k = a.shape
+        n = weight.shape[0] if self.spec.weight_layout == "nk" else weight.shape[1]
+        status = self._lib.fo_run(
+            a.data_ptr(),
+            weight.data_ptr(),
+            out.data_ptr(),
+            slots.data_ptr(),
+            counters.data_ptr(),
+            m,
+            n,
+            k,
+            tiles_m,
+            tiles_n,
+            sm_count,
+            a.device.index,
+            stream.cuda_stream,
+        )
+        jit.check(self._lib, status, "fo_last_error")
+
+
+@functools.cache
+def get_kernel(spec: GemmSpec) -> SignalGemm:
+    return SignalGemm(spec)

@@ -1,0 +1,187 @@
+"""GEMM + collective with the collective overlapped, on CUDA devices.
+
+One call: the signal GEMM runs on the caller's stream and writes each tile into its group slot;
+a communication stream waits on each group's counter and runs the group's collective; the
+caller's stream then waits for the communication stream and (for packed layouts) restores C.
+No host synchronisation happens inside a call.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+
+from . import comm, signal
+from .config import OverlapConfig, resolve
+from .gemm import GemmSpec, SignalGemm, get_kernel
+from .plan import Plan, make_plan
+
+DTYPES = {torch.bfloat16: "bfloat16", torch.float16: "float16"}
+WEIGHT_LAYOUTS = ("nk", "kn")
+ALIGNMENT = 8  # elements: TMA needs 16-byte aligned rows
+
+
+def world_size(group: dist.ProcessGroup | None) -> int:
+    if not (dist.is_available() and dist.is_initialized()):
+        raise RuntimeError(
+            "flashoverlap needs an initialised torch.distributed process group: call "
+            "torch.distributed.init_process_group(...) first (a group of one rank works too)"
+        )
+    return dist.get_world_size(group)
+
+
+def check_inputs(a: object, weight: object, weight_layout: str, device_type: str = "cuda") -> tuple[int, int, int]:
+    """Validate the operands of C = a @ W^T ("nk") or a @ W ("kn"); return (m, n, k)."""
+    if weight_layout not in WEIGHT_LAYOUTS:
+        raise ValueError(f"weight_layout must be one of {WEIGHT_LAYOUTS}, got {weight_layout!r}")
+    for name, t in (("a", a), ("weight", weight)):
+        if not isinstance(t, torch.Tensor):
+            raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
+        if t.dim() != 2:
+            raise ValueError(f"{name} must be 2-D, got shape {tuple(t.shape)}")
+        if t.dtype not in DTYPES:
+            raise ValueError(f"{name} has dtype {t.dtype}; supported: {', '.join(map(str, DTYPES))}")
+    if a.dtype != weight.dtype:
+        raise ValueError(f"a and weight dtypes differ: {a.dtype} vs {weight.dtype}")
+    m, k = a.shape
+    n, wk = weight.shape if weight_layout == "nk" else weight.shape[::-1]
+    if wk != k:
+        expected = f"[N, {k}]" if weight_layout == "nk" else f"[{k}, N]"
+        raise ValueError(
+            f"K mismatch: a is {tuple(a.shape)} but weight is {tuple(weight.shape)} "
+            f"(weight_layout={weight_layout!r} expects {expected})"
+        )
+    if m < 1 or n < 1 or k < 1:
+        raise ValueError(f"empty problem: M={m}, N={n}, K={k}")
+    if n % ALIGNMENT or k % ALIGNMENT:
+        raise ValueError(f"N and K must be multiples of {ALIGNMENT} (16-byte rows for TMA), got N={n}, K={k}")
+    for name, t in (("a", a), ("weight", weight)):
+        if not t.is_contiguous():
+            raise ValueError(f"{name} must be contiguous (row-major); call .contiguous() first")
+    for name, t in (("a", a), ("weight", weight)):
+        if t.device.type != device_type:
+            raise ValueError(f"{name} is on {t.device}, expected a {device_type} tensor")
+    if a.device != weight.device:
+        raise ValueError(f"a is on {a.device} but weight is on {weight.device}")
+    return m, n, k
+
+
+def sequential(
+    a: torch.Tensor, weight: torch.Tensor, weight_layout: str, group: dist.ProcessGroup | None, world: int
+) -> torch.Tensor:
+    """The baseline the overlap must beat and match: matmul, then the collective."""
+    out = a @ (weight.t() if weight_layout == "nk" else weight)
+    if world > 1:
+        dist.all_reduce(out, group=group)
+    return out
+
+
+@dataclass(eq=False)
+class Prepared:
+    """Everything a call needs that depends only on shape, dtype, device and config."""
+
+    plan: Plan
+    kernel: SignalGemm
+    slots: torch.Tensor  # the plan's slot table on the device
+    counters: torch.Tensor  # int32 per group, zero between calls
+    targets: tuple[int, ...]
+    sm_count: int
+
+
+_prepared: dict[tuple, Prepared] = {}
+_comm_streams: dict[int, torch.cuda.Stream] = {}
+
+
+def prepare(
+    m: int, n: int, k: int, dtype: torch.dtype, weight_layout: str, device: torch.device, cfg: OverlapConfig
+) -> Prepared:
+    key = (m, n, k, dtype, weight_layout, device.index, cfg)
+    if key in _prepared:
+        return _prepared[key]
+    total_sms = torch.cuda.get_device_properties(device).multi_processor_count
+    sm_count = total_sms - cfg.comm_sms
+    if sm_count < 1:
+        raise ValueError(f"comm_sms={cfg.comm_sms} leaves no SM for the GEMM on {device} ({total_sms} SMs)")
+    spec = GemmSpec(
+        dtype=DTYPES[dtype],
+        weight_layout=weight_layout,
+        tile_m=cfg.tile_m,
+        tile_n=cfg.tile_n,
+        tile_k=cfg.tile_k,
+        cluster_m=cfg.cluster_m,
+    )
+    kernel = get_kernel(spec)
+    ctas = kernel.num_ctas(m, n, k, sm_count, device.index)
+    plan = make_plan(
+        m,
+        n,
+        tile_m=cfg.tile_m,
+        tile_n=cfg.tile_n,
+        cluster_m=cfg.cluster_m,
+        ctas=ctas,
+        partition=cfg.partition,
+        layout=cfg.layout,
+    )
+    slots = torch.from_numpy(plan.slot_table().view("u1")).to(device)
+    counters = torch.zeros(plan.num_groups, dtype=torch.int32, device=device)
+    prepared = Prepared(plan, kernel, slots, counters, plan.counter_targets(kernel.signals_per_tile), sm_count)
+    _prepared[key] = prepared
+    return prepared
+
+
+def comm_stream(device: torch.device) -> torch.cuda.Stream:
+    if device.index not in _comm_streams:
+        _comm_streams[device.index] = torch.cuda.Stream(device=device)
+    return _comm_streams[device.index]
+
+
+def run_overlapped(
+    prep: Prepared, a: torch.Tensor, weight: torch.Tensor, collective: str, group: dist.ProcessGroup | None
+) -> torch.Tensor:
+    plan = prep.plan
+    device = a.device
+    caller = torch.cuda.current_stream(device)
+    stream = comm_stream(device)
+    out = torch.empty((plan.m, plan.n), dtype=a.dtype, device=device)
+    buffer = out.view(-1) if plan.in_place else torch.empty(plan.numel, dtype=a.dtype, device=device)
+
+    stream.wait_stream(caller)  # operands ready; earlier users of the buffers done
+    prep.kernel.run(a, weight, buffer, prep.slots, prep.counters, plan.tiles_m, plan.tiles_n, prep.sm_count, caller)
+    with torch.cuda.stream(stream):
+        for g, target in enumerate(prep.targets):
+            signal.wait_geq(stream, prep.counters, g, target)
+            comm.collective(collective, buffer[plan.bounds[g] : plan.bounds[g + 1]], group)
+        prep.counters.zero_()  # stream-ordered: the next call's GEMM waits for it through `caller`
+    buffer.record_stream(stream)
+    caller.wait_stream(stream)
+    if not plan.in_place:
+        comm.restore(buffer, out, plan, prep.slots)
+    return out
+
+
+def gemm_all_reduce(
+    a: torch.Tensor,
+    weight: torch.Tensor,
+    *,
+    group: dist.ProcessGroup | None = None,
+    config: OverlapConfig | dict | str | os.PathLike | None = None,
+    weight_layout: str = "nk",
+) -> torch.Tensor:
+    """``all_reduce(a @ weight.T)`` over ``group``, with the all-reduce overlapped with the GEMM.
+
+    a: [M, K]; weight: [N, K] like ``torch.nn.Linear`` (``weight_layout="nk"``) or [K, N]
+    (``"kn"``); bf16 or fp16, contiguous, on this rank's CUDA device; N and K multiples of 8.
+    config: an :class:`OverlapConfig`, a dict of its fields, or a YAML path; default: built-in.
+    Returns a new [M, N] tensor, ready on the current stream. A group of one rank runs the
+    plain GEMM.
+    """
+    world = world_size(group)
+    cfg = resolve(config)
+    m, n, k = check_inputs(a, weight, weight_layout)
+    if world == 1 or cfg.sequential:
+        return sequential(a, weight, weight_layout, group, world)
+    prep = prepare(m, n, k, a.dtype, weight_layout, a.device, cfg)
+    return run_overlapped(prep, a, weight, "all_reduce", group)

@@ -1,0 +1,247 @@
+"""Tile order, waves, groups and the tile -> (group, slot) map of one overlapped GEMM.
+
+Everything here is pure Python/numpy: the GPU kernel, the GPU runtime and the CPU reference
+executor all consume the same :class:`Plan`, so CPU tests prove the layout logic.
+
+Terms (see ../shared/DESIGN.md): a *tile* is one CTA output tile (tile_m x tile_n); a *wave* is
+the ``ctas`` tiles the persistent grid works on at once; a *group* is a run of consecutive
+waves whose output is communicated by one collective.
+
+Layouts of the output buffer:
+
+* ``rows``: group boundaries are rounded to whole bands of tile rows (a band is the
+  ``cluster_m`` tile rows the scheduler walks together). Each band goes to the group in which
+  its last tile finishes, so every group is a contiguous row range of row-major C: tiles are
+  stored in place and no restore is needed.
+* ``tiles``: groups are exactly the requested waves. Each group's tiles are packed back to back
+  (a tile of r x c valid elements occupies r*c elements with leading dimension c) and C is
+  restored afterwards by one gather.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+LAYOUTS = ("rows", "tiles")
+
+# Mirrors flashoverlap::TileSlot in gemm/csrc/signal_epilogue.cuh.
+SLOT_DTYPE = np.dtype([("offset", "<i8"), ("ld", "<i4"), ("group", "<i4")])
+
+
+def schedule_order(tiles_m: int, tiles_n: int, cluster_m: int) -> np.ndarray:
+    """Tile id (``mt * tiles_n + nt``) for each linear scheduler index, -1 for padding.
+
+    Mirrors CUTLASS's ``PersistentTileSchedulerSm90`` as the generated kernels configure it:
+    raster along N, no swizzle, cluster ``(cluster_m, 1)``. The M tile count is padded to a
+    whole number of clusters; padded indices own no output. CTA ``j`` of a grid of ``ctas``
+    handles indices ``j, j + ctas, ...``, so index ``i`` runs in wave ``i // ctas``.
+    """
+    padded_m = -(-tiles_m // cluster_m) * cluster_m
+    idx = np.arange(padded_m * tiles_n, dtype=np.int64)
+    cluster = idx // cluster_m
+    mt = (cluster // tiles_n) * cluster_m + idx % cluster_m
+    nt = cluster % tiles_n
+    return np.where(mt < tiles_m, mt * tiles_n + nt, -1)
+
+
+def wave_count(m: int, n: int, tile_m: int, tile_n: int, cluster_m: int, ctas: int) -> int:
+    """Waves the persistent grid needs for C[m, n] (padded tiles included, as they are scheduled)."""
+    padded_m = -(-math.ceil(m / tile_m) // cluster_m) * cluster_m
+    return math.ceil(padded_m * math.ceil(n / tile_n) / ctas)
+
+
+def default_partition(num_waves: int) -> tuple[int, ...]:
+    """Waves per group when no config says otherwise.
+
+    A one-wave first group starts communication early (what matters when communication is the
+    long pole); a one-wave last group keeps the exposed tail short (what matters when the GEMM
+    is); the middle goes in pairs of waves to bound the per-collective latency.
+    """
+    if num_waves <= 3:
+        return (1,) * num_waves
+    middle = num_waves - 2
+    return (1,) + (2,) * (middle // 2) + (1,) * (middle % 2) + (1,)
+
+
+@dataclass(frozen=True, eq=False)
+class Plan:
+    m: int
+    n: int
+    tile_m: int
+    tile_n: int
+    cluster_m: int
+    ctas: int
+    layout: str
+    partition: tuple[int, ...]  # waves per group, as requested
+    tiles_m: int
+    tiles_n: int
+    order: np.ndarray  # real tile ids in execution order
+    wave: np.ndarray  # per tile id
+    group: np.ndarray  # per tile id
+    offset: np.ndarray  # per tile id: element offset in the buffer
+    ld: np.ndarray  # per tile id: leading dimension in the buffer
+    bounds: tuple[int, ...]  # group g owns buffer elements [bounds[g], bounds[g + 1])
+    tiles_per_group: tuple[int, ...]
+
+    @property
+    def num_tiles(self) -> int:
+        return self.tiles_m * self.tiles_n
+
+    @property
+    def num_waves(self) -> int:
+        return int(self.wave.max()) + 1
+
+    @property
+    def num_groups(self) -> int:
+        return len(self.tiles_per_group)
+
+    @property
+    def numel(self) -> int:
+        return self.m * self.n
+
+    @property
+    def in_place(self) -> bool:
+        """The buffer is row-major C itself: nothing to restore."""
+        return self.layout == "rows"
+
+    def tile_extent(self, tile: int) -> tuple[int, int, int, int]:
+        """(row0, col0, rows, cols) of tile ``tile`` in C."""
+        mt, nt = divmod(tile, self.tiles_n)
+        r0, c0 = mt * self.tile_m, nt * self.tile_n
+        return r0, c0, min(self.tile_m, self.m - r0), min(self.tile_n, self.n - c0)
+
+    def counter_targets(self, signals_per_tile: int) -> tuple[int, ...]:
+        return tuple(t * signals_per_tile for t in self.tiles_per_group)
+
+    def slot_table(self) -> np.ndarray:
+        """Per-tile records in the kernel's ``TileSlot`` layout."""
+        table = np.empty(self.num_tiles, dtype=SLOT_DTYPE)
+        table["offset"] = self.offset
+        table["ld"] = self.ld
+        table["group"] = self.group
+        return table
+
+    def buffer_index(self) -> np.ndarray:
+        """For each element of row-major C (flattened), its index in the buffer."""
+        index = np.empty((self.m, self.n), dtype=np.int64)
+        for tile in range(self.num_tiles):
+            r0, c0, rows, cols = self.tile_extent(tile)
+            local = np.arange(rows)[:, None] * self.ld[tile] + np.arange(cols)[None, :]
+            index[r0 : r0 + rows, c0 : c0 + cols] = self.offset[tile] + local
+        return index.reshape(-1)
+
+
+def make_plan(
+    m: int,
+    n: int,
+    *,
+    tile_m: int,
+    tile_n: int,
+    cluster_m: int,
+    ctas: int,
+    partition: tuple[int, ...] | None = None,
+    layout: str = "rows",
+) -> Plan:
+    """Plan C[m, n] computed by a persistent grid of ``ctas`` CTAs; see the module doc."""
+    for name, value in (
+        ("m", m),
+        ("n", n),
+        ("tile_m", tile_m),
+        ("tile_n", tile_n),
+        ("cluster_m", cluster_m),
+        ("ctas", ctas),
+    ):
+        if not isinstance(value, (int, np.integer)) or value < 1:
+            raise ValueError(f"{name} must be a positive integer, got {value!r}")
+    if layout not in LAYOUTS:
+        raise ValueError(f"layout must be one of {LAYOUTS}, got {layout!r}")
+
+    tiles_m, tiles_n = math.ceil(m / tile_m), math.ceil(n / tile_n)
+    order_padded = schedule_order(tiles_m, tiles_n, cluster_m)
+    num_waves = wave_count(m, n, tile_m, tile_n, cluster_m, ctas)
+    partition = tuple(default_partition(num_waves) if partition is None else partition)
+    if any(not isinstance(w, (int, np.integer)) or w < 1 for w in partition):
+        raise ValueError(f"group sizes must be positive integers (waves), got {list(partition)}")
+    if sum(partition) != num_waves:
+        raise ValueError(
+            f"group sizes {list(partition)} sum to {sum(partition)} waves, but a {m}x{n} output in "
+            f"{tile_m}x{tile_n} tiles on {ctas} CTAs has {num_waves} waves"
+        )
+
+    real = order_padded >= 0
+    order = order_padded[real]
+    wave = np.empty(tiles_m * tiles_n, dtype=np.int64)
+    wave[order] = np.nonzero(real)[0] // ctas
+    group_of_wave = np.repeat(np.arange(len(partition)), partition)
+
+    if layout == "rows":
+        group, offset, ld = _rows_layout(m, n, tile_m, tile_n, cluster_m, tiles_m, tiles_n, wave, group_of_wave)
+    else:
+        group = group_of_wave[wave]
+        offset, ld = _tiles_layout(m, n, tile_m, tile_n, tiles_n, order, group)
+
+    # Renumber so that groups are 0..G-1 in completion order with no empty group.
+    used = np.unique(group)
+    group = np.searchsorted(used, group)
+    tiles_per_group = np.bincount(group, minlength=len(used))
+    sizes = np.zeros(len(used), dtype=np.int64)
+    for tile in range(tiles_m * tiles_n):
+        mt, nt = divmod(tile, tiles_n)
+        sizes[group[tile]] += min(tile_m, m - mt * tile_m) * min(tile_n, n - nt * tile_n)
+    bounds = (0, *np.cumsum(sizes).tolist())
+    return Plan(
+        m=m,
+        n=n,
+        tile_m=tile_m,
+        tile_n=tile_n,
+        cluster_m=cluster_m,
+        ctas=ctas,
+        layout=layout,
+        partition=partition,
+        tiles_m=tiles_m,
+        tiles_n=tiles_n,
+        order=order,
+        wave=wave,
+        group=group.astype(np.int32),
+        offset=offset,
+        ld=ld.astype(np.int32),
+        bounds=tuple(int(b) for b in bounds),
+        tiles_per_group=tuple(int(t) for t in tiles_per_group),
+    )
+
+
+def _rows_layout(m, n, tile_m, tile_n, cluster_m, tiles_m, tiles_n, wave, group_of_wave):
+    tile_ids = np.arange(tiles_m * tiles_n)
+    mt, nt = np.divmod(tile_ids, tiles_n)
+    band = mt // cluster_m
+    # A band is complete when its last tile is: assign it to the group of its latest wave.
+    band_wave = np.zeros(band.max() + 1, dtype=np.int64)
+    np.maximum.at(band_wave, band, wave)
+    group = group_of_wave[band_wave][band]
+    offset = mt.astype(np.int64) * tile_m * n + nt * tile_n
+    return group, offset, np.full(tiles_m * tiles_n, n)
+
+
+def _tiles_layout(m, n, tile_m, tile_n, tiles_n, order, group):
+    # Tiles of a group back to back in execution order; groups in group order.
+    mt, nt = np.divmod(order, tiles_n)
+    rows = np.minimum(tile_m, m - mt * tile_m)
+    cols = np.minimum(tile_n, n - nt * tile_n)
+    packed = order[np.argsort(group[order], kind="stable")]
+    size_of = np.zeros(len(group), dtype=np.int64)
+    size_of[order] = rows * cols
+    ld = np.zeros(len(group), dtype=np.int64)
+    ld[order] = cols
+    offset = np.zeros(len(group), dtype=np.int64)
+    offset[packed] = np.concatenate([[0], np.cumsum(size_of[packed])[:-1]])
+    return offset, ld
+
+
+def slot_view(buffer: torch.Tensor, plan: Plan, tile: int) -> torch.Tensor:
+    """The ``rows x cols`` view of ``tile``'s slot in the flat ``buffer``."""
+    _, _, rows, cols = plan.tile_extent(tile)
+    return buffer.as_strided((rows, cols), (int(plan.ld[tile]), 1), buffer.storage_offset() + int(plan.offset[tile]))

@@ -1,0 +1,50 @@
+"""CPU reference executor: replays a :class:`Plan` exactly as the GPU path runs it.
+
+Tiles are computed in the plan's execution order (fp32 accumulate, rounded to the output dtype
+like the kernel's epilogue) and written into their slots of a NaN-poisoned buffer; each group's
+collective runs on its contiguous range as soon as the group and every group before it are
+complete (the order the communication stream issues them); C is restored at the end. Run it
+under gloo with several processes to check every layout decision without a GPU.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+import torch.distributed as dist
+
+from . import comm
+from .overlap import check_inputs
+from .plan import Plan, slot_view
+
+
+def run_plan(
+    a: torch.Tensor,
+    weight: torch.Tensor,
+    plan: Plan,
+    *,
+    collective: str = "all_reduce",
+    group: dist.ProcessGroup | None = None,
+    weight_layout: str = "nk",
+) -> torch.Tensor:
+    m, n, _ = check_inputs(a, weight, weight_layout, device_type="cpu")
+    if (m, n) != (plan.m, plan.n):
+        raise ValueError(f"plan is for a {plan.m}x{plan.n} output, operands give {m}x{n}")
+    b = (weight.t() if weight_layout == "nk" else weight).float()
+    buffer = torch.full((plan.numel,), float("nan"), dtype=a.dtype)
+    remaining = np.array(plan.tiles_per_group)
+    issued = 0
+    for tile in plan.order:
+        r0, c0, rows, cols = plan.tile_extent(int(tile))
+        slot_view(buffer, plan, int(tile)).copy_(a[r0 : r0 + rows].float() @ b[:, c0 : c0 + cols])
+        remaining[plan.group[tile]] -= 1
+        while issued < plan.num_groups and remaining[issued] == 0:
+            comm.collective(collective, buffer[plan.bounds[issued] : plan.bounds[issued + 1]], group)
+            issued += 1
+    if issued != plan.num_groups:
+        raise AssertionError(f"plan left groups {list(range(issued, plan.num_groups))} incomplete")
+    if plan.in_place:
+        return buffer.view(m, n)
+    out = torch.full((m, n), float("nan"), dtype=a.dtype)
+    comm.restore(buffer, out, plan)
+    return out

@@ -1,0 +1,61 @@
+import shutil
+
+import pytest
+
+from flashoverlap import jit
+from flashoverlap.gemm import GemmSpec, generate
+
+
+def test_source_names_the_instance():
+    src = generate(GemmSpec(dtype="float16", weight_layout="kn", tile_m=256, tile_n=128, cluster_m=2))
+    assert "using Element = cutlass::half_t;" in src
+    assert "using LayoutB = cutlass::layout::RowMajor;" in src
+    assert "Shape<_256, _128, _64>" in src and "Shape<_2, _1, _1>" in src
+    assert "KernelTmaWarpSpecializedCooperative" in src and '#include "launcher.cuh"' in src
+
+
+def test_spec_rejects_what_it_cannot_generate():
+    with pytest.raises(ValueError, match=r"tile_n 96 not in .*dtype 'float32'"):
+        GemmSpec(dtype="float32", tile_n=96)
+    with pytest.raises(ValueError, match="weight_layout"):
+        GemmSpec(weight_layout="t")
+
+
+def test_cache_key_changes_with_the_source(tmp_path, monkeypatch):
+    """A rebuilt template must never load a stale library: the key covers the source."""
+    monkeypatch.setenv("FLASHOVERLAP_CACHE_DIR", str(tmp_path))
+    calls = []
+    monkeypatch.setattr(jit, "nvcc_version", lambda: "test")
+    monkeypatch.setattr(jit, "nvcc_path", lambda: "nvcc")
+    monkeypatch.setattr(jit.subprocess, "run", lambda cmd, **kw: calls.append(cmd) or _touch(cmd[-1]))
+    first = jit.build("x", "int a;")
+    assert jit.build("x", "int a;") == first and len(calls) == 1  # cached
+    assert jit.build("x", "int b;") != first and len(calls) == 2
+
+
+def _touch(path):
+    open(path, "w").close()
+
+    class Done:
+        returncode = 0
+
+    return Done()
+
+
+needs_nvcc = pytest.mark.skipif(shutil.which("nvcc") is None, reason="needs nvcc")
+
+
+@pytest.mark.nvcc
+@needs_nvcc
+@pytest.mark.parametrize(
+    "spec", [GemmSpec(), GemmSpec(dtype="float16", weight_layout="kn", tile_m=256, tile_n=128, cluster_m=2)]
+)
+def test_generated_source_compiles_for_sm90a(spec, tmp_path):
+    obj = jit.build(spec.name, generate(spec), arch=spec.arch, cutlass=True, object_only=True, output=tmp_path / "k.o")
+    assert obj.stat().st_size > 0
+
+
+@pytest.mark.nvcc
+@needs_nvcc
+def test_runtime_kernels_compile(tmp_path):
+    assert jit.build("fo_runtime", jit.runtime_source(), object_only=True, output=tmp_path / "rt.o").stat().st_size > 0

@@ -1,0 +1,55 @@
+"""Bad input is rejected with a clear message before anything is launched (CPU: gloo, one rank)."""
+
+import pytest
+import torch
+import torch.distributed as dist
+
+import flashoverlap
+from flashoverlap.overlap import check_inputs
+
+
+@pytest.fixture(scope="module")
+def one_rank_group(tmp_path_factory):
+    store = dist.FileStore(str(tmp_path_factory.mktemp("store") / "store"), 1)
+    dist.init_process_group("gloo", store=store, rank=0, world_size=1)
+    yield
+    dist.destroy_process_group()
+
+
+def bf16(*shape):
+    return torch.randn(*shape).to(torch.bfloat16)
+
+
+def test_uninitialised_process_group_is_reported(monkeypatch):
+    monkeypatch.setattr(dist, "is_initialized", lambda: False)
+    with pytest.raises(RuntimeError, match="init_process_group"):
+        flashoverlap.gemm_all_reduce(bf16(64, 64), bf16(64, 64))
+
+
+@pytest.mark.parametrize(
+    "a, w, kwargs, error, message",
+    [
+        (torch.randn(64, 64), torch.randn(64, 64), {}, ValueError, "dtype torch.float32; supported"),
+        (bf16(64, 64), bf16(64, 64).half(), {}, ValueError, "dtypes differ"),
+        (bf16(64, 64), bf16(64, 72), {}, ValueError, r"K mismatch: a is \(64, 64\) but weight is \(64, 72\)"),
+        (bf16(64, 64), bf16(72, 64), {"weight_layout": "kn"}, ValueError, r"expects \[64, N\]"),
+        (bf16(64, 64), bf16(64, 64), {"weight_layout": "t"}, ValueError, "weight_layout must be one of"),
+        (bf16(64), bf16(64, 64), {}, ValueError, "a must be 2-D"),
+        ([[1.0]], bf16(64, 64), {}, TypeError, "a must be a torch.Tensor"),
+        (bf16(64, 60), bf16(64, 60), {}, ValueError, "multiples of 8"),
+        (bf16(64, 64), bf16(60, 64), {}, ValueError, "multiples of 8"),
+        (bf16(0, 64), bf16(64, 64), {}, ValueError, "empty problem"),
+        (bf16(64, 128)[:, ::2], bf16(64, 64), {}, ValueError, "a must be contiguous"),
+        (bf16(64, 64), bf16(64, 128)[:, ::2], {}, ValueError, "weight must be contiguous"),
+        (bf16(64, 64), bf16(64, 64), {}, ValueError, "a is on cpu, expected a cuda tensor"),
+        (bf16(64, 64), bf16(64, 64), {"config": {"tile_m": 64}}, ValueError, "tile_m 64 not in"),
+        (bf16(64, 64), bf16(64, 64), {"config": {"bogus": 1}}, ValueError, "unknown key"),
+    ],
+)
+def test_bad_input_is_rejected(one_rank_group, a, w, kwargs, error, message):
+    with pytest.raises(error, match=message):
+        flashoverlap.gemm_all_reduce(a, w, **kwargs)
+
+
+def test_reference_inputs_must_be_on_cpu():
+    assert check_inputs(bf16(16, 32), bf16(8, 32), "nk", device_type="cpu") == (16, 8, 32)

@@ -1,0 +1,124 @@
+import numpy as np
+import pytest
+import torch
+
+from flashoverlap.comm import restore
+from flashoverlap.plan import SLOT_DTYPE, default_partition, make_plan, schedule_order, slot_view, wave_count
+
+from .helpers import random_partition
+
+RNG = np.random.default_rng(0)
+
+
+def random_plans(count: int):
+    for _ in range(count):
+        tile_m, tile_n = int(RNG.choice([128, 256])), int(RNG.choice([64, 128, 256]))
+        m = int(RNG.integers(1, 6 * tile_m))
+        n = 8 * int(RNG.integers(1, 6 * tile_n // 8))
+        cluster_m = int(RNG.choice([1, 2]))
+        ctas = int(RNG.choice([1, 2, 3, 5, 8, 132]))
+        waves = wave_count(m, n, tile_m, tile_n, cluster_m, ctas)
+        partition = random_partition(RNG, waves) if RNG.random() < 0.7 else None
+        for layout in ("rows", "tiles"):
+            yield make_plan(
+                m, n, tile_m=tile_m, tile_n=tile_n, cluster_m=cluster_m, ctas=ctas, partition=partition, layout=layout
+            )
+
+
+def test_schedule_order_matches_cutlass_raster_along_n():
+    # cluster 1: plain row-major over tiles
+    assert schedule_order(2, 3, 1).tolist() == [0, 1, 2, 3, 4, 5]
+    # cluster 2: the two M tiles of a cluster are consecutive, clusters walk along N
+    assert schedule_order(2, 3, 2).tolist() == [0, 3, 1, 4, 2, 5]
+    # an odd tile count in M is padded to whole clusters; padding owns no tile
+    assert schedule_order(3, 2, 2).tolist() == [0, 2, 1, 3, 4, -1, 5, -1]
+
+
+@pytest.mark.parametrize("waves", range(1, 12))
+def test_default_partition(waves):
+    parts = default_partition(waves)
+    assert sum(parts) == waves and all(p >= 1 for p in parts)
+    assert parts[0] == 1 and parts[-1] == 1
+
+
+def test_every_tile_exactly_once_and_buffer_is_a_bijection():
+    for plan in random_plans(60):
+        assert sorted(plan.order.tolist()) == list(range(plan.num_tiles))
+        index = plan.buffer_index()
+        assert np.array_equal(np.sort(index), np.arange(plan.numel)), plan
+        assert sum(plan.tiles_per_group) == plan.num_tiles
+        assert plan.bounds[0] == 0 and plan.bounds[-1] == plan.numel
+        assert all(b > a for a, b in zip(plan.bounds, plan.bounds[1:]))
+
+
+def test_each_group_owns_exactly_its_buffer_range():
+    for plan in random_plans(60):
+        index = plan.buffer_index().reshape(plan.m, plan.n)
+        for tile in range(plan.num_tiles):
+            r0, c0, rows, cols = plan.tile_extent(tile)
+            g = plan.group[tile]
+            block = index[r0 : r0 + rows, c0 : c0 + cols]
+            assert plan.bounds[g] <= block.min() and block.max() < plan.bounds[g + 1]
+
+
+def test_groups_complete_in_order_of_waves():
+    for plan in random_plans(60):
+        last_wave = [plan.wave[plan.group == g].max() for g in range(plan.num_groups)]
+        assert last_wave == sorted(last_wave)
+        if plan.layout == "tiles":
+            group_of_wave = np.repeat(np.arange(len(plan.partition)), plan.partition)
+            # exact wave groups (renumbered only where a requested group got no tile)
+            assert np.array_equal(np.unique(group_of_wave[plan.wave], return_inverse=True)[1], plan.group)
+
+
+def test_rows_layout_is_row_major_c_and_bands_stay_whole():
+    for plan in random_plans(60):
+        if plan.layout != "rows":
+            continue
+        assert np.array_equal(plan.buffer_index(), np.arange(plan.numel))
+        band = np.arange(plan.num_tiles) // plan.tiles_n // plan.cluster_m
+        for b in np.unique(band):
+            assert len(np.unique(plan.group[band == b])) == 1
+        # each band waits for its last tile: it never lands in a group that ends before that tile's wave
+        group_of_wave = np.repeat(np.arange(len(plan.partition)), plan.partition)
+        requested = group_of_wave[plan.wave]
+        assert all(
+            np.unique(requested[plan.group == g]).max() <= np.unique(requested[plan.group == g + 1]).min()
+            for g in range(plan.num_groups - 1)
+        )
+
+
+def test_counter_targets_and_slot_table():
+    plan = make_plan(300, 520, tile_m=128, tile_n=256, cluster_m=1, ctas=4, layout="tiles")
+    assert plan.counter_targets(8) == tuple(8 * t for t in plan.tiles_per_group)
+    table = plan.slot_table()
+    assert table.dtype == SLOT_DTYPE and table.dtype.itemsize == 16
+    assert table["group"].tolist() == plan.group.tolist()
+    assert table["offset"].tolist() == plan.offset.tolist()
+
+
+@pytest.mark.parametrize("layout", ["rows", "tiles"])
+def test_restore_inverts_slot_writes(layout):
+    for plan in random_plans(10):
+        if plan.layout != layout:
+            continue
+        c = torch.randn(plan.m, plan.n)
+        buffer = torch.full((plan.numel,), float("nan"))
+        for tile in plan.order:
+            r0, c0, rows, cols = plan.tile_extent(int(tile))
+            slot_view(buffer, plan, int(tile)).copy_(c[r0 : r0 + rows, c0 : c0 + cols])
+        assert torch.equal(buffer[torch.from_numpy(plan.buffer_index())], c.view(-1))
+        out = torch.full_like(c, float("nan"))
+        restore(buffer, out, plan)
+        assert torch.equal(out, c)
+
+
+def test_plan_errors_name_the_problem():
+    with pytest.raises(ValueError, match=r"sum to 3 waves.*has 2 waves"):
+        make_plan(256, 256, tile_m=128, tile_n=256, cluster_m=1, ctas=1, partition=(1, 2))
+    with pytest.raises(ValueError, match="positive integers"):
+        make_plan(256, 256, tile_m=128, tile_n=256, cluster_m=1, ctas=1, partition=(2, 0))
+    with pytest.raises(ValueError, match="layout"):
+        make_plan(256, 256, tile_m=128, tile_n=256, cluster_m=1, ctas=1, layout="columns")
+    with pytest.raises(ValueError, match="ctas must be a positive integer"):
+        make_plan(256, 256, tile_m=128, tile_n=256, cluster_m=1, ctas=0)
