@@ -3,9 +3,10 @@
     torchrun --nproc-per-node 2 -m flashoverlap.bench --shapes 4096x8192x8192 \
         --configs '{}' '{"comm_sms": 16}' --csv results.csv
 
-Every variant runs interleaved with the others in each iteration (so drift hits all alike),
+Variants take turns round by round (so drift hits all alike),
 after warm-up, on random inputs rotated through sets larger than L2, timed with CUDA events
-after a barrier; the reported time is the median over iterations, the largest over ranks.
+over blocks of back-to-back calls (the host running ahead, as in a model); the reported time per
+call is the median over rounds, the largest over ranks.
 """
 
 from __future__ import annotations
@@ -17,6 +18,7 @@ import math
 import os
 import statistics
 import sys
+import time
 from collections.abc import Callable, Sequence
 
 import torch
@@ -65,9 +67,14 @@ def build_parser() -> argparse.ArgumentParser:
     )
     parser.add_argument("--dtype", choices=["bfloat16", "float16"], default="bfloat16")
     parser.add_argument("--transport", choices=sorted(TRANSPORTS), default="nvlink")
-    parser.add_argument("--iters", type=int, default=30)
+    parser.add_argument("--rounds", type=int, default=15, help="timed rounds per variant")
+    parser.add_argument("--block", type=int, default=8, help="calls per timed round")
     parser.add_argument("--warmup", type=int, default=5)
     parser.add_argument("--csv", help="write one row per shape and variant here (rank 0)")
+    parser.add_argument(
+        "--trace",
+        help="write a Chrome trace of one call of the first config here (rank 0) and print its kernel timeline",
+    )
     return parser
 
 
@@ -86,31 +93,41 @@ def input_sets(m: int, n: int, k: int, dtype: torch.dtype, l2_bytes: int) -> int
     return max(2, math.ceil(3 * l2_bytes / per_set))
 
 
-def time_variants(variants: dict[str, Callable[[int], object]], iters: int, warmup: int) -> dict[str, float]:
-    """Median ms per variant (max over ranks), variants interleaved within each iteration."""
+def time_variants(
+    variants: dict[str, Callable[[int], object]], rounds: int, block: int, warmup: int
+) -> dict[str, float]:
+    """Steady-state ms per call for each variant (median over rounds, max over ranks).
+
+    Each round times ``block`` calls of one variant back to back between two CUDA events, the
+    host free to run ahead as in a model's forward pass (launch overhead counts only where it
+    stalls the GPU); variants take turns round by round so drift hits all of them alike.
+    """
+    torch.cuda.synchronize()
+    dist.barrier()
     for i in range(warmup):
         for fn in variants.values():
             fn(i)
-    samples: dict[str, list[float]] = {name: [] for name in variants}
+    torch.cuda.synchronize()
+    dist.barrier()
     events = []
-    for i in range(iters):
+    for r in range(rounds):
         for name, fn in variants.items():
-            torch.cuda.synchronize()
-            dist.barrier()
             start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
             start.record()
-            fn(i)
+            for i in range(block):
+                fn(r * block + i)
             end.record()
             events.append((name, start, end))
     torch.cuda.synchronize()
+    samples: dict[str, list[float]] = {name: [] for name in variants}
     for name, start, end in events:
-        samples[name].append(start.elapsed_time(end))
+        samples[name].append(start.elapsed_time(end) / block)
     medians = torch.tensor([median_ms(samples[name]) for name in variants], dtype=torch.float64, device="cuda")
     dist.all_reduce(medians, op=dist.ReduceOp.MAX)
     return dict(zip(variants, medians.tolist()))
 
 
-def bench_shape(shape, configs, dtype, iters, warmup) -> list[dict]:
+def bench_shape(shape, configs, dtype, rounds, block, warmup) -> list[dict]:
     from . import gemm_all_reduce
     from .config import resolve
     from .overlap import prepare
@@ -143,23 +160,13 @@ def bench_shape(shape, configs, dtype, iters, warmup) -> list[dict]:
             buf = torch.empty(m * n, dtype=dtype, device="cuda")
 
             def kernel_only(i, prep=prep, buf=buf):
-                prep.kernel.run(
-                    a[i % sets],
-                    w[i % sets],
-                    buf,
-                    prep.slots,
-                    prep.counters,
-                    prep.plan.tiles_m,
-                    prep.plan.tiles_n,
-                    prep.sm_count,
-                    torch.cuda.current_stream(),
-                )
+                prep.launch(a[i % sets], w[i % sets], buf, torch.cuda.current_stream())
                 prep.counters.zero_()
 
             variants[f"kernel{j}"] = kernel_only
         got, want = gemm_all_reduce(a[0], w[0], config=cfg).float(), seq(0).float()
         errors[j] = ((got - want).norm() / want.norm()).item()
-    times = time_variants(variants, iters, warmup)
+    times = time_variants(variants, rounds, block, warmup)
 
     rows = []
     t_gemm, t_comm, t_seq = times["gemm"], times["comm"], times["seq"]
@@ -189,6 +196,51 @@ def bench_shape(shape, configs, dtype, iters, warmup) -> list[dict]:
             }
         )
     return rows
+
+
+def trace_call(shape, config, dtype, path: str) -> None:
+    """Profile three overlapped calls (after warm-up); rank 0 writes the trace and prints its kernels."""
+    from torch.profiler import ProfilerActivity, profile
+
+    from . import gemm_all_reduce
+
+    m, n, k = shape
+    a = torch.randn(m, k, device="cuda").to(dtype)
+    w = torch.randn(n, k, device="cuda").to(dtype)
+    for _ in range(3):
+        gemm_all_reduce(a, w, config=config)
+    host = []
+    for _ in range(5):
+        torch.cuda.synchronize()
+        start = time.perf_counter()
+        gemm_all_reduce(a, w, config=config)
+        host.append(time.perf_counter() - start)
+    torch.cuda.synchronize()
+    dist.barrier()
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        for _ in range(3):  # back to back, as in the timed runs
+            gemm_all_reduce(a, w, config=config)
+        torch.cuda.synchronize()
+    if dist.get_rank() != 0:
+        return
+    prof.export_chrome_trace(path)
+    with open(path) as handle:
+        events = json.load(handle)["traceEvents"]
+    device_cats = ("kernel", "gpu_memset", "gpu_memcpy")
+    kernels = sorted((e for e in events if e.get("cat") in device_cats), key=lambda e: e["ts"])
+    if not kernels:
+        print("trace: no device activity recorded")
+        return
+    t0 = kernels[0]["ts"]
+    print(f"\nhost time to enqueue one call: {1e3 * statistics.median(host):.3f} ms")
+    print(f"kernel timeline of three calls, {m}x{n}x{k} {json.dumps(config)} (us from first kernel):")
+    for e in kernels:
+        print(f"  stream {e.get('tid')!s:>4}  start {e['ts'] - t0:9.1f}  dur {e['dur']:8.1f}  {e['name'][:70]}")
+    host = sorted((e for e in events if e.get("cat") in ("cuda_runtime", "cuda_driver")), key=lambda e: e["ts"])
+    print("host API calls during the call (us from first kernel):")
+    for e in host:
+        print(f"  start {e['ts'] - t0:9.1f}  dur {e.get('dur', 0):8.1f}  {e['name'][:60]}")
 
 
 COLUMNS = [
@@ -236,12 +288,14 @@ def main(argv: Sequence[str] | None = None) -> int:
         dtype = getattr(torch, args.dtype)
         rows = []
         for shape in args.shapes:
-            rows += bench_shape(shape, args.configs, dtype, args.iters, args.warmup)
+            rows += bench_shape(shape, args.configs, dtype, args.rounds, args.block, args.warmup)
+        if args.trace:
+            trace_call(args.shapes[0], args.configs[0], dtype, args.trace)
         if dist.get_rank() == 0:
             name = torch.cuda.get_device_name()
             print(
                 f"\n{name} x{dist.get_world_size()}, transport={args.transport}, {args.dtype}, "
-                f"median of {args.iters} iterations (ms)"
+                f"ms per call, median of {args.rounds} rounds of {args.block} calls"
             )
             print(format_table(rows), flush=True)
             if args.csv:

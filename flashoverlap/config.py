@@ -22,7 +22,7 @@ from .plan import LAYOUTS
 class OverlapConfig:
     """How one overlapped GEMM + collective runs.
 
-    tile_m, tile_n, tile_k, cluster_m: the CUTLASS instance (see ``flashoverlap.gemm``).
+    tile_m, tile_n, tile_k, cluster_m, scheduler: the CUTLASS instance (see ``flashoverlap.gemm``).
     comm_sms: SMs left out of the GEMM's persistent grid so NCCL kernels can run beside it.
     partition: waves per group, summing to the GEMM's wave count; ``None`` picks a default.
     layout: ``rows`` (groups rounded to row bands, stored in place) or ``tiles`` (exact wave
@@ -34,7 +34,8 @@ class OverlapConfig:
     tile_n: int = 256
     tile_k: int = 64
     cluster_m: int = 1
-    comm_sms: int = 8
+    scheduler: str = "persistent"
+    comm_sms: int = 16
     partition: tuple[int, ...] | None = None
     layout: str = "rows"
     sequential: bool = False
@@ -80,7 +81,7 @@ def _problems(cfg: OverlapConfig) -> list[str]:
             problems.append(f"{name} must be an integer, got {value!r}")
     if problems:
         return problems
-    problems += validate_instance(cfg.tile_m, cfg.tile_n, cfg.tile_k, cfg.cluster_m)
+    problems += validate_instance(cfg.tile_m, cfg.tile_n, cfg.tile_k, cfg.cluster_m, cfg.scheduler)
     if cfg.comm_sms < 0:
         problems.append(f"comm_sms must be >= 0, got {cfg.comm_sms}")
     if cfg.partition is not None and (

@@ -87,8 +87,23 @@ class Prepared:
     kernel: SignalGemm
     slots: torch.Tensor  # the plan's slot table on the device
     counters: torch.Tensor  # int32 per group, zero between calls
+    workspace: torch.Tensor | None  # stream-K partial sums
     targets: tuple[int, ...]
     sm_count: int
+
+    def launch(self, a: torch.Tensor, weight: torch.Tensor, buffer: torch.Tensor, stream: torch.cuda.Stream) -> None:
+        """Enqueue the signal GEMM on ``stream``, writing the plan's slots of ``buffer``."""
+        self.kernel.run(
+            a,
+            weight,
+            buffer,
+            self.slots,
+            self.counters,
+            self.workspace,
+            (self.plan.tiles_m, self.plan.tiles_n),
+            self.sm_count,
+            stream,
+        )
 
 
 _prepared: dict[tuple, Prepared] = {}
@@ -112,22 +127,28 @@ def prepare(
         tile_n=cfg.tile_n,
         tile_k=cfg.tile_k,
         cluster_m=cfg.cluster_m,
+        scheduler=cfg.scheduler,
     )
     kernel = get_kernel(spec)
-    ctas = kernel.num_ctas(m, n, k, sm_count, device.index)
+    index = device.index
     plan = make_plan(
         m,
         n,
         tile_m=cfg.tile_m,
         tile_n=cfg.tile_n,
         cluster_m=cfg.cluster_m,
-        ctas=ctas,
+        ctas=kernel.num_ctas(m, n, k, sm_count, index),
+        stream_k_tiles=kernel.stream_k_tiles(m, n, k, sm_count, index),
         partition=cfg.partition,
         layout=cfg.layout,
     )
     slots = torch.from_numpy(plan.slot_table().view("u1")).to(device)
     counters = torch.zeros(plan.num_groups, dtype=torch.int32, device=device)
-    prepared = Prepared(plan, kernel, slots, counters, plan.counter_targets(kernel.signals_per_tile), sm_count)
+    workspace_bytes = kernel.workspace_size(m, n, k, sm_count, index)
+    workspace = torch.empty(workspace_bytes, dtype=torch.uint8, device=device) if workspace_bytes else None
+    prepared = Prepared(
+        plan, kernel, slots, counters, workspace, plan.counter_targets(kernel.signals_per_tile), sm_count
+    )
     _prepared[key] = prepared
     return prepared
 
@@ -139,8 +160,15 @@ def comm_stream(device: torch.device) -> torch.cuda.Stream:
 
 
 def run_overlapped(
-    prep: Prepared, a: torch.Tensor, weight: torch.Tensor, collective: str, group: dist.ProcessGroup | None
+    prep: Prepared,
+    a: torch.Tensor,
+    weight: torch.Tensor,
+    collective: str,
+    group: dist.ProcessGroup | None,
+    tail_group: dist.ProcessGroup | None = None,
 ) -> torch.Tensor:
+    """One overlapped call; the last group's collective, which runs after the GEMM has freed
+    every SM, goes to ``tail_group`` (a communicator free to use them all) when given."""
     plan = prep.plan
     device = a.device
     caller = torch.cuda.current_stream(device)
@@ -149,11 +177,13 @@ def run_overlapped(
     buffer = out.view(-1) if plan.in_place else torch.empty(plan.numel, dtype=a.dtype, device=device)
 
     stream.wait_stream(caller)  # operands ready; earlier users of the buffers done
-    prep.kernel.run(a, weight, buffer, prep.slots, prep.counters, plan.tiles_m, plan.tiles_n, prep.sm_count, caller)
+    prep.launch(a, weight, buffer, caller)
     with torch.cuda.stream(stream):
+        last = len(prep.targets) - 1
         for g, target in enumerate(prep.targets):
             signal.wait_geq(stream, prep.counters, g, target)
-            comm.collective(collective, buffer[plan.bounds[g] : plan.bounds[g + 1]], group)
+            chunk = buffer[plan.bounds[g] : plan.bounds[g + 1]]
+            comm.collective(collective, chunk, tail_group if g == last and tail_group is not None else group)
         prep.counters.zero_()  # stream-ordered: the next call's GEMM waits for it through `caller`
     buffer.record_stream(stream)
     caller.wait_stream(stream)
@@ -184,4 +214,5 @@ def gemm_all_reduce(
     if world == 1 or cfg.sequential:
         return sequential(a, weight, weight_layout, group, world)
     prep = prepare(m, n, k, a.dtype, weight_layout, a.device, cfg)
-    return run_overlapped(prep, a, weight, "all_reduce", group)
+    full = group if group is not None else dist.group.WORLD
+    return run_overlapped(prep, a, weight, "all_reduce", comm.budget_group(full, cfg.comm_sms), tail_group=full)

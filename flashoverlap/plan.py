@@ -48,10 +48,26 @@ def schedule_order(tiles_m: int, tiles_n: int, cluster_m: int) -> np.ndarray:
     return np.where(mt < tiles_m, mt * tiles_n + nt, -1)
 
 
-def wave_count(m: int, n: int, tile_m: int, tile_n: int, cluster_m: int, ctas: int) -> int:
-    """Waves the persistent grid needs for C[m, n] (padded tiles included, as they are scheduled)."""
-    padded_m = -(-math.ceil(m / tile_m) // cluster_m) * cluster_m
-    return math.ceil(padded_m * math.ceil(n / tile_n) / ctas)
+def scheduled_tiles(m: int, n: int, tile_m: int, tile_n: int, cluster_m: int) -> int:
+    """Tiles the scheduler walks: the M tile count padded to whole clusters, times the N count."""
+    return -(-math.ceil(m / tile_m) // cluster_m) * cluster_m * math.ceil(n / tile_n)
+
+
+def wave_count(m: int, n: int, tile_m: int, tile_n: int, cluster_m: int, ctas: int, stream_k_tiles: int = 0) -> int:
+    """Waves the persistent grid needs for C[m, n] (padded tiles included, as they are scheduled).
+
+    A stream-K schedule first spreads its ``stream_k_tiles`` leading tiles over all CTAs (one
+    wave), then runs the rest in whole waves.
+    """
+    rest = scheduled_tiles(m, n, tile_m, tile_n, cluster_m) - stream_k_tiles
+    return (1 if stream_k_tiles else 0) + math.ceil(rest / ctas)
+
+
+def wave_of_index(index: np.ndarray, ctas: int, stream_k_tiles: int = 0) -> np.ndarray:
+    """Wave in which linear scheduler index ``index`` completes (see :func:`wave_count`)."""
+    if not stream_k_tiles:
+        return index // ctas
+    return np.where(index < stream_k_tiles, 0, 1 + (index - stream_k_tiles) // ctas)
 
 
 def default_partition(num_waves: int) -> tuple[int, ...]:
@@ -75,6 +91,7 @@ class Plan:
     tile_n: int
     cluster_m: int
     ctas: int
+    stream_k_tiles: int
     layout: str
     partition: tuple[int, ...]  # waves per group, as requested
     tiles_m: int
@@ -143,10 +160,14 @@ def make_plan(
     tile_n: int,
     cluster_m: int,
     ctas: int,
+    stream_k_tiles: int = 0,
     partition: tuple[int, ...] | None = None,
     layout: str = "rows",
 ) -> Plan:
-    """Plan C[m, n] computed by a persistent grid of ``ctas`` CTAs; see the module doc."""
+    """Plan C[m, n] computed by a persistent grid of ``ctas`` CTAs; see the module doc.
+
+    ``stream_k_tiles``: leading tiles a stream-K schedule splits along K (0: none).
+    """
     for name, value in (
         ("m", m),
         ("n", n),
@@ -162,7 +183,9 @@ def make_plan(
 
     tiles_m, tiles_n = math.ceil(m / tile_m), math.ceil(n / tile_n)
     order_padded = schedule_order(tiles_m, tiles_n, cluster_m)
-    num_waves = wave_count(m, n, tile_m, tile_n, cluster_m, ctas)
+    if not isinstance(stream_k_tiles, (int, np.integer)) or not 0 <= stream_k_tiles <= len(order_padded):
+        raise ValueError(f"stream_k_tiles must be in [0, {len(order_padded)}], got {stream_k_tiles!r}")
+    num_waves = wave_count(m, n, tile_m, tile_n, cluster_m, ctas, stream_k_tiles)
     partition = tuple(default_partition(num_waves) if partition is None else partition)
     if any(not isinstance(w, (int, np.integer)) or w < 1 for w in partition):
         raise ValueError(f"group sizes must be positive integers (waves), got {list(partition)}")
@@ -175,7 +198,7 @@ def make_plan(
     real = order_padded >= 0
     order = order_padded[real]
     wave = np.empty(tiles_m * tiles_n, dtype=np.int64)
-    wave[order] = np.nonzero(real)[0] // ctas
+    wave[order] = wave_of_index(np.nonzero(real)[0], ctas, stream_k_tiles)
     group_of_wave = np.repeat(np.arange(len(partition)), partition)
 
     if layout == "rows":
@@ -200,6 +223,7 @@ def make_plan(
         tile_n=tile_n,
         cluster_m=cluster_m,
         ctas=ctas,
+        stream_k_tiles=int(stream_k_tiles),
         layout=layout,
         partition=partition,
         tiles_m=tiles_m,

@@ -18,6 +18,8 @@ CONFIGS = [
     ("bfloat16", "nk", OverlapConfig()),
     ("bfloat16", "nk", OverlapConfig(layout="tiles")),
     ("bfloat16", "nk", OverlapConfig(cluster_m=2, comm_sms=0)),
+    ("bfloat16", "nk", OverlapConfig(scheduler="streamk", comm_sms=12)),
+    ("bfloat16", "nk", OverlapConfig(scheduler="streamk", layout="tiles")),
     ("bfloat16", "nk", OverlapConfig(tile_m=256, tile_n=128, layout="tiles")),
     ("bfloat16", "nk", OverlapConfig(tile_n=128, comm_sms=20)),
     ("bfloat16", "kn", OverlapConfig()),
@@ -47,7 +49,7 @@ def test_signal_gemm_slots_and_counters(shape, dtype, weight_layout, cfg):
     plan = prep.plan
     buffer = torch.full((plan.numel,), float("nan"), dtype=torch_dtype, device="cuda")  # poison
     stream = torch.cuda.current_stream()
-    prep.kernel.run(a, w, buffer, prep.slots, prep.counters, plan.tiles_m, plan.tiles_n, prep.sm_count, stream)
+    prep.launch(a, w, buffer, stream)
     torch.cuda.synchronize()
     assert prep.counters.tolist() == list(prep.targets)
     prep.counters.zero_()

@@ -20,6 +20,7 @@ CONFIGS = [
     OverlapConfig(layout="tiles"),
     OverlapConfig(cluster_m=2, partition=None, comm_sms=16),
     OverlapConfig(tile_n=128, layout="tiles"),
+    OverlapConfig(scheduler="streamk", comm_sms=12),
 ]
 
 

@@ -3,7 +3,16 @@ import pytest
 import torch
 
 from flashoverlap.comm import restore
-from flashoverlap.plan import SLOT_DTYPE, default_partition, make_plan, schedule_order, slot_view, wave_count
+from flashoverlap.plan import (
+    SLOT_DTYPE,
+    default_partition,
+    make_plan,
+    schedule_order,
+    scheduled_tiles,
+    slot_view,
+    wave_count,
+    wave_of_index,
+)
 
 from .helpers import random_partition
 
@@ -17,11 +26,21 @@ def random_plans(count: int):
         n = 8 * int(RNG.integers(1, 6 * tile_n // 8))
         cluster_m = int(RNG.choice([1, 2]))
         ctas = int(RNG.choice([1, 2, 3, 5, 8, 132]))
-        waves = wave_count(m, n, tile_m, tile_n, cluster_m, ctas)
+        padded = scheduled_tiles(m, n, tile_m, tile_n, cluster_m)
+        stream_k = int(RNG.integers(0, padded + 1)) if RNG.random() < 0.3 else 0
+        waves = wave_count(m, n, tile_m, tile_n, cluster_m, ctas, stream_k)
         partition = random_partition(RNG, waves) if RNG.random() < 0.7 else None
         for layout in ("rows", "tiles"):
             yield make_plan(
-                m, n, tile_m=tile_m, tile_n=tile_n, cluster_m=cluster_m, ctas=ctas, partition=partition, layout=layout
+                m,
+                n,
+                tile_m=tile_m,
+                tile_n=tile_n,
+                cluster_m=cluster_m,
+                ctas=ctas,
+                stream_k_tiles=stream_k,
+                partition=partition,
+                layout=layout,
             )
 
 
@@ -86,6 +105,18 @@ def test_rows_layout_is_row_major_c_and_bands_stay_whole():
             np.unique(requested[plan.group == g]).max() <= np.unique(requested[plan.group == g + 1]).min()
             for g in range(plan.num_groups - 1)
         )
+
+
+def test_stream_k_waves():
+    # 10 tiles on 4 CTAs: plain waves 0,0,0,0,1,1,1,1,2,2; stream-K over the first 6 tiles
+    # finishes them in one shared wave, then the last 4 run as one whole wave
+    assert wave_of_index(np.arange(10), 4).tolist() == [0] * 4 + [1] * 4 + [2] * 2
+    assert wave_of_index(np.arange(10), 4, 6).tolist() == [0] * 6 + [1] * 4
+    assert wave_count(10 * 128, 256, 128, 256, 1, 4, 6) == 2
+    plan = make_plan(10 * 128, 256, tile_m=128, tile_n=256, cluster_m=1, ctas=4, stream_k_tiles=6, partition=(1, 1))
+    assert plan.tiles_per_group == (6, 4) and plan.stream_k_tiles == 6
+    with pytest.raises(ValueError, match="stream_k_tiles"):
+        make_plan(256, 256, tile_m=128, tile_n=256, cluster_m=1, ctas=1, stream_k_tiles=3)
 
 
 def test_counter_targets_and_slot_table():

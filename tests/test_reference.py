@@ -10,7 +10,7 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 from flashoverlap.overlap import sequential
-from flashoverlap.plan import make_plan, wave_count
+from flashoverlap.plan import make_plan, scheduled_tiles, wave_count
 from flashoverlap.reference import run_plan
 
 from .helpers import random_partition
@@ -32,12 +32,22 @@ def case(index: int):
     n = 8 * int(rng.integers(1, (3 * tile_n) // 8 + 4))
     k = 8 * int(rng.integers(1, 20))
     cluster_m, ctas = int(rng.choice([1, 2])), int(rng.choice([1, 2, 3, 7]))
-    partition = random_partition(rng, wave_count(m, n, tile_m, tile_n, cluster_m, ctas))
+    padded = scheduled_tiles(m, n, tile_m, tile_n, cluster_m)
+    stream_k = int(rng.integers(0, padded + 1)) if index % 3 == 2 else 0
+    partition = random_partition(rng, wave_count(m, n, tile_m, tile_n, cluster_m, ctas, stream_k))
     dtype = [torch.bfloat16, torch.float16][index % 2]
     weight_layout = ["nk", "kn"][(index // 2) % 2]
     layout = ["rows", "tiles"][(index // 4) % 2]
     plan = make_plan(
-        m, n, tile_m=tile_m, tile_n=tile_n, cluster_m=cluster_m, ctas=ctas, partition=partition, layout=layout
+        m,
+        n,
+        tile_m=tile_m,
+        tile_n=tile_n,
+        cluster_m=cluster_m,
+        ctas=ctas,
+        stream_k_tiles=stream_k,
+        partition=partition,
+        layout=layout,
     )
     return plan, k, dtype, weight_layout
 

@@ -14,6 +14,30 @@ from ..plan import Plan, slot_view
 
 COLLECTIVES = ("all_reduce",)
 
+_budget_groups: dict[tuple, dist.ProcessGroup] = {}
+
+
+def budget_group(group: dist.ProcessGroup, comm_sms: int) -> dist.ProcessGroup:
+    """An NCCL communicator over ``group``'s ranks whose kernels fit in ``comm_sms`` SMs.
+
+    While the GEMM holds the other SMs, NCCL kernels get only the ``comm_sms`` left free. A
+    default communicator launches more CTAs than that, in clusters of 4 on Hopper (which need 4
+    free SMs in one GPC), and crawls until the GEMM ends. This one is capped at ``comm_sms``
+    single CTAs. Created once per (group, comm_sms) by every member rank, on first use;
+    ``comm_sms == 0`` or a non-NCCL group keeps ``group`` itself.
+    """
+    if comm_sms == 0 or dist.get_backend(group) != "nccl":
+        return group
+    key = (group, comm_sms)
+    if key not in _budget_groups:
+        options = dist.ProcessGroupNCCL.Options()
+        options.config.cga_cluster_size = 1
+        options.config.min_ctas = comm_sms
+        options.config.max_ctas = comm_sms
+        ranks = dist.get_process_group_ranks(group)
+        _budget_groups[key] = dist.new_group(ranks, backend="nccl", pg_options=options, use_local_synchronization=True)
+    return _budget_groups[key]
+
 
 def collective(name: str, chunk: torch.Tensor, group: dist.ProcessGroup | None) -> None:
     """Run collective ``name`` in place on ``chunk`` (one group's buffer range)."""

@@ -27,6 +27,16 @@ cutlass::KernelHardwareInfo hardware(int device, int sm_count) {
   return hw;
 }
 
+// Stream-K schedulers split their first sk_tiles_ output tiles along K; others split none.
+template <class P>
+auto stream_k_tiles(P const& p, int) -> decltype(int(p.sk_tiles_)) {
+  return int(p.sk_tiles_);
+}
+template <class P>
+int stream_k_tiles(P const&, long) {
+  return 0;
+}
+
 typename Kernel::TileSchedulerArguments scheduler_arguments() {
   typename Kernel::TileSchedulerArguments sched{};
   // Fixed raster so that the planner knows the tile order: along N, no swizzle.
@@ -43,44 +53,61 @@ char const* fo_last_error() { return g_error; }
 
 int fo_signals_per_tile() { return Epilogue::kSignalsPerTile; }
 
-// Number of persistent CTAs (tiles per wave) the kernel launches for this problem.
-int fo_num_ctas(int M, int N, int K, int sm_count, int device) {
-  auto problem = cute::make_shape(M, N, K, 1);
-  auto hw = hardware(device, sm_count);
-  auto sched = scheduler_arguments();
-  typename Kernel::Params params{};
-  params.problem_shape = problem;
-  params.hw_info = hw;
-  params.scheduler = Kernel::TileScheduler::to_underlying_arguments(problem, typename Kernel::TileShape{},
-                                                                     typename Kernel::ClusterShape{}, hw, sched);
-  dim3 grid = Kernel::get_grid_shape(params);
-  return int(grid.x * grid.y * grid.z);
-}
-
-int fo_run(void const* a, void const* b, void* out, void const* tiles, unsigned* counters, int M, int N, int K,
-           int tiles_m, int tiles_n, int sm_count, int device, void* stream) {
-  using StrideA = typename Kernel::StrideA;
-  using StrideB = typename Kernel::StrideB;
-  auto stride_a = cutlass::make_cute_packed_stride(StrideA{}, cute::make_shape(M, K, 1));
-  auto stride_b = cutlass::make_cute_packed_stride(StrideB{}, cute::make_shape(N, K, 1));
-
-  typename Gemm::Arguments args{
+typename Gemm::Arguments gemm_arguments(void const* a, void const* b, void* out, void const* tiles,
+                                        unsigned* counters, int M, int N, int K, int tiles_m, int tiles_n,
+                                        int sm_count, int device) {
+  auto stride_a = cutlass::make_cute_packed_stride(typename Kernel::StrideA{}, cute::make_shape(M, K, 1));
+  auto stride_b = cutlass::make_cute_packed_stride(typename Kernel::StrideB{}, cute::make_shape(N, K, 1));
+  return typename Gemm::Arguments{
       cutlass::gemm::GemmUniversalMode::kGemm,
       {M, N, K, 1},
       {static_cast<Element const*>(a), stride_a, static_cast<Element const*>(b), stride_b},
       {static_cast<Element*>(out), static_cast<flashoverlap::TileSlot const*>(tiles), counters, tiles_m, tiles_n},
       hardware(device, sm_count),
       scheduler_arguments()};
+}
 
+typename Kernel::Params schedule(int M, int N, int K, int sm_count, int device) {
+  auto problem = cute::make_shape(M, N, K, 1);
+  auto hw = hardware(device, sm_count);
+  typename Kernel::Params params{};
+  params.problem_shape = problem;
+  params.hw_info = hw;
+  params.scheduler = Kernel::TileScheduler::to_underlying_arguments(
+      problem, typename Kernel::TileShape{}, typename Kernel::ClusterShape{}, hw, scheduler_arguments(), nullptr);
+  return params;
+}
+
+// Number of persistent CTAs (tiles per wave) the kernel launches for this problem.
+int fo_num_ctas(int M, int N, int K, int sm_count, int device) {
+  dim3 grid = Kernel::get_grid_shape(schedule(M, N, K, sm_count, device));
+  return int(grid.x * grid.y * grid.z);
+}
+
+// Output tiles (the first ones in raster order) that a stream-K schedule splits along K.
+int fo_stream_k_tiles(int M, int N, int K, int sm_count, int device) {
+  return stream_k_tiles(schedule(M, N, K, sm_count, device).scheduler, 0);
+}
+
+// Bytes of scratch the schedule needs (stream-K partial sums); 0 for plain persistent kernels.
+long long fo_workspace_size(int M, int N, int K, int sm_count, int device) {
+  auto args = gemm_arguments(nullptr, nullptr, nullptr, nullptr, nullptr, M, N, K, 1, 1, sm_count, device);
+  return static_cast<long long>(Gemm::get_workspace_size(args));
+}
+
+int fo_run(void const* a, void const* b, void* out, void const* tiles, unsigned* counters, void* workspace, int M,
+           int N, int K, int tiles_m, int tiles_n, int sm_count, int device, void* stream) {
+  auto args = gemm_arguments(a, b, out, tiles, counters, M, N, K, tiles_m, tiles_n, sm_count, device);
   Gemm gemm;
   if (gemm.can_implement(args) != cutlass::Status::kSuccess) {
     return fail("can_implement", "CUTLASS rejected the problem (alignment or shape)");
   }
-  if (Gemm::get_workspace_size(args) != 0) {
-    return fail("workspace", "unexpected workspace requirement");
+  if (Gemm::get_workspace_size(args) != 0 && workspace == nullptr) {
+    return fail("workspace", "this schedule needs a workspace (fo_workspace_size bytes)");
   }
   auto cuda_stream = static_cast<cudaStream_t>(stream);
-  cutlass::Status status = gemm.initialize(args, nullptr, cuda_stream);
+  // Also zeroes the stream-K workspace, ordered on the stream before the kernel.
+  cutlass::Status status = gemm.initialize(args, workspace, cuda_stream);
   if (status != cutlass::Status::kSuccess) {
     return fail("initialize", cutlassGetStatusString(status));
   }

@@ -24,6 +24,13 @@ WEIGHT_LAYOUTS = {
     "kn": "cutlass::layout::RowMajor",
 }
 MMA_THREADS = 256  # cooperative kernel: two consumer warpgroups per tile
+SCHEDULERS = {
+    # fixed waves of whole tiles
+    "persistent": "cutlass::gemm::PersistentScheduler",
+    # stream-K: the tiles left over after whole waves are split along K over all CTAs, so a
+    # grid that does not divide the tile count (an SM budget) loses no partial wave
+    "streamk": "cutlass::gemm::StreamKScheduler",
+}
 
 
 @dataclass(frozen=True)
@@ -36,10 +43,11 @@ class GemmSpec:
     tile_n: int = 256
     tile_k: int = 64
     cluster_m: int = 1
+    scheduler: str = "persistent"
     arch: str = "sm_90a"
 
     def __post_init__(self) -> None:
-        problems = validate_instance(self.tile_m, self.tile_n, self.tile_k, self.cluster_m)
+        problems = validate_instance(self.tile_m, self.tile_n, self.tile_k, self.cluster_m, self.scheduler)
         if self.dtype not in DTYPES:
             problems.append(f"dtype {self.dtype!r} not in {sorted(DTYPES)}")
         if self.weight_layout not in WEIGHT_LAYOUTS:
@@ -51,11 +59,11 @@ class GemmSpec:
     def name(self) -> str:
         return (
             f"fo_gemm_{self.dtype}_{self.weight_layout}_{self.tile_m}x{self.tile_n}x{self.tile_k}"
-            f"_c{self.cluster_m}x1_{self.arch}"
+            f"_c{self.cluster_m}x1_{self.scheduler}_{self.arch}"
         )
 
 
-def validate_instance(tile_m: int, tile_n: int, tile_k: int, cluster_m: int) -> list[str]:
+def validate_instance(tile_m: int, tile_n: int, tile_k: int, cluster_m: int, scheduler: str) -> list[str]:
     """Reasons the generator cannot make this instance (empty when it can)."""
     problems = []
     if tile_m not in TILE_M:
@@ -66,6 +74,8 @@ def validate_instance(tile_m: int, tile_n: int, tile_k: int, cluster_m: int) -> 
         problems.append(f"tile_k {tile_k} not in {TILE_K}")
     if cluster_m not in CLUSTER_M:
         problems.append(f"cluster_m {cluster_m} not in {CLUSTER_M}")
+    if scheduler not in SCHEDULERS:
+        problems.append(f"scheduler {scheduler!r} not in {sorted(SCHEDULERS)}")
     if tile_m * tile_n > MAX_TILE_ELEMENTS:
         problems.append(f"tile {tile_m}x{tile_n} exceeds {MAX_TILE_ELEMENTS} accumulators per CTA")
     return problems
@@ -105,7 +115,7 @@ using CollectiveMainloop = typename cutlass::gemm::collective::CollectiveBuilder
     cutlass::gemm::KernelTmaWarpSpecializedCooperative>::CollectiveOp;
 
 using Kernel = cutlass::gemm::kernel::GemmUniversal<
-    Shape<int, int, int, int>, CollectiveMainloop, CollectiveEpilogue, cutlass::gemm::PersistentScheduler>;
+    Shape<int, int, int, int>, CollectiveMainloop, CollectiveEpilogue, {SCHEDULERS[spec.scheduler]}>;
 using Gemm = cutlass::gemm::device::GemmUniversalAdapter<Kernel>;
 static_assert(Epilogue::kSignalsPerTile * 32 == size(typename CollectiveMainloop::TiledMma{{}}),
               "one signal per consumer warp");

@@ -18,14 +18,23 @@ class SignalGemm:
         self.spec = spec
         lib = ctypes.CDLL(str(jit.build(spec.name, generate(spec), arch=spec.arch, cutlass=True)))
         lib.fo_last_error.restype = ctypes.c_char_p
-        lib.fo_num_ctas.argtypes = [ctypes.c_int] * 5
-        lib.fo_run.argtypes = [ctypes.c_void_p] * 5 + [ctypes.c_int] * 7 + [ctypes.c_void_p]
+        for fn in (lib.fo_num_ctas, lib.fo_stream_k_tiles, lib.fo_workspace_size):
+            fn.argtypes = [ctypes.c_int] * 5
+        lib.fo_workspace_size.restype = ctypes.c_longlong
+        lib.fo_run.argtypes = [ctypes.c_void_p] * 6 + [ctypes.c_int] * 7 + [ctypes.c_void_p]
         self._lib = lib
         self.signals_per_tile: int = lib.fo_signals_per_tile()
 
     def num_ctas(self, m: int, n: int, k: int, sm_count: int, device: int) -> int:
         """Persistent CTAs the kernel launches for this problem: the tiles of one wave."""
         return int(self._lib.fo_num_ctas(m, n, k, sm_count, device))
+
+    def stream_k_tiles(self, m: int, n: int, k: int, sm_count: int, device: int) -> int:
+        """Leading output tiles a stream-K schedule splits along K (0 otherwise)."""
+        return int(self._lib.fo_stream_k_tiles(m, n, k, sm_count, device))
+
+    def workspace_size(self, m: int, n: int, k: int, sm_count: int, device: int) -> int:
+        return int(self._lib.fo_workspace_size(m, n, k, sm_count, device))
 
     def run(
         self,
@@ -34,12 +43,15 @@ class SignalGemm:
         out: torch.Tensor,
         slots: torch.Tensor,
         counters: torch.Tensor,
-        tiles_m: int,
-        tiles_n: int,
+        workspace: torch.Tensor | None,
+        tiles: tuple[int, int],
         sm_count: int,
         stream: torch.cuda.Stream,
     ) -> None:
-        """C = a @ B into ``out`` at the tile slots given by ``slots``, bumping ``counters``."""
+        """C = a @ B into ``out`` at the tile slots given by ``slots``, bumping ``counters``.
+
+        ``tiles`` is the (tiles_m, tiles_n) grid; ``workspace`` holds :meth:`workspace_size` bytes.
+        """
         m, k = a.shape
         n = weight.shape[0] if self.spec.weight_layout == "nk" else weight.shape[1]
         status = self._lib.fo_run(
@@ -48,11 +60,12 @@ class SignalGemm:
             out.data_ptr(),
             slots.data_ptr(),
             counters.data_ptr(),
+            None if workspace is None else workspace.data_ptr(),
             m,
             n,
             k,
-            tiles_m,
-            tiles_n,
+            tiles[0],
+            tiles[1],
             sm_count,
             a.device.index,
             stream.cuda_stream,

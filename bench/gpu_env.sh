@@ -1,0 +1,26 @@
+# Sourced by the GPU scripts: environment, carried wheels, kernel cache, prebuilt instances.
+OUT=${OUT:-/tmp/flashoverlap-check}
+mkdir -p "$OUT"
+export PYTHONUNBUFFERED=1 NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
+export FLASHOVERLAP_CACHE_DIR=${FLASHOVERLAP_CACHE_DIR:-$PWD/.kcache}
+if compgen -G ".whl/*.whl" >/dev/null; then
+  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl || exit 1
+  export PYTHONPATH=/tmp/site
+fi
+export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH}
+NGPU=$(python3 -c 'import torch; print(torch.cuda.device_count())')
+{ nvidia-smi --query-gpu=name,memory.total,clocks.max.sm --format=csv; nvidia-smi topo -m; nvcc --version | tail -1;
+  python3 -c 'import torch; print("torch", torch.__version__, "nccl", torch.cuda.nccl.version())'; } > "$OUT/env.txt" 2>&1
+head -3 "$OUT/env.txt"
+SPECS="bfloat16:nk:128x256:1:streamk bfloat16:nk:128x256:1 bfloat16:nk:128x256:2 bfloat16:nk:256x128:1 bfloat16:nk:128x128:1 float16:nk:128x256:1 bfloat16:kn:128x256:1"
+timeout 300 python3 bench/precompile.py --jobs 8 $SPECS > /tmp/flashoverlap-build.log 2>&1 \
+  || { tail -30 /tmp/flashoverlap-build.log; exit 1; }
+
+# bench NAME [env assignments...] -- [flashoverlap.bench args...]: one torchrun, logged to $OUT/NAME.log
+bench() {
+  local name=$1; shift
+  local envs=()
+  while [ "$1" != "--" ]; do envs+=("$1"); shift; done; shift
+  env "${envs[@]}" timeout 180 torchrun --nproc-per-node "$NGPU" -m flashoverlap.bench "$@" > "$OUT/$name.log" 2>&1
+  echo "== $name ${envs[*]}"; grep -v '^\[flashoverlap\]' "$OUT/$name.log" | tail -n 25
+}
