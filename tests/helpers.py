@@ -2,8 +2,39 @@
 
 import numpy as np
 
+from flashoverlap.plan import scheduled_tiles, wave_count
+
 
 def random_partition(rng: np.random.Generator, num_waves: int) -> tuple[int, ...]:
     """A random composition of ``num_waves`` into positive group sizes."""
     cuts = sorted(rng.choice(np.arange(1, num_waves), size=int(rng.integers(0, num_waves)), replace=False).tolist())
     return tuple(b - a for a, b in zip([0, *cuts], [*cuts, num_waves]))
+
+
+def random_plan_args(
+    rng: np.random.Generator,
+    max_tiles: int,
+    ctas_choices: tuple[int, ...],
+    stream_k_share: float = 0.3,
+    default_share: float = 0.3,
+) -> dict:
+    """make_plan keyword arguments (all but ``layout``) for a random problem: edge tiles, clusters,
+    stream-K, random or default partitions."""
+    tile_m, tile_n = int(rng.choice([128, 256])), int(rng.choice([64, 128, 256]))
+    m = int(rng.integers(1, max_tiles * tile_m))
+    n = 8 * int(rng.integers(1, max_tiles * tile_n // 8))
+    cluster_m, ctas = int(rng.choice([1, 2])), int(rng.choice(ctas_choices))
+    padded = scheduled_tiles(m, n, tile_m, tile_n, cluster_m)
+    stream_k = int(rng.integers(0, padded + 1)) if rng.random() < stream_k_share else 0
+    waves = wave_count(m, n, tile_m, tile_n, cluster_m, ctas, stream_k)
+    partition = None if rng.random() < default_share else random_partition(rng, waves)
+    return dict(
+        m=m,
+        n=n,
+        tile_m=tile_m,
+        tile_n=tile_n,
+        cluster_m=cluster_m,
+        ctas=ctas,
+        stream_k_tiles=stream_k,
+        partition=partition,
+    )

@@ -8,40 +8,21 @@ from flashoverlap.plan import (
     default_partition,
     make_plan,
     schedule_order,
-    scheduled_tiles,
     slot_view,
     wave_count,
     wave_of_index,
 )
 
-from .helpers import random_partition
+from .helpers import random_plan_args
 
 RNG = np.random.default_rng(0)
 
 
 def random_plans(count: int):
     for _ in range(count):
-        tile_m, tile_n = int(RNG.choice([128, 256])), int(RNG.choice([64, 128, 256]))
-        m = int(RNG.integers(1, 6 * tile_m))
-        n = 8 * int(RNG.integers(1, 6 * tile_n // 8))
-        cluster_m = int(RNG.choice([1, 2]))
-        ctas = int(RNG.choice([1, 2, 3, 5, 8, 132]))
-        padded = scheduled_tiles(m, n, tile_m, tile_n, cluster_m)
-        stream_k = int(RNG.integers(0, padded + 1)) if RNG.random() < 0.3 else 0
-        waves = wave_count(m, n, tile_m, tile_n, cluster_m, ctas, stream_k)
-        partition = random_partition(RNG, waves) if RNG.random() < 0.7 else None
+        args = random_plan_args(RNG, max_tiles=6, ctas_choices=(1, 2, 3, 5, 8, 132))
         for layout in ("rows", "tiles"):
-            yield make_plan(
-                m,
-                n,
-                tile_m=tile_m,
-                tile_n=tile_n,
-                cluster_m=cluster_m,
-                ctas=ctas,
-                stream_k_tiles=stream_k,
-                partition=partition,
-                layout=layout,
-            )
+            yield make_plan(**args, layout=layout)
 
 
 def test_schedule_order_matches_cutlass_raster_along_n():

@@ -10,10 +10,10 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 from flashoverlap.overlap import sequential
-from flashoverlap.plan import make_plan, scheduled_tiles, wave_count
+from flashoverlap.plan import make_plan
 from flashoverlap.reference import run_plan
 
-from .helpers import random_partition
+from .helpers import random_plan_args
 
 CASES = 12
 
@@ -27,28 +27,11 @@ def operands(seed: int, rank: int, m: int, n: int, k: int, dtype, weight_layout:
 
 def case(index: int):
     rng = np.random.default_rng(index)
-    tile_m, tile_n = int(rng.choice([128, 256])), int(rng.choice([64, 128, 256]))
-    m = int(rng.integers(1, 3 * tile_m + 50))
-    n = 8 * int(rng.integers(1, (3 * tile_n) // 8 + 4))
+    args = random_plan_args(rng, max_tiles=3, ctas_choices=(1, 2, 3, 7), default_share=0.0)
     k = 8 * int(rng.integers(1, 20))
-    cluster_m, ctas = int(rng.choice([1, 2])), int(rng.choice([1, 2, 3, 7]))
-    padded = scheduled_tiles(m, n, tile_m, tile_n, cluster_m)
-    stream_k = int(rng.integers(0, padded + 1)) if index % 3 == 2 else 0
-    partition = random_partition(rng, wave_count(m, n, tile_m, tile_n, cluster_m, ctas, stream_k))
     dtype = [torch.bfloat16, torch.float16][index % 2]
     weight_layout = ["nk", "kn"][(index // 2) % 2]
-    layout = ["rows", "tiles"][(index // 4) % 2]
-    plan = make_plan(
-        m,
-        n,
-        tile_m=tile_m,
-        tile_n=tile_n,
-        cluster_m=cluster_m,
-        ctas=ctas,
-        stream_k_tiles=stream_k,
-        partition=partition,
-        layout=layout,
-    )
+    plan = make_plan(**args, layout=["rows", "tiles"][(index // 4) % 2])
     return plan, k, dtype, weight_layout
 
 
