@@ -153,6 +153,21 @@ def prepare(
     return prepared
 
 
+_agreed: set[tuple] = set()
+
+
+def check_agreement(prep: Prepared, collective: str, group: dist.ProcessGroup) -> None:
+    """On a plan's first use with ``group`` (every use with ``FLASHOVERLAP_DEBUG=1``), check that
+    all ranks run the same plan, so that a mismatch fails loudly instead of hanging in NCCL."""
+    key = (id(prep), collective, group)
+    if key in _agreed and os.environ.get("FLASHOVERLAP_DEBUG") != "1":
+        return
+    plan = prep.plan
+    description = f"{collective} M={plan.m} N={plan.n} {prep.kernel.spec} groups={plan.bounds} ctas={plan.ctas}"
+    comm.agree(group, description, prep.counters.device)
+    _agreed.add(key)
+
+
 def comm_stream(device: torch.device) -> torch.cuda.Stream:
     if device.index not in _comm_streams:
         _comm_streams[device.index] = torch.cuda.Stream(device=device)
@@ -215,4 +230,5 @@ def gemm_all_reduce(
         return sequential(a, weight, weight_layout, group, world)
     prep = prepare(m, n, k, a.dtype, weight_layout, a.device, cfg)
     full = group if group is not None else dist.group.WORLD
+    check_agreement(prep, "all_reduce", full)
     return run_overlapped(prep, a, weight, "all_reduce", comm.budget_group(full, cfg.comm_sms), tail_group=full)

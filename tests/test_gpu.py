@@ -7,6 +7,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
+import flashoverlap
 from flashoverlap import OverlapConfig, signal
 from flashoverlap.comm import restore
 from flashoverlap.overlap import prepare, run_overlapped
@@ -93,3 +94,9 @@ def test_pipeline_on_one_gpu(nccl_one_rank, monkeypatch, mode, layout):
             assert rel_err(out, ref) < 1e-2
     finally:
         signal.uses_stream_wait.cache_clear()
+
+
+def test_one_rank_group_runs_the_plain_gemm(nccl_one_rank):
+    a, w, ref = operands(1000, 1032, 200, torch.bfloat16, "nk", seed=7)
+    out = flashoverlap.gemm_all_reduce(a, w)
+    assert out.shape == (1000, 1032) and rel_err(out, ref) < 1e-2

@@ -69,3 +69,27 @@ def test_gemm_all_reduce_on_all_gpus(mode):
     world = torch.cuda.device_count()
     with tempfile.TemporaryDirectory() as tmp:
         mp.spawn(worker, args=(world, os.path.join(tmp, "store"), mode), nprocs=world, join=True)
+
+
+def mismatch_worker(rank, world, store_path):
+    torch.cuda.set_device(rank)
+    dist.init_process_group(
+        "nccl",
+        store=dist.FileStore(store_path, world),
+        rank=rank,
+        world_size=world,
+        device_id=torch.device("cuda", rank),
+    )
+    try:
+        a, w = operands(0, rank, 1024, 2048, 512)
+        cfg = OverlapConfig() if rank == 0 else OverlapConfig(layout="tiles", partition=None, tile_n=128)
+        with pytest.raises(RuntimeError, match="ranks planned different calls"):
+            flashoverlap.gemm_all_reduce(a, w, config=cfg)
+    finally:
+        dist.destroy_process_group()
+
+
+def test_mismatched_configs_fail_on_every_rank_instead_of_hanging():
+    world = torch.cuda.device_count()
+    with tempfile.TemporaryDirectory() as tmp:
+        mp.spawn(mismatch_worker, args=(world, os.path.join(tmp, "store")), nprocs=world, join=True)

@@ -6,6 +6,8 @@ one contiguous range per group, so any backend and transport works.
 
 from __future__ import annotations
 
+import hashlib
+
 import torch
 import torch.distributed as dist
 
@@ -15,6 +17,30 @@ from ..plan import Plan, slot_view
 COLLECTIVES = ("all_reduce",)
 
 _budget_groups: dict[tuple, dist.ProcessGroup] = {}
+
+
+def agree(group: dist.ProcessGroup | None, description: str, device: torch.device) -> None:
+    """Check that every rank of ``group`` describes the same call; raise on all of them if not.
+
+    Ranks that planned different calls (shape, dtype, config, partition) would otherwise issue
+    collectives of different sizes and wait for each other forever. One all-gather of a hash,
+    with a host sync: meant for the first call of each plan, not every call.
+    """
+    digest = int.from_bytes(hashlib.sha256(description.encode()).digest()[:8], "little", signed=True)
+    if dist.get_backend(group) == "gloo":
+        device = torch.device("cpu")
+    mine = torch.tensor([digest], dtype=torch.int64, device=device)
+    gathered = [torch.empty_like(mine) for _ in range(dist.get_world_size(group))]
+    dist.all_gather(gathered, mine, group=group)
+    hashes = [int(t.item()) for t in gathered]
+    if len(set(hashes)) > 1:
+        groups = {}
+        for rank, h in enumerate(hashes):
+            groups.setdefault(h, []).append(rank)
+        raise RuntimeError(
+            "flashoverlap: ranks planned different calls (ranks grouped by plan: "
+            f"{sorted(groups.values())}); this rank ({dist.get_rank(group)}) planned: {description}"
+        )
 
 
 def budget_group(group: dist.ProcessGroup, comm_sms: int) -> dist.ProcessGroup:
