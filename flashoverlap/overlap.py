@@ -228,7 +228,9 @@ def gemm_all_reduce(
     m, n, k = check_inputs(a, weight, weight_layout)
     if world == 1 or cfg.sequential:
         return sequential(a, weight, weight_layout, group, world)
-    prep = prepare(m, n, k, a.dtype, weight_layout, a.device, cfg)
-    full = group if group is not None else dist.group.WORLD
-    check_agreement(prep, "all_reduce", full)
-    return run_overlapped(prep, a, weight, "all_reduce", comm.budget_group(full, cfg.comm_sms), tail_group=full)
+    with torch.cuda.device(a.device):  # the kernels launch on the current device
+        prep = prepare(m, n, k, a.dtype, weight_layout, a.device, cfg)
+        full = group if group is not None else dist.group.WORLD
+        check_agreement(prep, "all_reduce", full)
+        budget = comm.budget_group(full, cfg.comm_sms)
+        return run_overlapped(prep, a, weight, "all_reduce", budget, tail_group=full)

@@ -32,8 +32,7 @@ def operands(seed, rank, m, n, k):
     )
 
 
-def worker(rank, world, store_path, mode):
-    os.environ["FLASHOVERLAP_WAIT"] = mode
+def init_rank(rank, world, store_path):
     torch.cuda.set_device(rank)
     dist.init_process_group(
         "nccl",
@@ -42,6 +41,18 @@ def worker(rank, world, store_path, mode):
         world_size=world,
         device_id=torch.device("cuda", rank),
     )
+
+
+def spawn(fn, *args):
+    """Run fn(rank, world, store_path, *args) on every visible GPU, one process each."""
+    world = torch.cuda.device_count()
+    with tempfile.TemporaryDirectory() as tmp:
+        mp.spawn(fn, args=(world, os.path.join(tmp, "store"), *args), nprocs=world, join=True)
+
+
+def worker(rank, world, store_path, mode):
+    os.environ["FLASHOVERLAP_WAIT"] = mode
+    init_rank(rank, world, store_path)
     try:
         for seed, (m, n, k) in enumerate(SHAPES):
             expected = torch.zeros(m, n, device="cuda")
@@ -66,20 +77,11 @@ def worker(rank, world, store_path, mode):
 
 @pytest.mark.parametrize("mode", ["stream", "spin"])
 def test_gemm_all_reduce_on_all_gpus(mode):
-    world = torch.cuda.device_count()
-    with tempfile.TemporaryDirectory() as tmp:
-        mp.spawn(worker, args=(world, os.path.join(tmp, "store"), mode), nprocs=world, join=True)
+    spawn(worker, mode)
 
 
 def mismatch_worker(rank, world, store_path):
-    torch.cuda.set_device(rank)
-    dist.init_process_group(
-        "nccl",
-        store=dist.FileStore(store_path, world),
-        rank=rank,
-        world_size=world,
-        device_id=torch.device("cuda", rank),
-    )
+    init_rank(rank, world, store_path)
     try:
         a, w = operands(0, rank, 1024, 2048, 512)
         cfg = OverlapConfig() if rank == 0 else OverlapConfig(layout="tiles", partition=None, tile_n=128)
@@ -90,6 +92,4 @@ def mismatch_worker(rank, world, store_path):
 
 
 def test_mismatched_configs_fail_on_every_rank_instead_of_hanging():
-    world = torch.cuda.device_count()
-    with tempfile.TemporaryDirectory() as tmp:
-        mp.spawn(mismatch_worker, args=(world, os.path.join(tmp, "store")), nprocs=world, join=True)
+    spawn(mismatch_worker)
