@@ -54,3 +54,9 @@ def test_yaml_files(tmp_path):
         resolve(tmp_path / "missing.yaml")
     with pytest.raises(TypeError, match="config must be"):
         resolve(42)
+
+
+def test_shipped_example_is_the_default():
+    from pathlib import Path
+
+    assert resolve(Path(__file__).parent.parent / "configs" / "example.yaml") == OverlapConfig()
