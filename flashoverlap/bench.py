@@ -73,7 +73,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--csv", help="write one row per shape and variant here (rank 0)")
     parser.add_argument(
         "--trace",
-        help="write a Chrome trace of one call of the first config here (rank 0) and print its kernel timeline",
+        help="write a Chrome trace of three calls of the first config here (rank 0) and print their timeline",
     )
     return parser
 
@@ -209,12 +209,12 @@ def trace_call(shape, config, dtype, path: str) -> None:
     w = torch.randn(n, k, device="cuda").to(dtype)
     for _ in range(3):
         gemm_all_reduce(a, w, config=config)
-    host = []
+    enqueue_s = []
     for _ in range(5):
         torch.cuda.synchronize()
         start = time.perf_counter()
         gemm_all_reduce(a, w, config=config)
-        host.append(time.perf_counter() - start)
+        enqueue_s.append(time.perf_counter() - start)
     torch.cuda.synchronize()
     dist.barrier()
     torch.cuda.synchronize()
@@ -233,13 +233,13 @@ def trace_call(shape, config, dtype, path: str) -> None:
         print("trace: no device activity recorded")
         return
     t0 = kernels[0]["ts"]
-    print(f"\nhost time to enqueue one call: {1e3 * statistics.median(host):.3f} ms")
+    print(f"\nhost time to enqueue one call: {1e3 * statistics.median(enqueue_s):.3f} ms")
     print(f"kernel timeline of three calls, {m}x{n}x{k} {json.dumps(config)} (us from first kernel):")
     for e in kernels:
         print(f"  stream {e.get('tid')!s:>4}  start {e['ts'] - t0:9.1f}  dur {e['dur']:8.1f}  {e['name'][:70]}")
-    host = sorted((e for e in events if e.get("cat") in ("cuda_runtime", "cuda_driver")), key=lambda e: e["ts"])
-    print("host API calls during the call (us from first kernel):")
-    for e in host:
+    api_calls = sorted((e for e in events if e.get("cat") in ("cuda_runtime", "cuda_driver")), key=lambda e: e["ts"])
+    print("host API calls during the calls (us from first kernel):")
+    for e in api_calls:
         print(f"  start {e['ts'] - t0:9.1f}  dur {e.get('dur', 0):8.1f}  {e['name'][:60]}")
 
 

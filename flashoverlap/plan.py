@@ -59,8 +59,8 @@ def wave_count(m: int, n: int, tile_m: int, tile_n: int, cluster_m: int, ctas: i
     A stream-K schedule first spreads its ``stream_k_tiles`` leading tiles over all CTAs (one
     wave), then runs the rest in whole waves.
     """
-    rest = scheduled_tiles(m, n, tile_m, tile_n, cluster_m) - stream_k_tiles
-    return (1 if stream_k_tiles else 0) + math.ceil(rest / ctas)
+    last = scheduled_tiles(m, n, tile_m, tile_n, cluster_m) - 1
+    return int(wave_of_index(np.array([last]), ctas, stream_k_tiles)[0]) + 1
 
 
 def wave_of_index(index: np.ndarray, ctas: int, stream_k_tiles: int = 0) -> np.ndarray:
@@ -200,21 +200,21 @@ def make_plan(
     wave = np.empty(tiles_m * tiles_n, dtype=np.int64)
     wave[order] = wave_of_index(np.nonzero(real)[0], ctas, stream_k_tiles)
     group_of_wave = np.repeat(np.arange(len(partition)), partition)
+    mt, nt = np.divmod(np.arange(tiles_m * tiles_n), tiles_n)
+    cols = np.minimum(tile_n, n - nt * tile_n)
+    elems = np.minimum(tile_m, m - mt * tile_m) * cols  # valid elements per tile id
 
     if layout == "rows":
-        group, offset, ld = _rows_layout(m, n, tile_m, tile_n, cluster_m, tiles_m, tiles_n, wave, group_of_wave)
+        group, offset, ld = _rows_layout(n, tile_m, tile_n, cluster_m, mt, nt, wave, group_of_wave)
     else:
         group = group_of_wave[wave]
-        offset, ld = _tiles_layout(m, n, tile_m, tile_n, tiles_n, order, group)
+        offset, ld = _tiles_layout(order, group, elems), cols
 
     # Renumber so that groups are 0..G-1 in completion order with no empty group.
     used = np.unique(group)
     group = np.searchsorted(used, group)
     tiles_per_group = np.bincount(group, minlength=len(used))
-    sizes = np.zeros(len(used), dtype=np.int64)
-    for tile in range(tiles_m * tiles_n):
-        mt, nt = divmod(tile, tiles_n)
-        sizes[group[tile]] += min(tile_m, m - mt * tile_m) * min(tile_n, n - nt * tile_n)
+    sizes = np.bincount(group, weights=elems, minlength=len(used)).astype(np.int64)
     bounds = (0, *np.cumsum(sizes).tolist())
     return Plan(
         m=m,
@@ -238,31 +238,22 @@ def make_plan(
     )
 
 
-def _rows_layout(m, n, tile_m, tile_n, cluster_m, tiles_m, tiles_n, wave, group_of_wave):
-    tile_ids = np.arange(tiles_m * tiles_n)
-    mt, nt = np.divmod(tile_ids, tiles_n)
+def _rows_layout(n, tile_m, tile_n, cluster_m, mt, nt, wave, group_of_wave):
     band = mt // cluster_m
     # A band is complete when its last tile is: assign it to the group of its latest wave.
     band_wave = np.zeros(band.max() + 1, dtype=np.int64)
     np.maximum.at(band_wave, band, wave)
     group = group_of_wave[band_wave][band]
     offset = mt.astype(np.int64) * tile_m * n + nt * tile_n
-    return group, offset, np.full(tiles_m * tiles_n, n)
+    return group, offset, np.full(len(mt), n)
 
 
-def _tiles_layout(m, n, tile_m, tile_n, tiles_n, order, group):
+def _tiles_layout(order, group, elems):
     # Tiles of a group back to back in execution order; groups in group order.
-    mt, nt = np.divmod(order, tiles_n)
-    rows = np.minimum(tile_m, m - mt * tile_m)
-    cols = np.minimum(tile_n, n - nt * tile_n)
     packed = order[np.argsort(group[order], kind="stable")]
-    size_of = np.zeros(len(group), dtype=np.int64)
-    size_of[order] = rows * cols
-    ld = np.zeros(len(group), dtype=np.int64)
-    ld[order] = cols
     offset = np.zeros(len(group), dtype=np.int64)
-    offset[packed] = np.concatenate([[0], np.cumsum(size_of[packed])[:-1]])
-    return offset, ld
+    offset[packed] = np.concatenate([[0], np.cumsum(elems[packed])[:-1]])
+    return offset
 
 
 def slot_view(buffer: torch.Tensor, plan: Plan, tile: int) -> torch.Tensor:
