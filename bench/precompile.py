@@ -1,7 +1,8 @@
 """Build GEMM instances into the kernel cache ahead of time, several nvcc processes at once.
 
-    python bench/precompile.py --jobs 8 bfloat16:nk:128x256:1 float16:nk:128x256:1
-(dtype:weight_layout:tile_mxtile_n:cluster_m[:scheduler]), so that timed runs never include a compile.
+    python bench/precompile.py --jobs 8 bfloat16:nk:128x256:1 float16:nk:128x256:1:streamk:direct
+(dtype:weight_layout:tile_mxtile_n:cluster_m[:scheduler[:epilogue]]), so that timed runs never include
+a compile.
 """
 
 from __future__ import annotations
@@ -14,15 +15,17 @@ from flashoverlap.gemm import GemmSpec, generate
 
 
 def parse_spec(text: str) -> GemmSpec:
-    dtype, layout, tile, cluster, *scheduler = text.split(":")
+    dtype, layout, tile, cluster, *rest = text.split(":")
     tile_m, tile_n = (int(v) for v in tile.split("x"))
+    scheduler, epilogue = rest + ["persistent", "tma"][len(rest) :]
     return GemmSpec(
         dtype=dtype,
         weight_layout=layout,
         tile_m=tile_m,
         tile_n=tile_n,
         cluster_m=int(cluster),
-        scheduler=scheduler[0] if scheduler else "persistent",
+        scheduler=scheduler,
+        epilogue=epilogue,
     )
 
 

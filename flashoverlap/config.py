@@ -14,7 +14,7 @@ from typing import Any
 
 import yaml
 
-from .gemm.generator import validate_instance
+from .gemm.generator import EPILOGUES, validate_instance
 from .plan import LAYOUTS
 
 
@@ -27,6 +27,8 @@ class OverlapConfig:
     partition: waves per group, summing to the GEMM's wave count; ``None`` picks a default.
     layout: ``rows`` (groups rounded to row bands, stored in place) or ``tiles`` (exact wave
       groups, packed slots, restored after).
+    epilogue: ``tma`` (bulk tensor stores overlapped with the next tile; needs ``rows``),
+      ``direct`` (register stores into any slot), or ``auto``: ``tma`` for ``rows``, else ``direct``.
     sequential: run the plain GEMM then the collective (where overlap cannot pay).
     """
 
@@ -38,6 +40,7 @@ class OverlapConfig:
     comm_sms: int = 16
     partition: tuple[int, ...] | None = None
     layout: str = "rows"
+    epilogue: str = "auto"
     sequential: bool = False
 
     def __post_init__(self) -> None:
@@ -90,9 +93,20 @@ def _problems(cfg: OverlapConfig) -> list[str]:
         problems.append(f"partition must be a non-empty list of positive integers (waves), got {list(cfg.partition)}")
     if cfg.layout not in LAYOUTS:
         problems.append(f"layout must be one of {list(LAYOUTS)}, got {cfg.layout!r}")
+    if cfg.epilogue != "auto" and cfg.epilogue not in EPILOGUES:
+        problems.append(f"epilogue must be one of {['auto', *EPILOGUES]}, got {cfg.epilogue!r}")
+    elif cfg.epilogue == "tma" and cfg.layout != "rows":
+        problems.append(f"epilogue 'tma' writes C in place and needs layout 'rows', got layout {cfg.layout!r}")
     if not isinstance(cfg.sequential, bool):
         problems.append(f"sequential must be true or false, got {cfg.sequential!r}")
     return problems
+
+
+def epilogue_of(cfg: OverlapConfig) -> str:
+    """The epilogue ``cfg`` runs with (``auto`` resolved)."""
+    if cfg.epilogue != "auto":
+        return cfg.epilogue
+    return "tma" if cfg.layout == "rows" else "direct"
 
 
 def resolve(config: OverlapConfig | Mapping[str, Any] | str | os.PathLike[str] | None) -> OverlapConfig:

@@ -15,7 +15,7 @@ import torch
 import torch.distributed as dist
 
 from . import comm, signal
-from .config import OverlapConfig, resolve
+from .config import OverlapConfig, epilogue_of, resolve
 from .gemm import GemmSpec, SignalGemm, get_kernel
 from .plan import Plan, make_plan
 
@@ -128,6 +128,7 @@ def prepare(
         tile_k=cfg.tile_k,
         cluster_m=cfg.cluster_m,
         scheduler=cfg.scheduler,
+        epilogue=epilogue_of(cfg),
     )
     kernel = get_kernel(spec)
     index = device.index

@@ -1,6 +1,6 @@
 import pytest
 
-from flashoverlap.config import OverlapConfig, resolve
+from flashoverlap.config import OverlapConfig, epilogue_of, resolve
 
 
 def test_defaults_are_valid_and_mappings_resolve():
@@ -8,6 +8,12 @@ def test_defaults_are_valid_and_mappings_resolve():
     cfg = resolve({"tile_n": 128, "partition": [1, 2, 1], "comm_sms": 16})
     assert cfg.tile_n == 128 and cfg.partition == (1, 2, 1) and cfg.comm_sms == 16
     assert resolve(cfg) is cfg
+
+
+def test_epilogue_auto_follows_the_layout():
+    assert epilogue_of(OverlapConfig()) == "tma"
+    assert epilogue_of(OverlapConfig(layout="tiles")) == "direct"
+    assert epilogue_of(OverlapConfig(epilogue="direct")) == "direct"
 
 
 @pytest.mark.parametrize(
@@ -23,6 +29,9 @@ def test_defaults_are_valid_and_mappings_resolve():
         ({"partition": []}, "non-empty"),
         ({"layout": "cols"}, "layout must be one of"),
         ({"sequential": "yes"}, "sequential must be true or false"),
+        ({"epilogue": "smem"}, "epilogue must be one of"),
+        ({"scheduler": "static"}, r"scheduler 'static' not in"),
+        ({"epilogue": "tma", "layout": "tiles"}, "needs layout 'rows'"),
     ],
 )
 def test_invalid_values_are_named(data, message):

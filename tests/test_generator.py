@@ -12,6 +12,9 @@ def test_source_names_the_instance():
     assert "using LayoutB = cutlass::layout::RowMajor;" in src
     assert "Shape<_256, _128, _64>" in src and "Shape<_2, _1, _1>" in src
     assert "KernelTmaWarpSpecializedCooperative" in src and '#include "launcher.cuh"' in src
+    assert "TmaSignalEpilogue<EpilogueBase>" in src and "SignalEpilogue<" not in src.replace("TmaSignalEpilogue<", "")
+    direct = generate(GemmSpec(epilogue="direct"))
+    assert "flashoverlap::SignalEpilogue<Element" in direct and "TmaSignalEpilogue" not in direct
 
 
 def test_spec_rejects_what_it_cannot_generate():
@@ -19,6 +22,8 @@ def test_spec_rejects_what_it_cannot_generate():
         GemmSpec(dtype="float32", tile_n=96)
     with pytest.raises(ValueError, match="weight_layout"):
         GemmSpec(weight_layout="t")
+    with pytest.raises(ValueError, match="epilogue 'smem' not in"):
+        GemmSpec(epilogue="smem")
 
 
 def test_cache_key_changes_with_the_source(tmp_path, monkeypatch):
@@ -48,7 +53,12 @@ needs_nvcc = pytest.mark.skipif(shutil.which("nvcc") is None, reason="needs nvcc
 @pytest.mark.nvcc
 @needs_nvcc
 @pytest.mark.parametrize(
-    "spec", [GemmSpec(), GemmSpec(dtype="float16", weight_layout="kn", tile_m=256, tile_n=128, cluster_m=2)]
+    "spec",
+    [
+        GemmSpec(),
+        GemmSpec(dtype="float16", weight_layout="kn", tile_m=256, tile_n=128, cluster_m=2, epilogue="direct"),
+    ],
+    ids=["tma", "direct"],
 )
 def test_generated_source_compiles_for_sm90a(spec, tmp_path):
     obj = jit.build(spec.name, generate(spec), arch=spec.arch, cutlass=True, object_only=True, output=tmp_path / "k.o")

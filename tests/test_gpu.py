@@ -17,6 +17,7 @@ pytestmark = pytest.mark.gpu
 SHAPES = [(4096, 4096, 4096), (1000, 1032, 200), (333, 520, 264), (129, 8, 8), (2500, 3000, 1560)]
 CONFIGS = [
     ("bfloat16", "nk", OverlapConfig()),
+    ("bfloat16", "nk", OverlapConfig(epilogue="direct")),
     ("bfloat16", "nk", OverlapConfig(layout="tiles")),
     ("bfloat16", "nk", OverlapConfig(cluster_m=2, comm_sms=0)),
     ("bfloat16", "nk", OverlapConfig(scheduler="streamk", comm_sms=12)),
@@ -25,6 +26,7 @@ CONFIGS = [
     ("bfloat16", "nk", OverlapConfig(tile_n=128, comm_sms=20)),
     ("bfloat16", "kn", OverlapConfig()),
     ("float16", "nk", OverlapConfig(layout="tiles")),
+    ("float16", "nk", OverlapConfig()),
 ]
 
 

@@ -17,6 +17,7 @@ pytestmark = pytest.mark.multigpu
 SHAPES = [(4096, 8192, 2048), (1000, 1032, 200), (333, 520, 264), (3000, 2056, 1000)]
 CONFIGS = [
     OverlapConfig(),
+    OverlapConfig(epilogue="direct"),
     OverlapConfig(layout="tiles"),
     OverlapConfig(cluster_m=2, partition=None, comm_sms=16),
     OverlapConfig(tile_n=128, layout="tiles"),

@@ -62,7 +62,8 @@ typename Gemm::Arguments gemm_arguments(void const* a, void const* b, void* out,
       cutlass::gemm::GemmUniversalMode::kGemm,
       {M, N, K, 1},
       {static_cast<Element const*>(a), stride_a, static_cast<Element const*>(b), stride_b},
-      {static_cast<Element*>(out), static_cast<flashoverlap::TileSlot const*>(tiles), counters, tiles_m, tiles_n},
+      Epilogue::make_arguments(static_cast<Element*>(out), static_cast<flashoverlap::TileSlot const*>(tiles),
+                               counters, M, N, tiles_m, tiles_n),
       hardware(device, sm_count),
       scheduler_arguments()};
 }

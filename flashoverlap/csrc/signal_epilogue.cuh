@@ -47,6 +47,12 @@ class SignalEpilogue {
   };
   using Params = Arguments;
 
+  // out is the group buffer; tiles[] places each tile in it (M, N only bound the tiles).
+  static Arguments make_arguments(Element* out, TileSlot const* tiles, uint32_t* counters, int, int, int tiles_m,
+                                  int tiles_n) {
+    return {out, tiles, counters, tiles_m, tiles_n};
+  }
+
   template <class ProblemShape>
   static constexpr Params to_underlying_arguments(ProblemShape const&, Arguments const& args, void*) {
     return args;

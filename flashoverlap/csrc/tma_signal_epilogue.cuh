@@ -1,0 +1,110 @@
+// flashoverlap TMA signal epilogue: CUTLASS's own sm90 TMA warp-specialized epilogue (registers ->
+// shared memory -> bulk tensor store, the one cuBLAS-class kernels use) plus a deferred counter bump.
+//
+// Contract with the Python planner (flashoverlap/plan.py, "rows" layout only): the output buffer is
+// row-major C[M, N] and every tile is written at its own place; tiles[mt * tiles_n + nt].group is the
+// counter the tile counts towards (-1: none). One signal per tile (kSignalsPerTile = 1).
+//
+// The accumulators leave through shared memory in 128x32 subtiles whose bulk stores overlap the
+// conversion of the next subtile (the direct epilogue stalls the tensor cores on every global store
+// instead). Only the last subtile's store is still in flight when CUTLASS's epilogue returns; the
+// signal waits for it right away. Deferring the wait to the next tile would hide that microsecond
+// but delay every group's signal by a whole tile, which puts the second-to-last group's
+// communication behind the GEMM's end.
+#pragma once
+
+#include <cstdint>
+
+#include "cute/tensor.hpp"
+#include "cutlass/cutlass.h"
+
+#include "tile_slot.cuh"
+
+namespace flashoverlap {
+
+template <class Base>
+class TmaSignalEpilogue : public Base {
+ public:
+  static constexpr int kSignalsPerTile = 1;
+  using Element = typename Base::ElementD;
+
+  struct Arguments : Base::Arguments {
+    TileSlot const* tiles = nullptr;
+    uint32_t* counters = nullptr;
+    int tiles_m = 0;
+    int tiles_n = 0;
+  };
+  struct Params : Base::Params {
+    TileSlot const* tiles;
+    uint32_t* counters;
+    int tiles_m;
+    int tiles_n;
+  };
+
+  // C[M, N] row-major; no source operand (beta = 0), alpha = 1.
+  static Arguments make_arguments(Element* out, TileSlot const* tiles, uint32_t* counters, int M, int N, int tiles_m,
+                                  int tiles_n) {
+    Arguments args{};
+    args.ptr_C = nullptr;
+    args.ptr_D = out;
+    args.dD = cute::make_stride(int64_t(N), cute::Int<1>{}, int64_t(M) * N);
+    args.dC = args.dD;
+    args.tiles = tiles;
+    args.counters = counters;
+    args.tiles_m = tiles_m;
+    args.tiles_n = tiles_n;
+    return args;
+  }
+
+  template <class ProblemShape>
+  static Params to_underlying_arguments(ProblemShape const& problem, Arguments const& args, void* workspace) {
+    return {Base::to_underlying_arguments(problem, args, workspace), args.tiles, args.counters, args.tiles_m,
+            args.tiles_n};
+  }
+
+  template <class ProblemShape>
+  static bool can_implement(ProblemShape const& problem, Arguments const& args) {
+    return Base::can_implement(problem, args) && args.ptr_D != nullptr && args.tiles != nullptr;
+  }
+
+  CUTLASS_DEVICE
+  TmaSignalEpilogue(Params const& params, typename Base::TensorStorage& shared) : Base(params, shared), p_(params) {}
+
+  template <class ProblemShapeMNKL, class TileShapeMNK, class TileCoordMNKL, class AccEngine, class AccLayout,
+            class TiledMma>
+  CUTLASS_DEVICE auto store(typename Base::LoadPipeline load_pipeline,
+                            typename Base::LoadPipelineState load_pipe_consumer_state,
+                            typename Base::StorePipeline store_pipeline,
+                            typename Base::StorePipelineState store_pipe_producer_state,
+                            ProblemShapeMNKL problem_shape_mnkl, TileShapeMNK tile_shape_MNK,
+                            TileCoordMNKL tile_coord_mnkl, cute::Tensor<AccEngine, AccLayout> accumulators,
+                            TiledMma tiled_mma, int thread_idx, typename Base::TensorStorage& shared_tensors,
+                            int subtile_idx = -1) {
+    auto next = Base::store(load_pipeline, load_pipe_consumer_state, store_pipeline, store_pipe_producer_state,
+                            problem_shape_mnkl, tile_shape_MNK, tile_coord_mnkl, accumulators, tiled_mma, thread_idx,
+                            shared_tensors, subtile_idx);
+    // Warp 0 issues every bulk store (all of its lanes do), so all of its lanes wait for their bulk
+    // groups to complete -- not only to have been read from shared memory -- before lane 0 releases.
+    if (thread_idx < 32) {
+      int const mt = int(cute::get<0>(tile_coord_mnkl));
+      int const nt = int(cute::get<1>(tile_coord_mnkl));
+      // The scheduler pads the tile grid to whole clusters; padded tiles own no output.
+      int const group = mt < p_.tiles_m && nt < p_.tiles_n ? p_.tiles[int64_t(mt) * p_.tiles_n + nt].group : -1;
+      if (group >= 0) {
+        asm volatile("cp.async.bulk.wait_group 0;" ::: "memory");
+        asm volatile("fence.proxy.async.global;" ::: "memory");
+        asm volatile("fence.acq_rel.gpu;" ::: "memory");
+        __syncwarp();
+        if (thread_idx == 0) {
+          asm volatile("red.release.gpu.global.add.u32 [%0], 1;" ::"l"(p_.counters + group) : "memory");
+        }
+      }
+    }
+    return next;
+  }
+
+ private:
+  Params const& p_;
+};
+
+}  // namespace flashoverlap
