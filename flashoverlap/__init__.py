@@ -1,8 +1,8 @@
 """flashoverlap: hide tensor-parallel communication behind the GEMM that produces it."""
 
 from .config import OverlapConfig
-from .overlap import gemm_all_reduce
+from .overlap import gemm_all_reduce, gemm_all_to_all, gemm_reduce_scatter
 from .plan import Plan, make_plan
 
-__all__ = ["OverlapConfig", "Plan", "gemm_all_reduce", "make_plan"]
+__all__ = ["OverlapConfig", "Plan", "gemm_all_reduce", "gemm_all_to_all", "gemm_reduce_scatter", "make_plan"]
 __version__ = "0.1.0"

@@ -1,7 +1,10 @@
-"""Side-by-side benchmark of GEMM + AllReduce: sequential vs flashoverlap, in one run.
+"""Side-by-side benchmark of GEMM + collective: sequential vs flashoverlap, in one run.
 
     torchrun --nproc-per-node 2 -m flashoverlap.bench --shapes 4096x8192x8192 \
         --configs '{}' '{"comm_sms": 16}' --csv results.csv
+    torchrun --nproc-per-node 2 -m flashoverlap.bench --collective reduce_scatter --shapes 16384x8192x4096
+
+all_to_all splits the rows evenly over the ranks.
 
 Variants take turns round by round (so drift hits all alike),
 after warm-up, on random inputs rotated through sets larger than L2, timed with CUDA events
@@ -23,6 +26,8 @@ from collections.abc import Callable, Sequence
 
 import torch
 import torch.distributed as dist
+
+from .comm import COLLECTIVES
 
 TRANSPORTS = {
     "nvlink": {},
@@ -65,6 +70,7 @@ def build_parser() -> argparse.ArgumentParser:
         default=[{}],
         help="OverlapConfig fields as JSON objects; each is one flashoverlap variant",
     )
+    parser.add_argument("--collective", choices=COLLECTIVES, default="all_reduce")
     parser.add_argument("--dtype", choices=["bfloat16", "float16"], default="bfloat16")
     parser.add_argument("--transport", choices=sorted(TRANSPORTS), default="nvlink")
     parser.add_argument("--rounds", type=int, default=15, help="timed rounds per variant")
@@ -127,9 +133,11 @@ def time_variants(
     return dict(zip(variants, medians.tolist()))
 
 
-def bench_shape(shape, configs, dtype, rounds, block, warmup) -> list[dict]:
-    from . import gemm_all_reduce
-    from .config import resolve
+def bench_shape(shape, configs, collective, dtype, rounds, block, warmup) -> list[dict]:
+    import flashoverlap
+
+    from . import comm
+    from .config import for_collective, resolve
     from .overlap import prepare
 
     m, n, k = shape
@@ -140,21 +148,21 @@ def bench_shape(shape, configs, dtype, rounds, block, warmup) -> list[dict]:
     a = [torch.randn(m, k, device="cuda", generator=gen).to(dtype) for _ in range(sets)]
     w = [torch.randn(n, k, device="cuda", generator=gen).to(dtype) / math.sqrt(k) for _ in range(sets)]
     c = torch.randn(m, n, device="cuda", generator=gen).to(dtype)
+    ex = comm.exchange(collective, m, world)
+    overlapped = getattr(flashoverlap, f"gemm_{collective}")
 
     def seq(i):
-        out = a[i % sets] @ w[i % sets].t()
-        dist.all_reduce(out)
-        return out
+        return comm.collective(ex, a[i % sets] @ w[i % sets].t(), None)
 
     variants: dict[str, Callable[[int], object]] = {
         "gemm": lambda i: a[i % sets] @ w[i % sets].t(),
-        "comm": lambda i: dist.all_reduce(c),
+        "comm": lambda i: comm.collective(ex, c, None),
         "seq": seq,
     }
-    cfgs = [resolve(cfg) for cfg in configs]
+    cfgs = [for_collective(resolve(cfg), collective) for cfg in configs]
     errors = {}
     for j, cfg in enumerate(cfgs):
-        variants[f"fo{j}"] = lambda i, cfg=cfg: gemm_all_reduce(a[i % sets], w[i % sets], config=cfg)
+        variants[f"fo{j}"] = lambda i, cfg=cfg: overlapped(a[i % sets], w[i % sets], config=cfg)
         if not cfg.sequential:
             prep = prepare(m, n, k, dtype, "nk", a[0].device, cfg)
             buf = torch.empty(m * n, dtype=dtype, device="cuda")
@@ -164,7 +172,7 @@ def bench_shape(shape, configs, dtype, rounds, block, warmup) -> list[dict]:
                 prep.counters.zero_()
 
             variants[f"kernel{j}"] = kernel_only
-        got, want = gemm_all_reduce(a[0], w[0], config=cfg).float(), seq(0).float()
+        got, want = overlapped(a[0], w[0], config=cfg).float(), seq(0).float()
         errors[j] = ((got - want).norm() / want.norm()).item()
     times = time_variants(variants, rounds, block, warmup)
 
@@ -179,6 +187,7 @@ def bench_shape(shape, configs, dtype, rounds, block, warmup) -> list[dict]:
                 "n": n,
                 "k": k,
                 "world": world,
+                "collective": collective,
                 "dtype": str(dtype).removeprefix("torch."),
                 "config": json.dumps(configs[j], sort_keys=True),
                 "waves": plan.num_waves if plan else "",
@@ -198,29 +207,31 @@ def bench_shape(shape, configs, dtype, rounds, block, warmup) -> list[dict]:
     return rows
 
 
-def trace_call(shape, config, dtype, path: str) -> None:
+def trace_call(shape, config, collective, dtype, path: str) -> None:
     """Profile three overlapped calls (after warm-up); rank 0 writes the trace and prints its kernels."""
     from torch.profiler import ProfilerActivity, profile
 
-    from . import gemm_all_reduce
+    import flashoverlap
+
+    overlapped = getattr(flashoverlap, f"gemm_{collective}")
 
     m, n, k = shape
     a = torch.randn(m, k, device="cuda").to(dtype)
     w = torch.randn(n, k, device="cuda").to(dtype)
     for _ in range(3):
-        gemm_all_reduce(a, w, config=config)
+        overlapped(a, w, config=config)
     enqueue_s = []
     for _ in range(5):
         torch.cuda.synchronize()
         start = time.perf_counter()
-        gemm_all_reduce(a, w, config=config)
+        overlapped(a, w, config=config)
         enqueue_s.append(time.perf_counter() - start)
     torch.cuda.synchronize()
     dist.barrier()
     torch.cuda.synchronize()
     with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
         for _ in range(3):  # back to back, as in the timed runs
-            gemm_all_reduce(a, w, config=config)
+            overlapped(a, w, config=config)
         torch.cuda.synchronize()
     if dist.get_rank() != 0:
         return
@@ -288,13 +299,13 @@ def main(argv: Sequence[str] | None = None) -> int:
         dtype = getattr(torch, args.dtype)
         rows = []
         for shape in args.shapes:
-            rows += bench_shape(shape, args.configs, dtype, args.rounds, args.block, args.warmup)
+            rows += bench_shape(shape, args.configs, args.collective, dtype, args.rounds, args.block, args.warmup)
         if args.trace:
-            trace_call(args.shapes[0], args.configs[0], dtype, args.trace)
+            trace_call(args.shapes[0], args.configs[0], args.collective, dtype, args.trace)
         if dist.get_rank() == 0:
             name = torch.cuda.get_device_name()
             print(
-                f"\n{name} x{dist.get_world_size()}, transport={args.transport}, {args.dtype}, "
+                f"\n{name} x{dist.get_world_size()}, {args.collective}, transport={args.transport}, {args.dtype}, "
                 f"ms per call, median of {args.rounds} rounds of {args.block} calls"
             )
             print(format_table(rows), flush=True)

@@ -25,8 +25,9 @@ class OverlapConfig:
     tile_m, tile_n, tile_k, cluster_m, scheduler: the CUTLASS instance (see ``flashoverlap.gemm``).
     comm_sms: SMs left out of the GEMM's persistent grid so NCCL kernels can run beside it.
     partition: waves per group, summing to the GEMM's wave count; ``None`` picks a default.
-    layout: ``rows`` (groups rounded to row bands, stored in place) or ``tiles`` (exact wave
-      groups, packed slots, restored after).
+    layout: ``rows`` (groups rounded to row bands, stored in place; all-reduce), ``tiles`` (exact
+      wave groups, packed slots, restored after; all-reduce), ``cols`` (groups of whole tile
+      columns; any collective), or ``auto``: ``rows`` for all-reduce, ``cols`` for the others.
     epilogue: ``tma`` (bulk tensor stores overlapped with the next tile; needs ``rows``),
       ``direct`` (register stores into any slot), or ``auto``: ``tma`` for ``rows``, else ``direct``.
     sequential: run the plain GEMM then the collective (where overlap cannot pay).
@@ -39,7 +40,7 @@ class OverlapConfig:
     scheduler: str = "persistent"
     comm_sms: int = 16
     partition: tuple[int, ...] | None = None
-    layout: str = "rows"
+    layout: str = "auto"
     epilogue: str = "auto"
     sequential: bool = False
 
@@ -91,22 +92,30 @@ def _problems(cfg: OverlapConfig) -> list[str]:
         not cfg.partition or any(not isinstance(w, int) or isinstance(w, bool) or w < 1 for w in cfg.partition)
     ):
         problems.append(f"partition must be a non-empty list of positive integers (waves), got {list(cfg.partition)}")
-    if cfg.layout not in LAYOUTS:
-        problems.append(f"layout must be one of {list(LAYOUTS)}, got {cfg.layout!r}")
+    if cfg.layout != "auto" and cfg.layout not in LAYOUTS:
+        problems.append(f"layout must be one of {['auto', *LAYOUTS]}, got {cfg.layout!r}")
     if cfg.epilogue != "auto" and cfg.epilogue not in EPILOGUES:
         problems.append(f"epilogue must be one of {['auto', *EPILOGUES]}, got {cfg.epilogue!r}")
-    elif cfg.epilogue == "tma" and cfg.layout != "rows":
+    elif cfg.epilogue == "tma" and cfg.layout not in ("rows", "auto"):
         problems.append(f"epilogue 'tma' writes C in place and needs layout 'rows', got layout {cfg.layout!r}")
     if not isinstance(cfg.sequential, bool):
         problems.append(f"sequential must be true or false, got {cfg.sequential!r}")
     return problems
 
 
-def epilogue_of(cfg: OverlapConfig) -> str:
-    """The epilogue ``cfg`` runs with (``auto`` resolved)."""
-    if cfg.epilogue != "auto":
-        return cfg.epilogue
-    return "tma" if cfg.layout == "rows" else "direct"
+def for_collective(cfg: OverlapConfig, collective: str) -> OverlapConfig:
+    """``cfg`` with ``auto`` layout and epilogue resolved for ``collective``; raises where the
+    config cannot run it."""
+    layout = cfg.layout if cfg.layout != "auto" else ("rows" if collective == "all_reduce" else "cols")
+    if collective != "all_reduce" and layout != "cols":
+        raise ValueError(
+            f"{collective} needs layout 'cols' (every group must split into per-rank row segments), "
+            f"got layout {layout!r}"
+        )
+    epilogue = cfg.epilogue if cfg.epilogue != "auto" else ("tma" if layout == "rows" else "direct")
+    if epilogue == "tma" and layout != "rows":
+        raise ValueError(f"epilogue 'tma' writes C in place and needs layout 'rows', got layout {layout!r}")
+    return dataclasses.replace(cfg, layout=layout, epilogue=epilogue)
 
 
 def resolve(config: OverlapConfig | Mapping[str, Any] | str | os.PathLike[str] | None) -> OverlapConfig:

@@ -2,20 +2,30 @@
 
 One call: the signal GEMM runs on the caller's stream and writes each tile into its group slot;
 a communication stream waits on each group's counter and runs the group's collective; the
-caller's stream then waits for the communication stream and (for packed layouts) restores C.
-No host synchronisation happens inside a call.
+caller's stream then waits for the communication stream and, where the layout needs it, copies
+the result into place (``tiles``: one gather; ``cols``: one copy per group). No host
+synchronisation happens inside a call.
+
+Operands of every public entry point: a: [M, K]; weight: [N, K] like ``torch.nn.Linear``
+(``weight_layout="nk"``) or [K, N] (``"kn"``); bf16 or fp16, contiguous, on this rank's CUDA
+device; N and K multiples of 8; every rank passes the same shapes. ``config``: an
+:class:`OverlapConfig`, a dict of its fields, or a YAML path (default: built-in). The result is a
+new tensor, ready on the current stream. Bad input raises ``ValueError``/``TypeError`` before
+anything is launched. A group of one rank runs the plain GEMM.
 """
 
 from __future__ import annotations
 
 import os
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
 
 from . import comm, signal
-from .config import OverlapConfig, epilogue_of, resolve
+from .comm import Exchange
+from .config import OverlapConfig, for_collective, resolve
 from .gemm import GemmSpec, SignalGemm, get_kernel
 from .plan import Plan, make_plan
 
@@ -70,13 +80,13 @@ def check_inputs(a: object, weight: object, weight_layout: str, device_type: str
 
 
 def sequential(
-    a: torch.Tensor, weight: torch.Tensor, weight_layout: str, group: dist.ProcessGroup | None, world: int
+    a: torch.Tensor, weight: torch.Tensor, weight_layout: str, ex: Exchange, group: dist.ProcessGroup | None
 ) -> torch.Tensor:
     """The baseline the overlap must beat and match: matmul, then the collective."""
     out = a @ (weight.t() if weight_layout == "nk" else weight)
-    if world > 1:
-        dist.all_reduce(out, group=group)
-    return out
+    if world_size(group) == 1:
+        return out
+    return comm.collective(ex, out, group)
 
 
 @dataclass(eq=False)
@@ -102,6 +112,7 @@ class Prepared:
             self.workspace,
             (self.plan.tiles_m, self.plan.tiles_n),
             self.sm_count,
+            self.plan.along_m,
             stream,
         )
 
@@ -113,6 +124,8 @@ _comm_streams: dict[int, torch.cuda.Stream] = {}
 def prepare(
     m: int, n: int, k: int, dtype: torch.dtype, weight_layout: str, device: torch.device, cfg: OverlapConfig
 ) -> Prepared:
+    if "auto" in (cfg.layout, cfg.epilogue):
+        raise ValueError("prepare() takes a config resolved for its collective (config.for_collective)")
     key = (m, n, k, dtype, weight_layout, device.index, cfg)
     if key in _prepared:
         return _prepared[key]
@@ -128,24 +141,25 @@ def prepare(
         tile_k=cfg.tile_k,
         cluster_m=cfg.cluster_m,
         scheduler=cfg.scheduler,
-        epilogue=epilogue_of(cfg),
+        epilogue=cfg.epilogue,
     )
     kernel = get_kernel(spec)
     index = device.index
+    along_m = cfg.layout == "cols"
     plan = make_plan(
         m,
         n,
         tile_m=cfg.tile_m,
         tile_n=cfg.tile_n,
         cluster_m=cfg.cluster_m,
-        ctas=kernel.num_ctas(m, n, k, sm_count, index),
-        stream_k_tiles=kernel.stream_k_tiles(m, n, k, sm_count, index),
+        ctas=kernel.num_ctas(m, n, k, sm_count, index, along_m),
+        stream_k_tiles=kernel.stream_k_tiles(m, n, k, sm_count, index, along_m),
         partition=cfg.partition,
         layout=cfg.layout,
     )
     slots = torch.from_numpy(plan.slot_table().view("u1")).to(device)
     counters = torch.zeros(plan.num_groups, dtype=torch.int32, device=device)
-    workspace_bytes = kernel.workspace_size(m, n, k, sm_count, index)
+    workspace_bytes = kernel.workspace_size(m, n, k, sm_count, index, along_m)
     workspace = torch.empty(workspace_bytes, dtype=torch.uint8, device=device) if workspace_bytes else None
     prepared = Prepared(
         plan, kernel, slots, counters, workspace, plan.counter_targets(kernel.signals_per_tile), sm_count
@@ -179,7 +193,7 @@ def run_overlapped(
     prep: Prepared,
     a: torch.Tensor,
     weight: torch.Tensor,
-    collective: str,
+    ex: Exchange,
     group: dist.ProcessGroup | None,
     tail_group: dist.ProcessGroup | None = None,
 ) -> torch.Tensor:
@@ -189,8 +203,10 @@ def run_overlapped(
     device = a.device
     caller = torch.cuda.current_stream(device)
     stream = comm_stream(device)
-    out = torch.empty((plan.m, plan.n), dtype=a.dtype, device=device)
+    out = torch.empty((ex.rows, plan.n), dtype=a.dtype, device=device)
     buffer = out.view(-1) if plan.in_place else torch.empty(plan.numel, dtype=a.dtype, device=device)
+    staged = ex.collective != "all_reduce"
+    recv = torch.empty(ex.rows * plan.n, dtype=a.dtype, device=device) if staged else None
 
     stream.wait_stream(caller)  # operands ready; earlier users of the buffers done
     prep.launch(a, weight, buffer, caller)
@@ -198,14 +214,42 @@ def run_overlapped(
         last = len(prep.targets) - 1
         for g, target in enumerate(prep.targets):
             signal.wait_geq(stream, prep.counters, g, target)
-            chunk = buffer[plan.bounds[g] : plan.bounds[g + 1]]
-            comm.collective(collective, chunk, tail_group if g == last and tail_group is not None else group)
+            on = tail_group if g == last and tail_group is not None else group
+            comm.communicate_group(ex, plan, g, buffer, recv, on)
         prep.counters.zero_()  # stream-ordered: the next call's GEMM waits for it through `caller`
-    buffer.record_stream(stream)
+    for scratch in (buffer, recv):
+        if scratch is not None:
+            scratch.record_stream(stream)
     caller.wait_stream(stream)
-    if not plan.in_place:
+    if plan.layout == "tiles":
         comm.restore(buffer, out, plan, prep.slots)
+    elif plan.layout == "cols":
+        comm.gather_columns(ex, plan, buffer if recv is None else recv, out)
     return out
+
+
+def _gemm_collective(
+    a: torch.Tensor,
+    weight: torch.Tensor,
+    collective: str,
+    group: dist.ProcessGroup | None,
+    config: OverlapConfig | dict | str | os.PathLike | None,
+    weight_layout: str,
+    splits: Sequence[int] | None = None,
+    output_splits: Sequence[int] | None = None,
+) -> torch.Tensor:
+    world = world_size(group)
+    cfg = for_collective(resolve(config), collective)
+    m, n, k = check_inputs(a, weight, weight_layout)
+    ex = comm.exchange(collective, m, world, splits, output_splits, group, a.device)
+    if world == 1 or cfg.sequential:
+        return sequential(a, weight, weight_layout, ex, group)
+    with torch.cuda.device(a.device):  # the kernels launch on the current device
+        prep = prepare(m, n, k, a.dtype, weight_layout, a.device, cfg)
+        full = group if group is not None else dist.group.WORLD
+        check_agreement(prep, collective, full)
+        budget = comm.budget_group(full, cfg.comm_sms)
+        return run_overlapped(prep, a, weight, ex, budget, tail_group=full)
 
 
 def gemm_all_reduce(
@@ -216,22 +260,35 @@ def gemm_all_reduce(
     config: OverlapConfig | dict | str | os.PathLike | None = None,
     weight_layout: str = "nk",
 ) -> torch.Tensor:
-    """``all_reduce(a @ weight.T)`` over ``group``, with the all-reduce overlapped with the GEMM.
+    """``all_reduce(a @ weight.T)`` over ``group`` -> [M, N], overlapped with the GEMM."""
+    return _gemm_collective(a, weight, "all_reduce", group, config, weight_layout)
 
-    a: [M, K]; weight: [N, K] like ``torch.nn.Linear`` (``weight_layout="nk"``) or [K, N]
-    (``"kn"``); bf16 or fp16, contiguous, on this rank's CUDA device; N and K multiples of 8.
-    config: an :class:`OverlapConfig`, a dict of its fields, or a YAML path; default: built-in.
-    Returns a new [M, N] tensor, ready on the current stream. A group of one rank runs the
-    plain GEMM.
-    """
-    world = world_size(group)
-    cfg = resolve(config)
-    m, n, k = check_inputs(a, weight, weight_layout)
-    if world == 1 or cfg.sequential:
-        return sequential(a, weight, weight_layout, group, world)
-    with torch.cuda.device(a.device):  # the kernels launch on the current device
-        prep = prepare(m, n, k, a.dtype, weight_layout, a.device, cfg)
-        full = group if group is not None else dist.group.WORLD
-        check_agreement(prep, "all_reduce", full)
-        budget = comm.budget_group(full, cfg.comm_sms)
-        return run_overlapped(prep, a, weight, "all_reduce", budget, tail_group=full)
+
+def gemm_reduce_scatter(
+    a: torch.Tensor,
+    weight: torch.Tensor,
+    *,
+    group: dist.ProcessGroup | None = None,
+    config: OverlapConfig | dict | str | os.PathLike | None = None,
+    weight_layout: str = "nk",
+) -> torch.Tensor:
+    """``reduce_scatter_tensor`` of ``a @ weight.T`` over ``group``: rank r gets the summed rows
+    [r * M / world, (r + 1) * M / world) -> [M / world, N]; M must be a multiple of the world size."""
+    return _gemm_collective(a, weight, "reduce_scatter", group, config, weight_layout)
+
+
+def gemm_all_to_all(
+    a: torch.Tensor,
+    weight: torch.Tensor,
+    *,
+    splits: Sequence[int] | None = None,
+    output_splits: Sequence[int] | None = None,
+    group: dist.ProcessGroup | None = None,
+    config: OverlapConfig | dict | str | os.PathLike | None = None,
+    weight_layout: str = "nk",
+) -> torch.Tensor:
+    """``all_to_all_single`` of ``a @ weight.T``: the first ``splits[0]`` rows go to rank 0, the
+    next ``splits[1]`` to rank 1, ... (even split when omitted); returns the rows received from
+    every rank in rank order -> [sum(output_splits), N]. ``output_splits[s]`` = rows rank s sends
+    here; omitted with uneven ``splits``, the counts are exchanged first (a small collective)."""
+    return _gemm_collective(a, weight, "all_to_all", group, config, weight_layout, splits, output_splits)

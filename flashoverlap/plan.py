@@ -16,6 +16,11 @@ Layouts of the output buffer:
 * ``tiles``: groups are exactly the requested waves. Each group's tiles are packed back to back
   (a tile of r x c valid elements occupies r*c elements with leading dimension c) and C is
   restored afterwards by one gather.
+* ``cols``: the scheduler rasters along M (down tile columns) and group boundaries are rounded to
+  whole tile columns, so group g is C[:, c0:c1] for all M rows, stored as its own row-major
+  [M, c1 - c0] block. Any row range of it is contiguous: the per-destination segments that
+  reduce-scatter and all-to-all need. Each group's result is copied into its columns of the
+  output after the last collective.
 """
 
 from __future__ import annotations
@@ -26,25 +31,28 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-LAYOUTS = ("rows", "tiles")
+LAYOUTS = ("rows", "tiles", "cols")
 
 # Mirrors flashoverlap::TileSlot in gemm/csrc/signal_epilogue.cuh.
 SLOT_DTYPE = np.dtype([("offset", "<i8"), ("ld", "<i4"), ("group", "<i4")])
 
 
-def schedule_order(tiles_m: int, tiles_n: int, cluster_m: int) -> np.ndarray:
+def schedule_order(tiles_m: int, tiles_n: int, cluster_m: int, along_m: bool = False) -> np.ndarray:
     """Tile id (``mt * tiles_n + nt``) for each linear scheduler index, -1 for padding.
 
     Mirrors CUTLASS's ``PersistentTileSchedulerSm90`` as the generated kernels configure it:
-    raster along N, no swizzle, cluster ``(cluster_m, 1)``. The M tile count is padded to a
-    whole number of clusters; padded indices own no output. CTA ``j`` of a grid of ``ctas``
-    handles indices ``j, j + ctas, ...``, so index ``i`` runs in wave ``i // ctas``.
+    raster along N (``along_m``: along M), no swizzle, cluster ``(cluster_m, 1)``. The M tile
+    count is padded to a whole number of clusters; padded indices own no output. CTA ``j`` of a
+    grid of ``ctas`` handles indices ``j, j + ctas, ...``, so index ``i`` runs in wave ``i // ctas``.
     """
     padded_m = -(-tiles_m // cluster_m) * cluster_m
     idx = np.arange(padded_m * tiles_n, dtype=np.int64)
-    cluster = idx // cluster_m
-    mt = (cluster // tiles_n) * cluster_m + idx % cluster_m
-    nt = cluster % tiles_n
+    if along_m:
+        mt, nt = idx % padded_m, idx // padded_m
+    else:
+        cluster = idx // cluster_m
+        mt = (cluster // tiles_n) * cluster_m + idx % cluster_m
+        nt = cluster % tiles_n
     return np.where(mt < tiles_m, mt * tiles_n + nt, -1)
 
 
@@ -121,6 +129,17 @@ class Plan:
         return self.m * self.n
 
     @property
+    def along_m(self) -> bool:
+        """Whether the kernel rasters along M (the ``cols`` layout)."""
+        return self.layout == "cols"
+
+    def columns(self, group: int) -> tuple[int, int]:
+        """Output columns [c0, c1) of ``group`` in the ``cols`` layout."""
+        if self.layout != "cols":
+            raise ValueError(f"group columns exist in the 'cols' layout, this plan is {self.layout!r}")
+        return self.bounds[group] // self.m, self.bounds[group + 1] // self.m
+
+    @property
     def in_place(self) -> bool:
         """The buffer is row-major C itself: nothing to restore."""
         return self.layout == "rows"
@@ -182,7 +201,7 @@ def make_plan(
         raise ValueError(f"layout must be one of {LAYOUTS}, got {layout!r}")
 
     tiles_m, tiles_n = math.ceil(m / tile_m), math.ceil(n / tile_n)
-    order_padded = schedule_order(tiles_m, tiles_n, cluster_m)
+    order_padded = schedule_order(tiles_m, tiles_n, cluster_m, along_m=layout == "cols")
     if not isinstance(stream_k_tiles, (int, np.integer)) or not 0 <= stream_k_tiles <= len(order_padded):
         raise ValueError(f"stream_k_tiles must be in [0, {len(order_padded)}], got {stream_k_tiles!r}")
     num_waves = wave_count(m, n, tile_m, tile_n, cluster_m, ctas, stream_k_tiles)
@@ -206,6 +225,8 @@ def make_plan(
 
     if layout == "rows":
         group, offset, ld = _rows_layout(n, tile_m, tile_n, cluster_m, mt, nt, wave, group_of_wave)
+    elif layout == "cols":
+        group, offset, ld = _cols_layout(m, n, tile_m, tile_n, mt, nt, wave, group_of_wave)
     else:
         group = group_of_wave[wave]
         offset, ld = _tiles_layout(order, group, elems), cols
@@ -246,6 +267,19 @@ def _rows_layout(n, tile_m, tile_n, cluster_m, mt, nt, wave, group_of_wave):
     group = group_of_wave[band_wave][band]
     offset = mt.astype(np.int64) * tile_m * n + nt * tile_n
     return group, offset, np.full(len(mt), n)
+
+
+def _cols_layout(m, n, tile_m, tile_n, mt, nt, wave, group_of_wave):
+    # A tile column is complete when its last tile is; raster along M completes columns in order,
+    # so every group is a run of whole columns [start, end).
+    col_wave = np.zeros(nt.max() + 1, dtype=np.int64)
+    np.maximum.at(col_wave, nt, wave)
+    col_group = group_of_wave[col_wave]
+    start = np.searchsorted(col_group, col_group, side="left")[nt]
+    end = np.searchsorted(col_group, col_group, side="right")[nt]
+    width = np.minimum(n, end * tile_n) - start * tile_n
+    offset = m * start * tile_n + mt.astype(np.int64) * tile_m * width + (nt - start) * tile_n
+    return col_group[nt], offset, width
 
 
 def _tiles_layout(order, group, elems):

@@ -3,8 +3,9 @@
 Tiles are computed in the plan's execution order (fp32 accumulate, rounded to the output dtype
 like the kernel's epilogue) and written into their slots of a NaN-poisoned buffer; each group's
 collective runs on its contiguous range as soon as the group and every group before it are
-complete (the order the communication stream issues them); C is restored at the end. Run it
-under gloo with several processes to check every layout decision without a GPU.
+complete (the order the communication stream issues them), through the same per-group code as
+the GPU path; C is restored at the end where the layout needs it. Run it under gloo with several
+processes to check every layout decision without a GPU.
 """
 
 from __future__ import annotations
@@ -22,16 +23,19 @@ def run_plan(
     a: torch.Tensor,
     weight: torch.Tensor,
     plan: Plan,
+    ex: comm.Exchange,
     *,
-    collective: str = "all_reduce",
     group: dist.ProcessGroup | None = None,
     weight_layout: str = "nk",
 ) -> torch.Tensor:
+    """The result the GPU path returns for ``plan`` and exchange ``ex`` (see comm.exchange)."""
     m, n, _ = check_inputs(a, weight, weight_layout, device_type="cpu")
     if (m, n) != (plan.m, plan.n):
         raise ValueError(f"plan is for a {plan.m}x{plan.n} output, operands give {m}x{n}")
     b = (weight.t() if weight_layout == "nk" else weight).float()
     buffer = torch.full((plan.numel,), float("nan"), dtype=a.dtype)
+    out = buffer.view(m, n) if plan.in_place else torch.full((ex.rows, n), float("nan"), dtype=a.dtype)
+    recv = None if ex.collective == "all_reduce" else torch.full((ex.rows * n,), float("nan"), dtype=a.dtype)
     remaining = np.array(plan.tiles_per_group)
     issued = 0
     for tile in plan.order:
@@ -39,12 +43,12 @@ def run_plan(
         slot_view(buffer, plan, int(tile)).copy_(a[r0 : r0 + rows].float() @ b[:, c0 : c0 + cols])
         remaining[plan.group[tile]] -= 1
         while issued < plan.num_groups and remaining[issued] == 0:
-            comm.collective(collective, buffer[plan.bounds[issued] : plan.bounds[issued + 1]], group)
+            comm.communicate_group(ex, plan, issued, buffer, recv, group)
             issued += 1
     if issued != plan.num_groups:
         raise AssertionError(f"plan left groups {list(range(issued, plan.num_groups))} incomplete")
-    if plan.in_place:
-        return buffer.view(m, n)
-    out = torch.full((m, n), float("nan"), dtype=a.dtype)
-    comm.restore(buffer, out, plan)
+    if plan.layout == "tiles":
+        comm.restore(buffer, out, plan)
+    elif plan.layout == "cols":
+        comm.gather_columns(ex, plan, buffer if recv is None else recv, out)
     return out

@@ -1,4 +1,4 @@
-"""comm on the CPU (gloo): plan agreement across ranks."""
+"""comm on the CPU (gloo): plan agreement across ranks, exchange validation."""
 
 import os
 import tempfile
@@ -8,7 +8,7 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from flashoverlap.comm import agree
+from flashoverlap.comm import agree, exchange
 
 
 def worker(rank: int, world: int, store_path: str):
@@ -25,3 +25,31 @@ def worker(rank: int, world: int, store_path: str):
 def test_mismatched_plans_fail_on_every_rank():
     with tempfile.TemporaryDirectory() as tmp:
         mp.spawn(worker, args=(3, os.path.join(tmp, "store")), nprocs=3, join=True)
+
+
+def test_exchange_describes_rows_sent_and_received():
+    assert exchange("all_reduce", 10, 2).rows == 10
+    rs = exchange("reduce_scatter", 12, 3)
+    assert rs.rows == 4 and rs.send == rs.recv == (4, 4, 4)
+    even = exchange("all_to_all", 12, 3)
+    assert even.rows == 12 and even.send == (4, 4, 4)
+    uneven = exchange("all_to_all", 10, 3, splits=[0, 7, 3], output_splits=[5, 0, 2])
+    assert uneven.send == (0, 7, 3) and uneven.recv == (5, 0, 2) and uneven.rows == 7
+
+
+@pytest.mark.parametrize(
+    "args, kwargs, message",
+    [
+        (("broadcast", 8, 2), {}, "unknown collective 'broadcast'"),
+        (("reduce_scatter", 10, 3), {}, "M must be a multiple of 3"),
+        (("all_to_all", 10, 3), {}, "M must be a multiple of 3"),
+        (("all_to_all", 10, 2), {"splits": [3, 3, 4]}, r"splits must be 2 non-negative integers"),
+        (("all_to_all", 10, 2), {"splits": [11, -1]}, r"splits must be 2 non-negative integers"),
+        (("all_to_all", 10, 2), {"splits": [3, 4]}, r"sum to 7 rows, but a has M=10"),
+        (("all_to_all", 10, 2), {"splits": [5, 5], "output_splits": [5]}, "output_splits must be 2"),
+        (("all_reduce", 10, 2), {"splits": [5, 5]}, "splits apply to all_to_all only"),
+    ],
+)
+def test_exchange_rejects_bad_splits(args, kwargs, message):
+    with pytest.raises(ValueError, match=message):
+        exchange(*args, **kwargs)

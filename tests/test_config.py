@@ -1,6 +1,6 @@
 import pytest
 
-from flashoverlap.config import OverlapConfig, epilogue_of, resolve
+from flashoverlap.config import OverlapConfig, for_collective, resolve
 
 
 def test_defaults_are_valid_and_mappings_resolve():
@@ -10,10 +10,21 @@ def test_defaults_are_valid_and_mappings_resolve():
     assert resolve(cfg) is cfg
 
 
-def test_epilogue_auto_follows_the_layout():
-    assert epilogue_of(OverlapConfig()) == "tma"
-    assert epilogue_of(OverlapConfig(layout="tiles")) == "direct"
-    assert epilogue_of(OverlapConfig(epilogue="direct")) == "direct"
+def test_auto_layout_and_epilogue_follow_the_collective():
+    def resolved(collective, **fields):
+        cfg = for_collective(OverlapConfig(**fields), collective)
+        return cfg.layout, cfg.epilogue
+
+    assert resolved("all_reduce") == ("rows", "tma")
+    assert resolved("all_reduce", layout="tiles") == ("tiles", "direct")
+    assert resolved("all_reduce", layout="cols") == ("cols", "direct")
+    assert resolved("all_reduce", epilogue="direct") == ("rows", "direct")
+    assert resolved("reduce_scatter") == ("cols", "direct")
+    assert resolved("all_to_all") == ("cols", "direct")
+    with pytest.raises(ValueError, match="reduce_scatter needs layout 'cols'.*got layout 'rows'"):
+        for_collective(OverlapConfig(layout="rows"), "reduce_scatter")
+    with pytest.raises(ValueError, match="epilogue 'tma' .* needs layout 'rows', got layout 'cols'"):
+        for_collective(OverlapConfig(epilogue="tma"), "all_to_all")
 
 
 @pytest.mark.parametrize(
@@ -27,7 +38,7 @@ def test_epilogue_auto_follows_the_layout():
         ({"comm_sms": "8"}, "comm_sms must be an integer"),
         ({"partition": [2, 0]}, "positive integers"),
         ({"partition": []}, "non-empty"),
-        ({"layout": "cols"}, "layout must be one of"),
+        ({"layout": "diagonal"}, "layout must be one of"),
         ({"sequential": "yes"}, "sequential must be true or false"),
         ({"epilogue": "smem"}, "epilogue must be one of"),
         ({"scheduler": "static"}, r"scheduler 'static' not in"),

@@ -8,8 +8,9 @@ import torch
 import torch.distributed as dist
 
 import flashoverlap
-from flashoverlap import OverlapConfig, signal
+from flashoverlap import OverlapConfig, comm, signal
 from flashoverlap.comm import restore
+from flashoverlap.config import for_collective
 from flashoverlap.overlap import prepare, run_overlapped
 
 pytestmark = pytest.mark.gpu
@@ -18,6 +19,9 @@ SHAPES = [(4096, 4096, 4096), (1000, 1032, 200), (333, 520, 264), (129, 8, 8), (
 CONFIGS = [
     ("bfloat16", "nk", OverlapConfig()),
     ("bfloat16", "nk", OverlapConfig(epilogue="direct")),
+    ("bfloat16", "nk", OverlapConfig(layout="cols")),
+    ("bfloat16", "nk", OverlapConfig(layout="cols", scheduler="streamk", comm_sms=12)),
+    ("bfloat16", "nk", OverlapConfig(layout="cols", tile_m=256, tile_n=128)),
     ("bfloat16", "nk", OverlapConfig(layout="tiles")),
     ("bfloat16", "nk", OverlapConfig(cluster_m=2, comm_sms=0)),
     ("bfloat16", "nk", OverlapConfig(scheduler="streamk", comm_sms=12)),
@@ -48,7 +52,7 @@ def test_signal_gemm_slots_and_counters(shape, dtype, weight_layout, cfg):
     m, n, k = shape
     torch_dtype = getattr(torch, dtype)
     a, w, ref = operands(m, n, k, torch_dtype, weight_layout)
-    prep = prepare(m, n, k, torch_dtype, weight_layout, a.device, cfg)
+    prep = prepare(m, n, k, torch_dtype, weight_layout, a.device, for_collective(cfg, "all_reduce"))
     plan = prep.plan
     buffer = torch.full((plan.numel,), float("nan"), dtype=torch_dtype, device="cuda")  # poison
     stream = torch.cuda.current_stream()
@@ -78,18 +82,22 @@ def nccl_one_rank():
 
 
 @pytest.mark.parametrize("mode", ["stream", "spin"])
-@pytest.mark.parametrize("layout", ["rows", "tiles"])
-def test_pipeline_on_one_gpu(nccl_one_rank, monkeypatch, mode, layout):
+@pytest.mark.parametrize(
+    "collective, layout",
+    [("all_reduce", "rows"), ("all_reduce", "tiles"), ("reduce_scatter", "cols"), ("all_to_all", "cols")],
+)
+def test_pipeline_on_one_gpu(nccl_one_rank, monkeypatch, mode, collective, layout):
     """The whole overlapped call (waits, NCCL per group, reset, restore) on a group of one rank."""
     monkeypatch.setenv("FLASHOVERLAP_WAIT", mode)
     signal.uses_stream_wait.cache_clear()
     try:
-        cfg = OverlapConfig(layout=layout)
+        cfg = for_collective(OverlapConfig(layout=layout), collective)
         for m, n, k in [(2048, 4096, 1024), (777, 1032, 264)]:
             a, w, ref = operands(m, n, k, torch.bfloat16, "nk", seed=m)
             prep = prepare(m, n, k, torch.bfloat16, "nk", a.device, cfg)
+            ex = comm.exchange(collective, m, 1)
             for _ in range(3):  # back to back: counters must be reset between calls
-                out = run_overlapped(prep, a, w, "all_reduce", None)
+                out = run_overlapped(prep, a, w, ex, None)
             torch.cuda.synchronize()
             assert prep.counters.tolist() == [0] * prep.plan.num_groups
             assert not torch.isnan(out).any()
@@ -98,7 +106,11 @@ def test_pipeline_on_one_gpu(nccl_one_rank, monkeypatch, mode, layout):
         signal.uses_stream_wait.cache_clear()
 
 
-def test_one_rank_group_runs_the_plain_gemm(nccl_one_rank):
+ENTRY_POINTS = [flashoverlap.gemm_all_reduce, flashoverlap.gemm_reduce_scatter, flashoverlap.gemm_all_to_all]
+
+
+@pytest.mark.parametrize("fn", ENTRY_POINTS)
+def test_one_rank_group_runs_the_plain_gemm(nccl_one_rank, fn):
     a, w, ref = operands(1000, 1032, 200, torch.bfloat16, "nk", seed=7)
-    out = flashoverlap.gemm_all_reduce(a, w)
+    out = fn(a, w)
     assert out.shape == (1000, 1032) and rel_err(out, ref) < 1e-2

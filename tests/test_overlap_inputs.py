@@ -53,3 +53,18 @@ def test_bad_input_is_rejected(one_rank_group, a, w, kwargs, error, message):
 
 def test_reference_inputs_must_be_on_cpu():
     assert check_inputs(bf16(16, 32), bf16(8, 32), "nk", device_type="cpu") == (16, 8, 32)
+
+
+@pytest.mark.parametrize(
+    "fn, kwargs, message",
+    [
+        (flashoverlap.gemm_reduce_scatter, {"config": {"layout": "rows"}}, "reduce_scatter needs layout 'cols'"),
+        (flashoverlap.gemm_all_to_all, {"config": {"layout": "tiles"}}, "all_to_all needs layout 'cols'"),
+        (flashoverlap.gemm_all_to_all, {"config": {"epilogue": "tma"}}, "needs layout 'rows'"),
+        (flashoverlap.gemm_reduce_scatter, {}, "a is on cpu"),
+        (flashoverlap.gemm_all_to_all, {"splits": [64]}, "a is on cpu"),
+    ],
+)
+def test_every_entry_point_validates(one_rank_group, fn, kwargs, message):
+    with pytest.raises(ValueError, match=message):
+        fn(bf16(64, 64), bf16(64, 64), **kwargs)

@@ -4,6 +4,7 @@ import torch
 
 from flashoverlap.comm import restore
 from flashoverlap.plan import (
+    LAYOUTS,
     SLOT_DTYPE,
     default_partition,
     make_plan,
@@ -21,7 +22,7 @@ RNG = np.random.default_rng(0)
 def random_plans(count: int):
     for _ in range(count):
         args = random_plan_args(RNG, max_tiles=6, ctas_choices=(1, 2, 3, 5, 8, 132))
-        for layout in ("rows", "tiles"):
+        for layout in LAYOUTS:
             yield make_plan(**args, layout=layout)
 
 
@@ -32,6 +33,9 @@ def test_schedule_order_matches_cutlass_raster_along_n():
     assert schedule_order(2, 3, 2).tolist() == [0, 3, 1, 4, 2, 5]
     # an odd tile count in M is padded to whole clusters; padding owns no tile
     assert schedule_order(3, 2, 2).tolist() == [0, 2, 1, 3, 4, -1, 5, -1]
+    # raster along M walks down each tile column (padding at the bottom of each)
+    assert schedule_order(2, 3, 1, along_m=True).tolist() == [0, 3, 1, 4, 2, 5]
+    assert schedule_order(3, 2, 2, along_m=True).tolist() == [0, 2, 4, -1, 1, 3, 5, -1]
 
 
 @pytest.mark.parametrize("waves", range(1, 12))
@@ -88,6 +92,22 @@ def test_rows_layout_is_row_major_c_and_bands_stay_whole():
         )
 
 
+def test_cols_layout_groups_are_column_blocks_with_contiguous_row_segments():
+    for plan in random_plans(60):
+        if plan.layout != "cols":
+            continue
+        index = plan.buffer_index().reshape(plan.m, plan.n)
+        col_of_tile = np.arange(plan.num_tiles) % plan.tiles_n
+        for g in range(plan.num_groups):
+            c0, c1 = plan.columns(g)
+            # whole tile columns, and the group's block is C[:, c0:c1] row-major
+            assert set(col_of_tile[plan.group == g]) == set(range(c0 // plan.tile_n, -(-c1 // plan.tile_n)))
+            block = plan.bounds[g] + np.arange(plan.m * (c1 - c0)).reshape(plan.m, c1 - c0)
+            assert np.array_equal(index[:, c0:c1], block)
+    with pytest.raises(ValueError, match="'cols' layout"):
+        make_plan(256, 256, tile_m=128, tile_n=256, cluster_m=1, ctas=1).columns(0)
+
+
 def test_stream_k_waves():
     # 10 tiles on 4 CTAs: plain waves 0,0,0,0,1,1,1,1,2,2; stream-K over the first 6 tiles
     # finishes them in one shared wave, then the last 4 run as one whole wave
@@ -109,7 +129,7 @@ def test_counter_targets_and_slot_table():
     assert table["offset"].tolist() == plan.offset.tolist()
 
 
-@pytest.mark.parametrize("layout", ["rows", "tiles"])
+@pytest.mark.parametrize("layout", ["rows", "tiles", "cols"])
 def test_restore_inverts_slot_writes(layout):
     for plan in random_plans(10):
         if plan.layout != layout:

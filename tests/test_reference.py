@@ -9,13 +9,22 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
+from flashoverlap import comm
 from flashoverlap.overlap import sequential
 from flashoverlap.plan import make_plan
 from flashoverlap.reference import run_plan
 
 from .helpers import random_plan_args
 
-CASES = 12
+CASES = 18
+COLLECTIVE_LAYOUTS = [
+    ("all_reduce", "rows"),
+    ("all_reduce", "tiles"),
+    ("all_reduce", "cols"),
+    ("reduce_scatter", "cols"),
+    ("all_to_all", "cols"),
+    ("all_to_all", "cols"),
+]
 
 
 def operands(seed: int, rank: int, m: int, n: int, k: int, dtype, weight_layout: str):
@@ -25,50 +34,82 @@ def operands(seed: int, rank: int, m: int, n: int, k: int, dtype, weight_layout:
     return a, (w if weight_layout == "nk" else w.t().contiguous())
 
 
-def case(index: int):
+def case(index: int, world: int = 1):
+    """A random plan (edge tiles, clusters, stream-K, random partitions) for case ``index``."""
     rng = np.random.default_rng(index)
-    args = random_plan_args(rng, max_tiles=3, ctas_choices=(1, 2, 3, 7), default_share=0.0)
+    collective, layout = COLLECTIVE_LAYOUTS[index % len(COLLECTIVE_LAYOUTS)]
+    while True:  # reduce-scatter needs M divisible by the world size
+        args = random_plan_args(rng, max_tiles=3, ctas_choices=(1, 2, 3, 7), default_share=0.0)
+        if collective != "reduce_scatter" or args["m"] % world == 0:
+            break
     k = 8 * int(rng.integers(1, 20))
     dtype = [torch.bfloat16, torch.float16][index % 2]
     weight_layout = ["nk", "kn"][(index // 2) % 2]
-    plan = make_plan(**args, layout=["rows", "tiles"][(index // 4) % 2])
-    return plan, k, dtype, weight_layout
+    return make_plan(**args, layout=layout), collective, k, dtype, weight_layout
+
+
+def a2a_splits(index: int, rank: int, m: int, world: int) -> tuple[int, ...]:
+    """Rank ``rank``'s uneven rows per destination (zeros included), known to every rank."""
+    cuts = np.sort(np.random.default_rng([index, rank]).integers(0, m + 1, size=world - 1))
+    return tuple(int(v) for v in np.diff([0, *cuts, m]))
+
+
+def expected_result(index, plan, collective, k, dtype, weight_layout, rank, world):
+    """fp64 result of ``collective`` over every rank's a @ w."""
+    products = []
+    for r in range(world):
+        ar, wr = operands(index, r, plan.m, plan.n, k, dtype, weight_layout)
+        products.append(ar.double() @ (wr.t() if weight_layout == "nk" else wr).double())
+    if collective == "all_reduce":
+        return sum(products)
+    if collective == "reduce_scatter":
+        rows = plan.m // world
+        return sum(products)[rank * rows : (rank + 1) * rows]
+    parts = []
+    for s in range(world):
+        splits = a2a_splits(index, s, plan.m, world)
+        start = sum(splits[:rank])
+        parts.append(products[s][start : start + splits[rank]])
+    return torch.cat(parts)
 
 
 def worker(rank: int, world: int, store_path: str):
     dist.init_process_group("gloo", store=dist.FileStore(store_path, world), rank=rank, world_size=world)
     try:
         for index in range(CASES):
-            plan, k, dtype, weight_layout = case(index)
+            plan, collective, k, dtype, weight_layout = case(index, world)
             a, w = operands(index, rank, plan.m, plan.n, k, dtype, weight_layout)
-            out = run_plan(a, w, plan, weight_layout=weight_layout)
-            assert out.shape == (plan.m, plan.n) and out.dtype == dtype
-            assert not torch.isnan(out).any(), f"case {index}: unwritten elements"
-            # fp64 reference over every rank's operands
-            expected = torch.zeros(plan.m, plan.n, dtype=torch.float64)
-            for r in range(world):
-                ar, wr = operands(index, r, plan.m, plan.n, k, dtype, weight_layout)
-                b = wr.t() if weight_layout == "nk" else wr
-                expected += ar.double() @ b.double()
-            rel = ((out.double() - expected).norm() / expected.norm()).item()
-            assert rel < 1e-2, f"case {index} ({plan.layout}, {dtype}): rel err {rel:.2e}"
-            # and the plain path (matmul then all_reduce) agrees to rounding
-            seq = sequential(a, w, weight_layout, None, world)
-            rel_seq = ((out.double() - seq.double()).norm() / seq.double().norm()).item()
-            assert rel_seq < 1e-2, f"case {index}: differs from matmul + all_reduce by {rel_seq:.2e}"
+            splits = output_splits = None
+            if collective == "all_to_all":
+                splits = a2a_splits(index, rank, plan.m, world)
+                if index % 4 == 0:  # otherwise exchanged by comm.exchange
+                    output_splits = [a2a_splits(index, s, plan.m, world)[rank] for s in range(world)]
+            ex = comm.exchange(collective, plan.m, world, splits, output_splits)
+            out = run_plan(a, w, plan, ex, weight_layout=weight_layout)
+            expected = expected_result(index, plan, collective, k, dtype, weight_layout, rank, world)
+            what = f"case {index} ({collective}, {plan.layout}, {dtype})"
+            assert out.shape == expected.shape and out.dtype == dtype, what
+            assert not torch.isnan(out).any(), f"{what}: unwritten elements"
+            if expected.numel():
+                rel = ((out.double() - expected).norm() / expected.norm()).item()
+                assert rel < 1e-2, f"{what}: rel err {rel:.2e}"
+                # and the plain path (matmul then the torch collective) agrees to rounding
+                seq = sequential(a, w, weight_layout, ex, None).double()
+                rel_seq = ((out.double() - seq).norm() / seq.norm()).item()
+                assert rel_seq < 1e-2, f"{what}: differs from matmul + {collective} by {rel_seq:.2e}"
     finally:
         dist.destroy_process_group()
 
 
 @pytest.mark.parametrize("world", [1, 2, 3])
-def test_reference_executor_matches_matmul_then_all_reduce(world):
+def test_reference_executor_matches_matmul_then_collective(world):
     with tempfile.TemporaryDirectory() as tmp:
         mp.spawn(worker, args=(world, os.path.join(tmp, "store")), nprocs=world, join=True)
 
 
 def test_a_wrong_group_range_is_caught():
     """The check above can fail: a plan whose group ranges skip elements leaves NaNs behind."""
-    plan, k, dtype, weight_layout = case(4)
+    plan, _, k, dtype, weight_layout = case(1)
     broken = make_plan(
         plan.m,
         plan.n,
@@ -85,7 +126,7 @@ def test_a_wrong_group_range_is_caught():
         try:
             a, w = operands(0, 0, broken.m, broken.n, k, dtype, weight_layout)
             with pytest.raises((AssertionError, RuntimeError)):
-                out = run_plan(a, w, broken, weight_layout=weight_layout)
+                out = run_plan(a, w, broken, comm.exchange("all_reduce", broken.m, 1), weight_layout=weight_layout)
                 assert not torch.isnan(out).any()
         finally:
             dist.destroy_process_group()

@@ -7,6 +7,8 @@ one contiguous range per group, so any backend and transport works.
 from __future__ import annotations
 
 import hashlib
+from collections.abc import Sequence
+from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
@@ -14,7 +16,7 @@ import torch.distributed as dist
 from .. import jit
 from ..plan import Plan, slot_view
 
-COLLECTIVES = ("all_reduce",)
+COLLECTIVES = ("all_reduce", "reduce_scatter", "all_to_all")
 
 _budget_groups: dict[tuple, dist.ProcessGroup] = {}
 
@@ -27,9 +29,7 @@ def agree(group: dist.ProcessGroup | None, description: str, device: torch.devic
     with a host sync: meant for the first call of each plan, not every call.
     """
     digest = int.from_bytes(hashlib.sha256(description.encode()).digest()[:8], "little", signed=True)
-    if dist.get_backend(group) == "gloo":
-        device = torch.device("cpu")
-    mine = torch.tensor([digest], dtype=torch.int64, device=device)
+    mine = torch.tensor([digest], dtype=torch.int64, device=_device_for(group, device))
     gathered = [torch.empty_like(mine) for _ in range(dist.get_world_size(group))]
     dist.all_gather(gathered, mine, group=group)
     hashes = [int(t.item()) for t in gathered]
@@ -41,6 +41,13 @@ def agree(group: dist.ProcessGroup | None, description: str, device: torch.devic
             "flashoverlap: ranks planned different calls (ranks grouped by plan: "
             f"{sorted(groups.values())}); this rank ({dist.get_rank(group)}) planned: {description}"
         )
+
+
+def _device_for(group: dist.ProcessGroup | None, device: torch.device | None) -> torch.device:
+    """Where a small tensor for a collective on ``group`` must live (gloo: CPU, NCCL: a GPU)."""
+    if dist.get_backend(group) == "gloo":
+        return torch.device("cpu")
+    return device if device is not None else torch.device("cuda", torch.cuda.current_device())
 
 
 def budget_group(group: dist.ProcessGroup, comm_sms: int) -> dist.ProcessGroup:
@@ -65,12 +72,107 @@ def budget_group(group: dist.ProcessGroup, comm_sms: int) -> dist.ProcessGroup:
     return _budget_groups[key]
 
 
-def collective(name: str, chunk: torch.Tensor, group: dist.ProcessGroup | None) -> None:
-    """Run collective ``name`` in place on ``chunk`` (one group's buffer range)."""
-    if name == "all_reduce":
-        dist.all_reduce(chunk, group=group)
+@dataclass(frozen=True)
+class Exchange:
+    """What one call communicates: the collective, the rows of C this rank sends to each rank
+    (``send``), and those it receives from each (``recv``); ``rows`` = rows of its result."""
+
+    collective: str
+    send: tuple[int, ...]
+    recv: tuple[int, ...]
+    rows: int
+
+
+def exchange(
+    collective: str,
+    m: int,
+    world: int,
+    splits: Sequence[int] | None = None,
+    output_splits: Sequence[int] | None = None,
+    group: dist.ProcessGroup | None = None,
+    device: torch.device | None = None,
+) -> Exchange:
+    """Validate and describe a call's communication; raises ``ValueError`` naming the problem.
+
+    all_to_all: ``splits[d]`` rows of C (in order) go to rank d; without ``splits`` the rows are
+    split evenly. ``output_splits[s]`` = rows rank s sends here; when omitted with uneven
+    ``splits`` the counts are exchanged first (one small all-to-all and a host sync).
+    """
+    if collective not in COLLECTIVES:
+        raise ValueError(f"unknown collective {collective!r}; supported: {COLLECTIVES}")
+    if collective != "all_to_all" and (splits is not None or output_splits is not None):
+        raise ValueError(f"splits apply to all_to_all only, not {collective}")
+    if collective == "all_reduce":
+        return Exchange(collective, (m,), (m,), m)
+    if splits is None and m % world:
+        raise ValueError(f"{collective} splits M={m} rows evenly over {world} ranks: M must be a multiple of {world}")
+    even = (m // world,) * world
+    if collective == "reduce_scatter":
+        return Exchange(collective, even, even, m // world)
+    send = even if splits is None else _counts("splits", splits, world)
+    if sum(send) != m:
+        raise ValueError(f"splits {list(send)} sum to {sum(send)} rows, but a has M={m} rows")
+    if output_splits is not None:
+        recv = _counts("output_splits", output_splits, world)
+    elif splits is None:
+        recv = even
     else:
-        raise ValueError(f"unknown collective {name!r}; supported: {COLLECTIVES}")
+        counts = torch.tensor(send, dtype=torch.int64, device=_device_for(group, device))
+        received = torch.empty_like(counts)
+        dist.all_to_all_single(received, counts, group=group)
+        recv = tuple(int(c) for c in received.tolist())
+    return Exchange(collective, send, recv, sum(recv))
+
+
+def _counts(name: str, values: Sequence[int], world: int) -> tuple[int, ...]:
+    values = tuple(values)
+    if len(values) != world or any(not isinstance(v, int) or isinstance(v, bool) or v < 0 for v in values):
+        raise ValueError(f"{name} must be {world} non-negative integers (one per rank), got {list(values)}")
+    return values
+
+
+def collective(ex: Exchange, data: torch.Tensor, group: dist.ProcessGroup | None, out: torch.Tensor | None = None):
+    """Run ``ex``'s collective on ``data`` (rows of C, [rows, cols]); returns the result rows:
+    ``data`` itself (all-reduce, in place) or ``out`` ([ex.rows, cols], allocated if None)."""
+    if ex.collective == "all_reduce":
+        dist.all_reduce(data, group=group)
+        return data
+    if out is None:
+        out = data.new_empty((ex.rows, data.shape[1]))
+    if ex.collective == "reduce_scatter":
+        dist.reduce_scatter_tensor(out, data, group=group)
+    else:
+        dist.all_to_all_single(out, data, list(ex.recv), list(ex.send), group=group)
+    return out
+
+
+def communicate_group(
+    ex: Exchange,
+    plan: Plan,
+    g: int,
+    buffer: torch.Tensor,
+    recv: torch.Tensor | None,
+    group: dist.ProcessGroup | None,
+) -> None:
+    """Group ``g``'s collective on its buffer range; in the ``cols`` layout the received rows
+    land in ``recv`` (one flat [ex.rows * n] buffer, group after group) unless it is None
+    (all-reduce: in place)."""
+    chunk = buffer[plan.bounds[g] : plan.bounds[g + 1]]
+    if plan.layout != "cols":
+        collective(ex, chunk.view(1, -1), group)  # all-reduce: any shape, in place
+        return
+    c0, c1 = plan.columns(g)
+    staged = None if recv is None else recv[ex.rows * c0 : ex.rows * c1].view(ex.rows, c1 - c0)
+    collective(ex, chunk.view(plan.m, c1 - c0), group, staged)
+
+
+def gather_columns(ex: Exchange, plan: Plan, result: torch.Tensor, out: torch.Tensor) -> None:
+    """``cols`` layout: copy each group's [ex.rows, c1 - c0] block of the flat ``result`` (the
+    buffer after an all-reduce, else ``recv``) into its columns of ``out``. Done once after the
+    last collective, so that the communication stream only runs collectives."""
+    for g in range(plan.num_groups):
+        c0, c1 = plan.columns(g)
+        out[:, c0:c1].copy_(result[ex.rows * c0 : ex.rows * c1].view(ex.rows, c1 - c0))
 
 
 def restore(buffer: torch.Tensor, out: torch.Tensor, plan: Plan, slots: torch.Tensor | None = None) -> None:

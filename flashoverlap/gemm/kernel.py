@@ -19,22 +19,23 @@ class SignalGemm:
         lib = ctypes.CDLL(str(jit.build(spec.name, generate(spec), arch=spec.arch, cutlass=True)))
         lib.fo_last_error.restype = ctypes.c_char_p
         for fn in (lib.fo_num_ctas, lib.fo_stream_k_tiles, lib.fo_workspace_size):
-            fn.argtypes = [ctypes.c_int] * 5
+            fn.argtypes = [ctypes.c_int] * 6
         lib.fo_workspace_size.restype = ctypes.c_longlong
-        lib.fo_run.argtypes = [ctypes.c_void_p] * 6 + [ctypes.c_int] * 7 + [ctypes.c_void_p]
+        lib.fo_run.argtypes = [ctypes.c_void_p] * 6 + [ctypes.c_int] * 8 + [ctypes.c_void_p]
         self._lib = lib
         self.signals_per_tile: int = lib.fo_signals_per_tile()
 
-    def num_ctas(self, m: int, n: int, k: int, sm_count: int, device: int) -> int:
+    # along_m: the tile raster (see flashoverlap.plan.schedule_order); the plan decides it.
+    def num_ctas(self, m: int, n: int, k: int, sm_count: int, device: int, along_m: bool) -> int:
         """Persistent CTAs the kernel launches for this problem: the tiles of one wave."""
-        return int(self._lib.fo_num_ctas(m, n, k, sm_count, device))
+        return int(self._lib.fo_num_ctas(m, n, k, sm_count, device, along_m))
 
-    def stream_k_tiles(self, m: int, n: int, k: int, sm_count: int, device: int) -> int:
+    def stream_k_tiles(self, m: int, n: int, k: int, sm_count: int, device: int, along_m: bool) -> int:
         """Leading output tiles a stream-K schedule splits along K (0 otherwise)."""
-        return int(self._lib.fo_stream_k_tiles(m, n, k, sm_count, device))
+        return int(self._lib.fo_stream_k_tiles(m, n, k, sm_count, device, along_m))
 
-    def workspace_size(self, m: int, n: int, k: int, sm_count: int, device: int) -> int:
-        return int(self._lib.fo_workspace_size(m, n, k, sm_count, device))
+    def workspace_size(self, m: int, n: int, k: int, sm_count: int, device: int, along_m: bool) -> int:
+        return int(self._lib.fo_workspace_size(m, n, k, sm_count, device, along_m))
 
     def run(
         self,
@@ -46,6 +47,7 @@ class SignalGemm:
         workspace: torch.Tensor | None,
         tiles: tuple[int, int],
         sm_count: int,
+        along_m: bool,
         stream: torch.cuda.Stream,
     ) -> None:
         """C = a @ B into ``out`` at the tile slots given by ``slots``, bumping ``counters``.
@@ -68,6 +70,7 @@ class SignalGemm:
             tiles[1],
             sm_count,
             a.device.index,
+            along_m,
             stream.cuda_stream,
         )
         jit.check(self._lib, status, "fo_last_error")
