@@ -17,8 +17,9 @@ anything is launched. A group of one rank runs the plain GEMM.
 from __future__ import annotations
 
 import os
+from collections import OrderedDict
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 import torch.distributed as dist
@@ -100,6 +101,8 @@ class Prepared:
     workspace: torch.Tensor | None  # stream-K partial sums
     targets: tuple[int, ...]
     sm_count: int
+    report: torch.Tensor  # int32[4]: a debug-mode wait that timed out (see flashoverlap.signal)
+    agreed: set = field(default_factory=set)  # (collective, group) pairs whose ranks agreed on this plan
 
     def launch(self, a: torch.Tensor, weight: torch.Tensor, buffer: torch.Tensor, stream: torch.cuda.Stream) -> None:
         """Enqueue the signal GEMM on ``stream``, writing the plan's slots of ``buffer``."""
@@ -117,7 +120,9 @@ class Prepared:
         )
 
 
-_prepared: dict[tuple, Prepared] = {}
+# Most recently used plans; bounded so that a stream of new shapes keeps memory flat.
+MAX_PREPARED = 64
+_prepared: OrderedDict[tuple, Prepared] = OrderedDict()
 _comm_streams: dict[int, torch.cuda.Stream] = {}
 
 
@@ -128,6 +133,7 @@ def prepare(
         raise ValueError("prepare() takes a config resolved for its collective (config.for_collective)")
     key = (m, n, k, dtype, weight_layout, device.index, cfg)
     if key in _prepared:
+        _prepared.move_to_end(key)
         return _prepared[key]
     total_sms = torch.cuda.get_device_properties(device).multi_processor_count
     sm_count = total_sms - cfg.comm_sms
@@ -161,26 +167,25 @@ def prepare(
     counters = torch.zeros(plan.num_groups, dtype=torch.int32, device=device)
     workspace_bytes = kernel.workspace_size(m, n, k, sm_count, index, along_m)
     workspace = torch.empty(workspace_bytes, dtype=torch.uint8, device=device) if workspace_bytes else None
-    prepared = Prepared(
-        plan, kernel, slots, counters, workspace, plan.counter_targets(kernel.signals_per_tile), sm_count
-    )
+    report = torch.zeros(4, dtype=torch.int32, device=device)
+    targets = plan.counter_targets(kernel.signals_per_tile)
+    prepared = Prepared(plan, kernel, slots, counters, workspace, targets, sm_count, report)
     _prepared[key] = prepared
+    while len(_prepared) > MAX_PREPARED:
+        _prepared.popitem(last=False)
     return prepared
-
-
-_agreed: set[tuple] = set()
 
 
 def check_agreement(prep: Prepared, collective: str, group: dist.ProcessGroup) -> None:
     """On a plan's first use with ``group`` (every use with ``FLASHOVERLAP_DEBUG=1``), check that
     all ranks run the same plan, so that a mismatch fails loudly instead of hanging in NCCL."""
-    key = (id(prep), collective, group)
-    if key in _agreed and os.environ.get("FLASHOVERLAP_DEBUG") != "1":
+    key = (collective, group)
+    if key in prep.agreed and signal.debug_timeout() is None:
         return
     plan = prep.plan
     description = f"{collective} M={plan.m} N={plan.n} {prep.kernel.spec} groups={plan.bounds} ctas={plan.ctas}"
     comm.agree(group, description, prep.counters.device)
-    _agreed.add(key)
+    prep.agreed.add(key)
 
 
 def comm_stream(device: torch.device) -> torch.cuda.Stream:
@@ -208,23 +213,29 @@ def run_overlapped(
     staged = ex.collective != "all_reduce"
     recv = torch.empty(ex.rows * plan.n, dtype=a.dtype, device=device) if staged else None
 
+    timeout = signal.debug_timeout()
+
     stream.wait_stream(caller)  # operands ready; earlier users of the buffers done
     prep.launch(a, weight, buffer, caller)
     with torch.cuda.stream(stream):
         last = len(prep.targets) - 1
         for g, target in enumerate(prep.targets):
-            signal.wait_geq(stream, prep.counters, g, target)
+            signal.wait_geq(stream, prep.counters, g, target, timeout, prep.report)
             on = tail_group if g == last and tail_group is not None else group
             comm.communicate_group(ex, plan, g, buffer, recv, on)
         prep.counters.zero_()  # stream-ordered: the next call's GEMM waits for it through `caller`
-    for scratch in (buffer, recv):
-        if scratch is not None:
-            scratch.record_stream(stream)
+    # Memory the communication stream still uses must not be reused before it is done (these are
+    # freed on return, or when the plan leaves the cache).
+    for used in (buffer, recv, prep.counters, prep.report):
+        if used is not None:
+            used.record_stream(stream)
     caller.wait_stream(stream)
     if plan.layout == "tiles":
         comm.restore(buffer, out, plan, prep.slots)
     elif plan.layout == "cols":
         comm.gather_columns(ex, plan, buffer if recv is None else recv, out)
+    if timeout is not None:
+        signal.raise_on_timeout(prep.report, plan.num_groups, timeout)
     return out
 
 

@@ -1,14 +1,16 @@
 """One GPU: the signal GEMM writes every tile into its slot and signals each group exactly."""
 
+import dataclasses
 import os
 import tempfile
+import time
 
 import pytest
 import torch
 import torch.distributed as dist
 
 import flashoverlap
-from flashoverlap import OverlapConfig, comm, signal
+from flashoverlap import OverlapConfig, comm, overlap, signal
 from flashoverlap.comm import restore
 from flashoverlap.config import for_collective
 from flashoverlap.overlap import prepare, run_overlapped
@@ -104,6 +106,34 @@ def test_pipeline_on_one_gpu(nccl_one_rank, monkeypatch, mode, collective, layou
             assert rel_err(out, ref) < 1e-2
     finally:
         signal.uses_stream_wait.cache_clear()
+
+
+def test_debug_mode_reports_a_group_that_never_completes(nccl_one_rank, monkeypatch):
+    """A counter that cannot reach its target (a plan/kernel mismatch, simulated) is reported with
+    its group and value within the timeout instead of hanging the stream forever."""
+    monkeypatch.setenv("FLASHOVERLAP_DEBUG", "1")
+    monkeypatch.setenv("FLASHOVERLAP_TIMEOUT_S", "0.5")
+    m, n, k = 2048, 4096, 512
+    a, w, ref = operands(m, n, k, torch.bfloat16, "nk")
+    prep = prepare(m, n, k, torch.bfloat16, "nk", a.device, for_collective(OverlapConfig(), "all_reduce"))
+    out = run_overlapped(prep, a, w, comm.exchange("all_reduce", m, 1), None)  # debug mode, all well
+    assert rel_err(out, ref) < 1e-2
+    wrong = dataclasses.replace(prep, targets=(prep.targets[0] + 1, *prep.targets[1:]))
+    start = time.monotonic()
+    with pytest.raises(RuntimeError, match=rf"group 0 of {prep.plan.num_groups} never completed: .* reached \d+ of"):
+        run_overlapped(wrong, a, w, comm.exchange("all_reduce", m, 1), None)
+    assert time.monotonic() - start < 30
+    assert prep.report.tolist() == [0, 0, 0, 0]  # cleared for the next call
+    out = run_overlapped(prep, a, w, comm.exchange("all_reduce", m, 1), None)
+    assert rel_err(out, ref) < 1e-2 and prep.counters.tolist() == [0] * prep.plan.num_groups
+
+
+def test_plan_cache_is_bounded(monkeypatch):
+    monkeypatch.setattr(overlap, "MAX_PREPARED", 2)
+    cfg = for_collective(OverlapConfig(), "all_reduce")
+    preps = [prepare(256 * i, 512, 64, torch.bfloat16, "nk", torch.device("cuda", 0), cfg) for i in (1, 2, 3)]
+    assert len(overlap._prepared) <= 2
+    assert prepare(256 * 3, 512, 64, torch.bfloat16, "nk", torch.device("cuda", 0), cfg) is preps[-1]
 
 
 ENTRY_POINTS = [flashoverlap.gemm_all_reduce, flashoverlap.gemm_reduce_scatter, flashoverlap.gemm_all_to_all]

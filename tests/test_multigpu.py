@@ -2,6 +2,7 @@
 
 import os
 import tempfile
+import time
 
 import pytest
 import torch
@@ -144,8 +145,10 @@ def mismatch_worker(rank, world, store_path):
     try:
         a, w = operands(0, rank, 1024, 2048, 512)
         cfg = OverlapConfig() if rank == 0 else OverlapConfig(layout="tiles", partition=None, tile_n=128)
+        start = time.monotonic()
         with pytest.raises(RuntimeError, match="ranks planned different calls"):
             flashoverlap.gemm_all_reduce(a, w, config=cfg)
+        assert time.monotonic() - start < 60, "the mismatch must be reported within seconds"
     finally:
         dist.destroy_process_group()
 

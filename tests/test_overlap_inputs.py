@@ -16,14 +16,18 @@ def one_rank_group(tmp_path_factory):
     dist.destroy_process_group()
 
 
+ENTRY_POINTS = [flashoverlap.gemm_all_reduce, flashoverlap.gemm_reduce_scatter, flashoverlap.gemm_all_to_all]
+
+
 def bf16(*shape):
     return torch.randn(*shape).to(torch.bfloat16)
 
 
-def test_uninitialised_process_group_is_reported(monkeypatch):
+@pytest.mark.parametrize("fn", ENTRY_POINTS, ids=lambda f: f.__name__)
+def test_uninitialised_process_group_is_reported(monkeypatch, fn):
     monkeypatch.setattr(dist, "is_initialized", lambda: False)
     with pytest.raises(RuntimeError, match="init_process_group"):
-        flashoverlap.gemm_all_reduce(bf16(64, 64), bf16(64, 64))
+        fn(bf16(64, 64), bf16(64, 64))
 
 
 @pytest.mark.parametrize(
@@ -46,9 +50,26 @@ def test_uninitialised_process_group_is_reported(monkeypatch):
         (bf16(64, 64), bf16(64, 64), {"config": {"bogus": 1}}, ValueError, "unknown key"),
     ],
 )
-def test_bad_input_is_rejected(one_rank_group, a, w, kwargs, error, message):
+@pytest.mark.parametrize("fn", ENTRY_POINTS, ids=lambda f: f.__name__)
+def test_bad_input_is_rejected(one_rank_group, fn, a, w, kwargs, error, message):
     with pytest.raises(error, match=message):
-        flashoverlap.gemm_all_reduce(a, w, **kwargs)
+        fn(a, w, **kwargs)
+
+
+@pytest.mark.parametrize("fn", ENTRY_POINTS, ids=lambda f: f.__name__)
+def test_bad_config_files_are_rejected(one_rank_group, tmp_path, fn):
+    with pytest.raises(FileNotFoundError, match="config file not found"):
+        fn(bf16(64, 64), bf16(64, 64), config=str(tmp_path / "missing.yaml"))
+    broken = tmp_path / "broken.yaml"
+    broken.write_text("tile_m: [128\n")
+    with pytest.raises(ValueError, match="malformed YAML"):
+        fn(bf16(64, 64), bf16(64, 64), config=str(broken))
+    typed = tmp_path / "typed.yaml"
+    typed.write_text("comm_sms: many\n")
+    with pytest.raises(ValueError, match=f"{typed}: .*comm_sms must be an integer"):
+        fn(bf16(64, 64), bf16(64, 64), config=str(typed))
+    with pytest.raises(TypeError, match="config must be an OverlapConfig"):
+        fn(bf16(64, 64), bf16(64, 64), config=42)
 
 
 def test_reference_inputs_must_be_on_cpu():

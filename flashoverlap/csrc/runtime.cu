@@ -40,11 +40,27 @@ __global__ void restore_tiles(uint4 const* __restrict__ buffer, uint4* __restric
   }
 }
 
-__global__ void spin_wait(uint32_t const* counter, uint32_t target) {
+// Waits until *counter >= target (cyclic, as cuStreamWaitValue32 GEQ). With timeout_ns > 0 it
+// gives up after that long and records {1, group, value seen, target} in report, so a debug run
+// says which group never completed instead of hanging.
+__global__ void spin_wait(uint32_t const* counter, uint32_t target, uint64_t timeout_ns, int* report, int group) {
+  uint64_t start, now;
+  asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(start));
   uint32_t value;
   while (true) {
     asm volatile("ld.acquire.gpu.global.u32 %0, [%1];" : "=r"(value) : "l"(counter) : "memory");
-    if (int32_t(value - target) >= 0) break;  // cyclic >=, as cuStreamWaitValue32 GEQ
+    if (int32_t(value - target) >= 0) break;
+    asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(now));
+    if (timeout_ns != 0 && now - start > timeout_ns) {
+      if (report[0] == 0) {
+        report[1] = group;
+        report[2] = int(value);
+        report[3] = int(target);
+        __threadfence_system();
+        report[0] = 1;
+      }
+      break;
+    }
     __nanosleep(200);
   }
 }
@@ -63,8 +79,10 @@ int fo_restore(void const* buffer, void* out, void const* tiles, int num_tiles, 
   return check_launch("restore");
 }
 
-int fo_spin_wait(void const* counter, unsigned target, void* stream) {
-  spin_wait<<<1, 1, 0, static_cast<cudaStream_t>(stream)>>>(static_cast<uint32_t const*>(counter), target);
+int fo_spin_wait(void const* counter, unsigned target, unsigned long long timeout_ns, void* report, int group,
+                 void* stream) {
+  spin_wait<<<1, 1, 0, static_cast<cudaStream_t>(stream)>>>(static_cast<uint32_t const*>(counter), target,
+                                                             timeout_ns, static_cast<int*>(report), group);
   return check_launch("spin_wait");
 }
 

@@ -4,6 +4,10 @@
 costing no SM. Where stream memory operations are unsupported, a one-thread spin kernel does
 the same job. ``FLASHOVERLAP_WAIT=stream|spin`` forces one (default: probe, prefer stream).
 Counters are reset on the stream (``zero_``), so a call can be captured in a CUDA graph.
+
+Debug mode (``FLASHOVERLAP_DEBUG=1``): every wait is a spin kernel that gives up after
+``FLASHOVERLAP_TIMEOUT_S`` seconds (default 10) and records which group it waited for and the
+counter value it saw; the call then synchronises and raises instead of hanging.
 """
 
 from __future__ import annotations
@@ -53,13 +57,55 @@ def uses_stream_wait(device: int) -> bool:
         return False
 
 
-def wait_geq(stream: torch.cuda.Stream, counters: torch.Tensor, index: int, target: int) -> None:
-    """Enqueue on ``stream``: wait until ``counters[index] >= target`` (cyclic, 32-bit)."""
+def debug_timeout() -> float | None:
+    """Seconds a wait may take in debug mode (``FLASHOVERLAP_DEBUG=1``); None outside it."""
+    if os.environ.get("FLASHOVERLAP_DEBUG") != "1":
+        return None
+    text = os.environ.get("FLASHOVERLAP_TIMEOUT_S", "10")
+    try:
+        seconds = float(text)
+    except ValueError:
+        seconds = -1.0
+    if not seconds > 0:
+        raise ValueError(f"FLASHOVERLAP_TIMEOUT_S must be a positive number of seconds, got {text!r}")
+    return seconds
+
+
+def wait_geq(
+    stream: torch.cuda.Stream,
+    counters: torch.Tensor,
+    index: int,
+    target: int,
+    timeout: float | None = None,
+    report: torch.Tensor | None = None,
+) -> None:
+    """Enqueue on ``stream``: wait until ``counters[index] >= target`` (cyclic, 32-bit).
+
+    With ``timeout`` (seconds), a spin kernel gives up after that long and writes
+    ``{1, index, value, target}`` into ``report`` (int32[4], zero until then).
+    """
     address = counters.data_ptr() + 4 * index
-    if uses_stream_wait(counters.device.index):
+    if timeout is not None:
+        lib = jit.runtime_library()
+        status = lib.fo_spin_wait(address, target, int(timeout * 1e9), report.data_ptr(), index, stream.cuda_stream)
+        jit.check(lib, status, "fo_runtime_error")
+    elif uses_stream_wait(counters.device.index):
         err = _stream_wait(stream, address, target)
         if err != 0:
             raise RuntimeError(f"cuStreamWaitValue32 failed with CUresult {err}")
     else:
         lib = jit.runtime_library()
-        jit.check(lib, lib.fo_spin_wait(address, target, stream.cuda_stream), "fo_runtime_error")
+        jit.check(lib, lib.fo_spin_wait(address, target, 0, None, index, stream.cuda_stream), "fo_runtime_error")
+
+
+def raise_on_timeout(report: torch.Tensor, groups: int, timeout: float) -> None:
+    """Wait for the call that ``report`` belongs to; raise if one of its waits timed out."""
+    torch.cuda.current_stream(report.device).synchronize()
+    timed_out, group, value, target = report.tolist()
+    if timed_out:
+        report.zero_()
+        raise RuntimeError(
+            f"flashoverlap: group {group} of {groups} never completed: its counter reached {value} of {target} "
+            f"within {timeout:g} s (FLASHOVERLAP_DEBUG=1). The GEMM did not signal every tile of that group: "
+            "a plan that does not match the kernel, or a kernel that failed."
+        )

@@ -1,0 +1,148 @@
+"""Randomised stress run on GPUs (not collected by pytest; run it under torchrun):
+
+    torchrun --nproc-per-node 2 tests/stress_overlap.py --calls 10000
+
+Random shapes (from a pool of random shapes, so that plans are reused as in a model), random
+collectives (all-reduce, reduce-scatter, all-to-all with uneven splits), configs varying with the
+shape (among prebuilt kernel instances; shapes x collectives stay within the plan cache, so memory
+must be flat once every pair has run) and two process groups, back to back with the host running
+ahead.
+Every ``--check-every`` calls the last few outputs -- returned earlier, still held -- are compared
+with matmul + the torch collective (a later call must not have overwritten them). Exits non-zero
+on any error; prints calls, shapes, the largest error and GPU memory after warm-up and at the end.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+import time
+
+import numpy as np
+import torch
+import torch.distributed as dist
+
+import flashoverlap
+from flashoverlap import comm, overlap
+from flashoverlap.overlap import sequential
+
+CONFIGS = {
+    "all_reduce": [{}, {"epilogue": "direct"}, {"layout": "tiles"}, {"tile_n": 128}, {"cluster_m": 2}],
+    "reduce_scatter": [{}, {"tile_n": 128}, {"scheduler": "streamk", "comm_sms": 12}],
+    "all_to_all": [{}, {"tile_n": 128}, {"scheduler": "streamk", "comm_sms": 12}],
+}
+KEEP = 3  # outputs held and re-checked at every check
+
+
+def settled_allocated(groups: list) -> int:
+    """GPU bytes held by live tensors once all work is done. Each NCCL process group may keep its
+    last collective's tensors (torch's work tracking), so a one-element all-reduce on every group
+    (the overlap's own communicators too) replaces them first; blocks freed while another stream
+    used them (record_stream) return at the allocator's next malloc, which the flush makes."""
+    for group in [*groups, *comm._budget_groups.values()]:
+        dist.all_reduce(torch.zeros(1, device="cuda"), group=group)
+    torch.cuda.synchronize()
+    time.sleep(1)
+    torch.empty(1, device="cuda")
+    plans = sum(
+        t.numel() * t.element_size()
+        for p in overlap._prepared.values()
+        for t in (p.slots, p.counters, p.workspace, p.report)
+        if t is not None
+    )
+    print(
+        f"[rank {dist.get_rank()}] allocated {torch.cuda.memory_allocated()} B, {len(overlap._prepared)} plans "
+        f"{plans} B; {len(comm._budget_groups)} budget communicators",
+        flush=True,
+    )
+    return torch.cuda.memory_allocated()
+
+
+def random_shape(rng: np.random.Generator, world: int) -> tuple[int, int, int]:
+    m = world * int(rng.integers(1, 3072 // world))
+    return m, 8 * int(rng.integers(1, 512)), 8 * int(rng.integers(1, 256))
+
+
+def check(item: tuple, world: int) -> float | None:
+    """Relative error of a held output against matmul + the torch collective (None: wrong shape/NaN)."""
+    out, a, w, collective, group, kwargs, _ = item
+    ex = comm.exchange(collective, a.shape[0], world, kwargs.get("splits"), kwargs.get("output_splits"))
+    want = sequential(a, w, "nk", ex, group).float()
+    if out.shape != want.shape or torch.isnan(out).any():
+        return None
+    return ((out.float() - want).norm() / want.norm().clamp_min(1e-30)).item() if want.numel() else 0.0
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--calls", type=int, default=10000)
+    parser.add_argument("--check-every", type=int, default=50)
+    parser.add_argument("--shapes", type=int, default=16, help="size of the random shape pool")
+    parser.add_argument("--seed", type=int, default=0)
+    args = parser.parse_args()
+
+    rank = int(os.environ["RANK"])
+    torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
+    dist.init_process_group("nccl", device_id=torch.device("cuda", torch.cuda.current_device()))
+    world = dist.get_world_size()
+    groups = [None, dist.new_group(list(range(world)))]
+    rng = np.random.default_rng(args.seed)  # same stream on every rank: same calls everywhere
+    pool = [random_shape(rng, world) for _ in range(args.shapes)]
+    gen = torch.Generator(device="cuda").manual_seed(1000 + rank)
+    operands = {}
+    for m, n, k in pool:
+        if (m, n, k) not in operands:
+            a = torch.randn(m, k, device="cuda", generator=gen).to(torch.bfloat16)
+            w = (torch.randn(n, k, device="cuda", generator=gen) / k**0.5).to(torch.bfloat16)
+            operands[(m, n, k)] = a, w
+
+    held: list[tuple] = []
+    worst = 0.0
+    mem_warm = None
+    warm_calls = min(args.calls // 5, 2000)  # by then every (shape, collective) pair has run
+    start = time.monotonic()
+    for call in range(args.calls):
+        index = int(rng.integers(len(pool)))
+        m, n, k = pool[index]
+        collective = ["all_reduce", "reduce_scatter", "all_to_all"][int(rng.integers(3))]
+        config = CONFIGS[collective][index % len(CONFIGS[collective])]
+        group = groups[int(rng.integers(2))]
+        kwargs = {}
+        if collective == "all_to_all":
+            # every rank draws every rank's splits, so output_splits are known without exchange
+            cuts = np.sort(rng.integers(0, m + 1, size=(world, world - 1)), axis=1)
+            splits = np.diff(np.concatenate([np.zeros((world, 1), int), cuts, np.full((world, 1), m)], axis=1), axis=1)
+            kwargs = {"splits": splits[rank].tolist(), "output_splits": splits[:, rank].tolist()}
+        a, w = operands[(m, n, k)]
+        out = getattr(flashoverlap, f"gemm_{collective}")(a, w, group=group, config=config, **kwargs)
+        held = [*held, (out, a, w, collective, group, kwargs, config)][-KEEP:]
+        del out  # only `held` keeps outputs alive (memory is measured with it empty)
+        if (call + 1) % args.check_every == 0 or call + 1 == args.calls:
+            errors = [check(item, world) for item in held]
+            if any(err is None or err > 1e-2 for err in errors):
+                print(f"[rank {rank}] call {call}: {[(i[3], i[6], tuple(i[1].shape)) for i in held]}: rel err {errors}")
+                return 1
+            worst = max(worst, *errors)
+        if call + 1 == warm_calls:
+            held.clear()
+            mem_warm = settled_allocated(groups)
+    held.clear()
+    mem_end = settled_allocated(groups)
+    elapsed = time.monotonic() - start
+    if rank == 0:
+        print(
+            f"stress: {args.calls} calls ({world} ranks, {len(set(pool))} shapes, 3 collectives, 2 groups) in "
+            f"{elapsed:.1f} s; max rel err {worst:.2e}; GPU memory allocated after {warm_calls} calls "
+            f"{mem_warm} B, at the end {mem_end} B; {len(overlap._prepared)} plans cached",
+            flush=True,
+        )
+    dist.destroy_process_group()
+    grew = mem_warm is not None and mem_end > mem_warm
+    if grew:
+        print(f"[rank {rank}] GPU memory grew from {mem_warm} to {mem_end} bytes", flush=True)
+    return 1 if grew else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
