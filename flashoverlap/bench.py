@@ -4,7 +4,12 @@
         --configs '{}' '{"comm_sms": 16}' --csv results.csv
     torchrun --nproc-per-node 2 -m flashoverlap.bench --collective reduce_scatter --shapes 16384x8192x4096
 
-all_to_all splits the rows evenly over the ranks.
+all_to_all splits the rows evenly over the ranks. Beside each flashoverlap config, in the same
+run: the GEMM and the collective alone, sequential (torch.matmul then the NCCL collective), the
+usual hand-written overlap (the GEMM split into column chunks, each chunk's collective on a second
+stream while the next chunk multiplies; best of 2, 4 and 8 chunks), torch's async-TP
+``fused_matmul_reduce_scatter`` for reduce_scatter where it runs, and the ideal max(gemm, comm).
+Plot a CSV without GPUs: ``python -m flashoverlap.bench --plot out.png --from-csv a.csv b.csv``.
 
 Variants take turns round by round (so drift hits all alike),
 after warm-up, on random inputs rotated through sets larger than L2, timed with CUDA events
@@ -26,6 +31,7 @@ from collections.abc import Callable, Sequence
 
 import torch
 import torch.distributed as dist
+import yaml
 
 from .comm import COLLECTIVES
 
@@ -62,7 +68,10 @@ def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="python -m flashoverlap.bench", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
-    parser.add_argument("--shapes", nargs="+", type=parse_shape, default=[(4096, 8192, 8192)])
+    parser.add_argument(
+        "--shapes", nargs="+", type=parse_shape, default=None, help="MxNxK ... (default 4096x8192x8192)"
+    )
+    parser.add_argument("--shapes-file", help="YAML list of shapes (MxNxK strings or [M, N, K]) to add")
     parser.add_argument(
         "--configs",
         nargs="+",
@@ -77,11 +86,30 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--block", type=int, default=8, help="calls per timed round")
     parser.add_argument("--warmup", type=int, default=5)
     parser.add_argument("--csv", help="write one row per shape and variant here (rank 0)")
+    parser.add_argument("--chunks", nargs="+", type=int, default=[2, 4, 8], help="decomposition chunk counts to try")
+    parser.add_argument("--plot", help="write a PNG of speedup per shape and method here (needs matplotlib)")
+    parser.add_argument("--from-csv", nargs="+", help="with --plot: plot these CSVs instead of measuring")
     parser.add_argument(
         "--trace",
         help="write a Chrome trace of three calls of the first config here (rank 0) and print their timeline",
     )
     return parser
+
+
+def load_shapes(path: str) -> list[tuple[int, int, int]]:
+    """Shapes from a YAML list of ``MxNxK`` strings or ``[M, N, K]`` lists."""
+    with open(path) as handle:
+        data = yaml.safe_load(handle)
+    if not isinstance(data, list) or not data:
+        raise ValueError(f"{path}: expected a non-empty YAML list of shapes")
+    shapes = []
+    for item in data:
+        text = "x".join(map(str, item)) if isinstance(item, list) else str(item)
+        try:
+            shapes.append(parse_shape(text))
+        except argparse.ArgumentTypeError as exc:
+            raise ValueError(f"{path}: {exc}") from None
+    return shapes
 
 
 def median_ms(samples: Sequence[float]) -> float:
@@ -133,7 +161,56 @@ def time_variants(
     return dict(zip(variants, medians.tolist()))
 
 
-def bench_shape(shape, configs, collective, dtype, rounds, block, warmup) -> list[dict]:
+def decomposed(a, w, ex, chunks: int, stream: torch.cuda.Stream) -> torch.Tensor:
+    """The usual hand-written overlap: the GEMM in ``chunks`` column blocks on the current stream,
+    each block's collective (and its copy into the output) on ``stream`` while the next multiplies."""
+    from . import comm
+
+    caller = torch.cuda.current_stream()
+    n = w.shape[0]
+    out = torch.empty((ex.rows, n), dtype=a.dtype, device=a.device)
+    stream.wait_stream(caller)
+    for cols in torch.arange(n).tensor_split(chunks):
+        if not len(cols):
+            continue
+        c0, c1 = int(cols[0]), int(cols[-1]) + 1
+        part = a @ w[c0:c1].t()
+        stream.wait_stream(caller)
+        with torch.cuda.stream(stream):
+            out[:, c0:c1].copy_(comm.collective(ex, part, None))
+        part.record_stream(stream)
+    caller.wait_stream(stream)
+    return out
+
+
+def async_tp(a: torch.Tensor, w: torch.Tensor) -> Callable[[torch.Tensor, torch.Tensor], torch.Tensor] | None:
+    """torch's fused_matmul_reduce_scatter (symmetric memory), or None where it does not run here.
+    Not with P2P disabled: it moves data through CUDA IPC peer memory, not NCCL, so it would use
+    the very links the emulated machine lacks."""
+    if os.environ.get("NCCL_P2P_DISABLE") == "1":
+        return None
+    try:
+        import torch.distributed._symmetric_memory as symm_mem
+
+        name = dist.group.WORLD.group_name
+        symm_mem.enable_symm_mem_for_group(name)
+
+        def fused(x, y):
+            return torch.ops.symm_mem.fused_matmul_reduce_scatter(x, y.t(), "sum", scatter_dim=0, group_name=name)
+
+        fused(a, w)
+        torch.cuda.synchronize()
+        works = True
+    except Exception as exc:  # not built, no P2P, ...: report it, measure the rest
+        print(f"async-TP fused_matmul_reduce_scatter unavailable: {type(exc).__name__}: {exc}", file=sys.stderr)
+        works = False
+    # every rank must time the same variants
+    flag = torch.tensor([int(works)], device=a.device)
+    dist.all_reduce(flag, op=dist.ReduceOp.MIN)
+    return fused if flag.item() else None
+
+
+def bench_shape(shape, configs, collective, dtype, rounds, block, warmup, chunks=(2, 4, 8)) -> list[dict]:
     import flashoverlap
 
     from . import comm
@@ -159,6 +236,12 @@ def bench_shape(shape, configs, collective, dtype, rounds, block, warmup) -> lis
         "comm": lambda i: comm.collective(ex, c, None),
         "seq": seq,
     }
+    side = torch.cuda.Stream()
+    for chunk in chunks:
+        variants[f"decomp{chunk}"] = lambda i, chunk=chunk: decomposed(a[i % sets], w[i % sets], ex, chunk, side)
+    fused = async_tp(a[0], w[0]) if collective == "reduce_scatter" else None
+    if fused is not None:
+        variants["asynctp"] = lambda i: fused(a[i % sets], w[i % sets])
     cfgs = [for_collective(resolve(cfg), collective) for cfg in configs]
     errors = {}
     for j, cfg in enumerate(cfgs):
@@ -178,6 +261,9 @@ def bench_shape(shape, configs, collective, dtype, rounds, block, warmup) -> lis
 
     rows = []
     t_gemm, t_comm, t_seq = times["gemm"], times["comm"], times["seq"]
+    best_chunks = min(chunks, key=lambda ch: times[f"decomp{ch}"])
+    t_decomp = times[f"decomp{best_chunks}"]
+    t_async = times.get("asynctp", float("nan"))
     for j, cfg in enumerate(cfgs):
         t_fo = times[f"fo{j}"]
         plan = None if cfg.sequential else prepare(m, n, k, dtype, "nk", a[0].device, cfg).plan
@@ -197,8 +283,14 @@ def bench_shape(shape, configs, collective, dtype, rounds, block, warmup) -> lis
                 "t_seq_ms": t_seq,
                 "t_fo_ms": t_fo,
                 "t_kernel_ms": times.get(f"kernel{j}", float("nan")),
+                "t_decomp_ms": t_decomp,
+                "decomp_chunks": best_chunks,
+                "t_asynctp_ms": t_async,
                 "speedup": t_seq / t_fo,
+                "decomp_speedup": t_seq / t_decomp,
+                "asynctp_speedup": t_seq / t_async,
                 "ideal_speedup": t_seq / max(t_gemm, t_comm),
+                "of_ideal": max(t_gemm, t_comm) / t_fo,
                 "efficiency": overlap_efficiency(t_seq, t_fo, t_gemm, t_comm),
                 "kernel_vs_cublas": t_gemm / times.get(f"kernel{j}", float("nan")),
                 "rel_err": errors[j],
@@ -263,7 +355,11 @@ COLUMNS = [
     ("t_seq_ms", "seq", ".3f"),
     ("t_fo_ms", "fo", ".3f"),
     ("speedup", "speedup", ".3f"),
+    ("decomp_speedup", "decomp", ".3f"),
+    ("decomp_chunks", "chunks", "d"),
+    ("asynctp_speedup", "async-tp", ".3f"),
     ("ideal_speedup", "ideal", ".3f"),
+    ("of_ideal", "of_ideal", ".2f"),
     ("efficiency", "eff", ".2f"),
     ("kernel_vs_cublas", "kern/cublas", ".3f"),
     ("rel_err", "rel_err", ".1e"),
@@ -271,10 +367,17 @@ COLUMNS = [
 ]
 
 
+def _cell(value, fmt: str) -> str:
+    if value == "" or (isinstance(value, float) and math.isnan(value)):
+        return "-"
+    return format(value, fmt)
+
+
 def format_table(rows: list[dict]) -> str:
+    """Aligned table: times in ms, speedups over sequential, ``of_ideal`` = max(gemm, comm) / fo."""
     cells = [[title for _, title, _ in COLUMNS]]
     for row in rows:
-        cells.append([format(row[key], fmt) if row[key] != "" else "-" for key, _, fmt in COLUMNS])
+        cells.append([_cell(row[key], fmt) for key, _, fmt in COLUMNS])
     widths = [max(len(r[i]) for r in cells) for i in range(len(COLUMNS))]
     return "\n".join("  ".join(c.rjust(w) for c, w in zip(r, widths)) for r in cells)
 
@@ -286,8 +389,62 @@ def write_csv(path: str, rows: list[dict]) -> None:
         writer.writerows(rows)
 
 
+def read_csv(paths: Sequence[str]) -> list[dict]:
+    rows = []
+    for path in paths:
+        with open(path, newline="") as handle:
+            rows += list(csv.DictReader(handle))
+    return rows
+
+
+def plot(rows: list[dict], path: str) -> None:
+    """Bar chart of speedup over sequential per shape: decomposition, async-TP (where measured),
+    each flashoverlap config, and the ideal bound."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    def num(row, key):
+        return float(row.get(key) or "nan")
+
+    cases: dict[str, dict[str, float]] = {}
+    for row in rows:
+        label = f"{row['collective']} {row['m']}x{row['n']}x{row['k']}\n{row.get('transport', '')}".strip()
+        case = cases.setdefault(label, {})
+        case["decomposition"] = num(row, "decomp_speedup")
+        case["async-TP"] = num(row, "asynctp_speedup")
+        case[f"flashoverlap {row['config']}"] = num(row, "speedup")
+        case["ideal"] = num(row, "ideal_speedup")
+    measured = dict.fromkeys(m for case in cases.values() for m, v in case.items() if not math.isnan(v))
+    methods = [m for m in measured if m != "ideal"] + ["ideal"]
+    fig, ax = plt.subplots(figsize=(min(14.0, 3.0 + 1.1 * len(cases)), 4.8))
+    width = 0.8 / len(methods)
+    for i, method in enumerate(methods):
+        values = [case.get(method, float("nan")) for case in cases.values()]
+        xs = [x + (i - (len(methods) - 1) / 2) * width for x in range(len(cases))]
+        ax.bar(xs, values, width, label=method, hatch="//" if method == "ideal" else None, alpha=0.9)
+    ax.axhline(1.0, color="black", linewidth=0.8)
+    ax.set_xticks(range(len(cases)), list(cases), fontsize=7, rotation=30, ha="right")
+    ax.set_ylabel("speedup over matmul then collective")
+    ax.legend(fontsize=7, loc="lower right")
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
+    if args.from_csv:
+        if not args.plot:
+            print("--from-csv needs --plot OUT.png", file=sys.stderr)
+            return 2
+        plot(read_csv(args.from_csv), args.plot)
+        return 0
+    shapes = list(args.shapes or [])
+    if args.shapes_file:
+        shapes += load_shapes(args.shapes_file)
+    args.shapes = shapes or [(4096, 8192, 8192)]
     os.environ.update(TRANSPORTS[args.transport])  # before NCCL creates its communicators
     if "RANK" not in os.environ:
         print("run under torchrun, e.g. torchrun --nproc-per-node 2 -m flashoverlap.bench", file=sys.stderr)
@@ -299,7 +456,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         dtype = getattr(torch, args.dtype)
         rows = []
         for shape in args.shapes:
-            rows += bench_shape(shape, args.configs, args.collective, dtype, args.rounds, args.block, args.warmup)
+            rows += bench_shape(
+                shape, args.configs, args.collective, dtype, args.rounds, args.block, args.warmup, args.chunks
+            )
         if args.trace:
             trace_call(args.shapes[0], args.configs[0], args.collective, dtype, args.trace)
         if dist.get_rank() == 0:
@@ -309,8 +468,11 @@ def main(argv: Sequence[str] | None = None) -> int:
                 f"ms per call, median of {args.rounds} rounds of {args.block} calls"
             )
             print(format_table(rows), flush=True)
+            rows = [dict(row, gpu=name, transport=args.transport) for row in rows]
             if args.csv:
-                write_csv(args.csv, [dict(row, gpu=name, transport=args.transport) for row in rows])
+                write_csv(args.csv, rows)
+            if args.plot:
+                plot(rows, args.plot)
     finally:
         dist.destroy_process_group()
     return 0

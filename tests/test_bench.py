@@ -1,0 +1,95 @@
+"""The benchmark's CPU side: CLI parsing, shape files, statistics, table, CSV and plot."""
+
+import argparse
+import csv
+import math
+
+import pytest
+
+from flashoverlap import bench
+
+
+def test_shapes_and_configs_parse_with_clear_errors():
+    assert bench.parse_shape("4096x8192X1024") == (4096, 8192, 1024)
+    for bad in ("4096x8192", "ax1x1", "0x8x8"):
+        with pytest.raises(argparse.ArgumentTypeError, match="MxNxK|positive"):
+            bench.parse_shape(bad)
+    assert bench.parse_config('{"comm_sms": 8}') == {"comm_sms": 8}
+    with pytest.raises(argparse.ArgumentTypeError, match="JSON object"):
+        bench.parse_config("[1]")
+    with pytest.raises(argparse.ArgumentTypeError, match="JSON object"):
+        bench.parse_config("{comm_sms: 8}")
+
+
+def test_cli_defaults_and_choices(capsys):
+    args = bench.build_parser().parse_args(["--collective", "all_to_all", "--transport", "pcie"])
+    assert args.collective == "all_to_all" and args.transport == "pcie" and args.configs == [{}]
+    assert args.chunks == [2, 4, 8] and args.rounds == 15
+    with pytest.raises(SystemExit):
+        bench.build_parser().parse_args(["--collective", "broadcast"])
+    assert "invalid choice" in capsys.readouterr().err
+    assert bench.TRANSPORTS["pcie"] == {"NCCL_P2P_DISABLE": "1"}
+    assert bench.TRANSPORTS["net"] == {"NCCL_P2P_DISABLE": "1", "NCCL_SHM_DISABLE": "1"}
+
+
+def test_main_without_torchrun_says_how_to_run(capsys, monkeypatch):
+    monkeypatch.delenv("RANK", raising=False)
+    assert bench.main(["--shapes", "128x128x128"]) == 2
+    assert "torchrun" in capsys.readouterr().err
+    assert bench.main(["--from-csv", "x.csv"]) == 2  # plotting needs --plot
+
+
+def test_shape_files(tmp_path):
+    good = tmp_path / "suite.yaml"
+    good.write_text("- 4096x8192x8192\n- [1024, 4096, 2048]\n")
+    assert bench.load_shapes(str(good)) == [(4096, 8192, 8192), (1024, 4096, 2048)]
+    for text, message in (("{a: 1}", "non-empty YAML list"), ("- 12x3\n", "MxNxK")):
+        bad = tmp_path / "bad.yaml"
+        bad.write_text(text)
+        with pytest.raises(ValueError, match=message):
+            bench.load_shapes(str(bad))
+
+
+def test_statistics():
+    assert bench.median_ms([3.0, 1.0, 2.0, 100.0]) == 2.5
+    # seq 1.0 = gemm 0.7 + comm 0.3; an overlap at 0.8 hides 0.2 of the 0.3 that could be hidden
+    assert bench.overlap_efficiency(1.0, 0.8, 0.7, 0.3) == pytest.approx(2 / 3)
+    assert bench.overlap_efficiency(1.0, 0.7, 0.7, 0.3) == pytest.approx(1.0)
+    # enough operand sets that consecutive iterations miss a 50 MB L2
+    sets = bench.input_sets(1024, 1024, 1024, __import__("torch").bfloat16, 50 << 20)
+    assert sets * 2 * 1024 * 1024 * 2 >= 3 * (50 << 20) and sets >= 2
+
+
+def row(**overrides):
+    base = dict(
+        m=4096, n=8192, k=8192, world=2, collective="all_reduce", dtype="bfloat16", config="{}", waves=9, groups=6,
+        t_gemm_ms=0.8, t_comm_ms=0.3, t_seq_ms=1.1, t_fo_ms=1.0, t_kernel_ms=0.9, t_decomp_ms=1.05,
+        decomp_chunks=4, t_asynctp_ms=float("nan"), speedup=1.1, decomp_speedup=1.0476, asynctp_speedup=float("nan"),
+        ideal_speedup=1.375, of_ideal=0.8, efficiency=1 / 3, kernel_vs_cublas=0.89, rel_err=0.0,
+    )  # fmt: skip
+    return {**base, **overrides}
+
+
+def test_table_is_aligned_and_marks_missing_values():
+    rows = [row(), row(m=16384, config='{"comm_sms": 8}', waves="", groups="")]
+    lines = bench.format_table(rows).splitlines()
+    assert len(lines) == 3 and len({len(line) for line in lines}) == 1
+    header = lines[0].split()
+    assert header[:8] == ["M", "N", "K", "gemm", "comm", "seq", "fo", "speedup"]
+    assert "async-tp" in header and "of_ideal" in header
+    cells = dict(zip(header, lines[1].split()))
+    assert cells["async-tp"] == "-" and cells["decomp"] == "1.048" and cells["chunks"] == "4"
+
+
+def test_csv_round_trip_and_plot(tmp_path):
+    pytest.importorskip("matplotlib")
+    path = tmp_path / "r.csv"
+    rows = [row(transport="nvlink"), row(collective="reduce_scatter", asynctp_speedup=1.02, transport="nvlink")]
+    bench.write_csv(str(path), rows)
+    with open(path, newline="") as handle:
+        back = list(csv.DictReader(handle))
+    assert [r["collective"] for r in back] == ["all_reduce", "reduce_scatter"]
+    assert math.isclose(float(back[0]["speedup"]), 1.1) and back[0]["t_asynctp_ms"] == "nan"
+    png = tmp_path / "p.png"
+    assert bench.main(["--plot", str(png), "--from-csv", str(path)]) == 0
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
