@@ -46,11 +46,18 @@ def init_rank(rank, world, store_path):
     )
 
 
-def spawn(fn, *args):
-    """Run fn(rank, world, store_path, *args) on every visible GPU, one process each."""
+def spawn(fn, *args, timeout=300):
+    """Run fn(rank, world, store_path, *args) on every visible GPU, one process each; a run that
+    has not finished after ``timeout`` seconds (a hang) is killed and fails the test."""
     world = torch.cuda.device_count()
     with tempfile.TemporaryDirectory() as tmp:
-        mp.spawn(fn, args=(world, os.path.join(tmp, "store"), *args), nprocs=world, join=True)
+        ctx = mp.start_processes(fn, args=(world, os.path.join(tmp, "store"), *args), nprocs=world, join=False)
+        deadline = time.monotonic() + timeout
+        while not ctx.join(timeout=5):
+            if time.monotonic() > deadline:
+                for process in ctx.processes:
+                    process.kill()
+                pytest.fail(f"{fn.__name__}{args} did not finish within {timeout} s on {world} GPUs")
 
 
 def worker(rank, world, store_path, mode):
@@ -138,6 +145,68 @@ def split_worker(rank, world, store_path):
 
 def test_gemm_reduce_scatter_and_all_to_all_on_all_gpus():
     spawn(split_worker)
+
+
+def nn_worker(rank, world, store_path, part):
+    """RowParallelLinear (all-reduce and sequence parallel) vs fp32 on the unsharded layer:
+    ``autograd`` forward and gradients, ``compile`` torch.compile, ``graph`` CUDA-graph replay."""
+    from flashoverlap.nn import RowParallelLinear
+
+    init_rank(rank, world, store_path)
+    try:
+        t, k, n = 2048, 1024 * world, 2048
+        gen = torch.Generator(device="cuda").manual_seed(0)  # same full problem on every rank
+        x, w = torch.randn(t, k, device="cuda", generator=gen), torch.randn(n, k, device="cuda", generator=gen)
+        b, g = torch.randn(n, device="cuda", generator=gen), torch.randn(t, n, device="cuda", generator=gen)
+        x, w, b, g = (v.bfloat16().float() for v in (x, w, b, g))  # exactly representable in bf16
+        cols = slice(rank * k // world, (rank + 1) * k // world)
+
+        def close(got, want, what):
+            err = ((got.float() - want).norm() / want.norm()).item()
+            assert err < 1e-2, f"{what}: rel err {err:.2e}"
+
+        for sp in (False, True):
+            layer = RowParallelLinear(k // world, n, sequence_parallel=sp, device="cuda")
+            with torch.no_grad():
+                layer.weight.copy_(w[:, cols])
+                layer.bias.copy_(b)
+            rows = slice(rank * t // world, (rank + 1) * t // world) if sp else slice(None)
+            if part == "autograd":
+                xr = x[:, cols].bfloat16().requires_grad_()
+                y = layer(xr)
+                close(y, (x @ w.t() + b)[rows], f"forward sp={sp}")
+                (y.float() * g[rows]).sum().backward()
+                close(xr.grad, (g @ w)[:, cols], f"grad x sp={sp}")
+                close(layer.weight.grad, (g.t() @ x)[:, cols], f"grad w sp={sp}")
+                close(layer.bias.grad, g.sum(0), f"grad b sp={sp}")
+            elif part == "compile":
+                with torch.no_grad():
+                    compiled = torch.compile(layer, backend="eager")
+                    close(compiled(x[:, cols].bfloat16()), (x @ w.t() + b)[rows], f"torch.compile sp={sp}")
+            else:
+                with torch.no_grad():
+                    static = x[:, cols].bfloat16().clone()
+                    side = torch.cuda.Stream()
+                    side.wait_stream(torch.cuda.current_stream())
+                    with torch.cuda.stream(side):  # warm-up: plan, agreement, communicators
+                        layer(static)
+                    torch.cuda.current_stream().wait_stream(side)
+                    graph = torch.cuda.CUDAGraph()
+                    with torch.cuda.graph(graph):
+                        out = layer(static)
+                    for scale in (0.5, -2.0):
+                        static.copy_((scale * x[:, cols]).bfloat16())
+                        graph.replay()
+                        torch.cuda.synchronize()
+                        close(out, (scale * x @ w.t() + b)[rows], f"CUDA graph replay sp={sp}")
+        torch.cuda.synchronize()
+    finally:
+        dist.destroy_process_group()
+
+
+@pytest.mark.parametrize("part", ["autograd", "compile", "graph"])
+def test_row_parallel_linear_on_all_gpus(part):
+    spawn(nn_worker, part, timeout=180)
 
 
 def mismatch_worker(rank, world, store_path):

@@ -3,7 +3,8 @@
 ``cuStreamWaitValue32`` (GEQ) makes the communication stream wait in the GPU's front end,
 costing no SM. Where stream memory operations are unsupported, a one-thread spin kernel does
 the same job. ``FLASHOVERLAP_WAIT=stream|spin`` forces one (default: probe, prefer stream).
-Counters are reset on the stream (``zero_``), so a call can be captured in a CUDA graph.
+Counters are reset on the stream (``zero_``), so a call can be captured in a CUDA graph (where
+waits are spin kernels).
 
 Debug mode (``FLASHOVERLAP_DEBUG=1``): every wait is a spin kernel that gives up after
 ``FLASHOVERLAP_TIMEOUT_S`` seconds (default 10) and records which group it waited for and the
@@ -85,9 +86,14 @@ def wait_geq(
     ``{1, index, value, target}`` into ``report`` (int32[4], zero until then).
     """
     address = counters.data_ptr() + 4 * index
+    # Inside CUDA-graph capture the spin kernel (one thread, fits beside a GEMM CTA) is the wait
+    # that is sure to capture on every driver.
+    if timeout is None and torch.cuda.is_current_stream_capturing():
+        timeout = 0.0
     if timeout is not None:
         lib = jit.runtime_library()
-        status = lib.fo_spin_wait(address, target, int(timeout * 1e9), report.data_ptr(), index, stream.cuda_stream)
+        where = None if report is None else report.data_ptr()
+        status = lib.fo_spin_wait(address, target, int(timeout * 1e9), where, index, stream.cuda_stream)
         jit.check(lib, status, "fo_runtime_error")
     elif uses_stream_wait(counters.device.index):
         err = _stream_wait(stream, address, target)

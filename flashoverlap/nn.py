@@ -1,0 +1,180 @@
+"""PyTorch modules: a row-parallel linear whose collective is overlapped with its GEMM.
+
+A tensor-parallel row-parallel linear (Megatron's ``RowParallelLinear``; ``o_proj`` / ``down_proj``
+of a TP-split Llama block) computes ``x_local @ W_local.T`` on every rank and then all-reduces
+(or, with sequence parallelism, reduce-scatters) the partial sums. :class:`RowParallelLinear` does
+both in one overlapped call; :func:`swap_row_parallel` puts it in place of the ``nn.Linear``
+modules of an existing model.
+
+Gradients (autograd), for a loss of the full output:
+* all-reduce: y = sum_r x_r W_r^T + b is replicated, so grad_x_r = grad_y W_r and
+  grad_W_r = grad_y^T x_r need no collective; grad_b = sum of grad_y over rows (replicated).
+* reduce-scatter (``sequence_parallel=True``): rank r holds rows r of y; backward all-gathers
+  grad_y, then grad_x_r = grad_y W_r and grad_W_r = grad_y^T x_r; the bias is added to every
+  shard, so its gradient is all-reduced over the group (every rank gets the full gradient).
+
+CPU tensors take the plain path (``F.linear`` + the torch collective, e.g. over gloo) with the
+same autograd, so models can be debugged without GPUs. Under ``torch.compile`` the overlapped call
+is a graph break; inside CUDA graphs it can be captured and replayed (see the README).
+"""
+
+from __future__ import annotations
+
+import fnmatch
+import os
+from collections.abc import Callable, Sequence
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch import nn
+
+from .config import OverlapConfig
+from .overlap import gemm_all_reduce, gemm_reduce_scatter, world_size
+
+
+@torch.compiler.disable
+def _forward(x: torch.Tensor, weight: torch.Tensor, group, config, sequence_parallel: bool) -> torch.Tensor:
+    if x.is_cuda:
+        fn = gemm_reduce_scatter if sequence_parallel else gemm_all_reduce
+        return fn(x, weight, group=group, config=config)
+    partial = F.linear(x, weight)
+    if sequence_parallel:
+        out = partial.new_empty((partial.shape[0] // world_size(group), partial.shape[1]))
+        dist.reduce_scatter_tensor(out, partial, group=group)
+        return out
+    dist.all_reduce(partial, group=group)
+    return partial
+
+
+class _RowParallel(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, weight, group, config, sequence_parallel):
+        ctx.save_for_backward(x, weight)
+        ctx.group, ctx.sequence_parallel = group, sequence_parallel
+        return _forward(x, weight, group, config, sequence_parallel)
+
+    @staticmethod
+    def backward(ctx, grad_out):
+        x, weight = ctx.saved_tensors
+        grad_out = grad_out.contiguous()
+        if ctx.sequence_parallel:
+            full = grad_out.new_empty((x.shape[0], grad_out.shape[1]))
+            dist.all_gather_into_tensor(full, grad_out, group=ctx.group)
+            grad_out = full
+        grad_x = grad_out @ weight if ctx.needs_input_grad[0] else None
+        grad_w = grad_out.t() @ x if ctx.needs_input_grad[1] else None
+        return grad_x, grad_w, None, None, None
+
+
+class _AllReduceGrad(torch.autograd.Function):
+    """Identity forward; all-reduces the gradient (a replicated parameter used on every shard)."""
+
+    @staticmethod
+    def forward(ctx, tensor, group):
+        ctx.group = group
+        return tensor.view_as(tensor)
+
+    @staticmethod
+    def backward(ctx, grad):
+        grad = grad.contiguous()
+        dist.all_reduce(grad, group=ctx.group)
+        return grad, None
+
+
+class RowParallelLinear(nn.Module):
+    """``y = collective(x @ weight.T) + bias`` with the collective overlapped with the GEMM.
+
+    weight: this rank's [out_features, in_features] shard (in_features = the local share of the
+    input features). ``sequence_parallel=False``: all-reduce, y is [..., out_features] on every
+    rank. ``True``: reduce-scatter over the flattened leading dimensions, rank r gets rows
+    [r * T / world, (r + 1) * T / world) of the T tokens, shaped [x.shape[0] / world, *x.shape[1:-1],
+    out_features] (the first dimension, e.g. the sequence of an [s, b, h] input, is split).
+    """
+
+    def __init__(
+        self,
+        in_features: int,
+        out_features: int,
+        bias: bool = True,
+        *,
+        group: dist.ProcessGroup | None = None,
+        sequence_parallel: bool = False,
+        config: OverlapConfig | dict | str | os.PathLike | None = None,
+        device: torch.device | str | None = None,
+        dtype: torch.dtype | None = torch.bfloat16,
+    ) -> None:
+        super().__init__()
+        self.in_features, self.out_features = in_features, out_features
+        self.group, self.sequence_parallel, self.config = group, sequence_parallel, config
+        self.weight = nn.Parameter(torch.empty(out_features, in_features, device=device, dtype=dtype))
+        self.bias = nn.Parameter(torch.zeros(out_features, device=device, dtype=dtype)) if bias else None
+        nn.init.kaiming_uniform_(self.weight, a=5**0.5)
+
+    @classmethod
+    def from_linear(cls, linear: nn.Linear, **kwargs) -> RowParallelLinear:
+        """A module sharing ``linear``'s parameters (its weight is this rank's shard)."""
+        module = cls.__new__(cls)
+        nn.Module.__init__(module)
+        module.in_features, module.out_features = linear.in_features, linear.out_features
+        module.group = kwargs.pop("group", None)
+        module.sequence_parallel = kwargs.pop("sequence_parallel", False)
+        module.config = kwargs.pop("config", None)
+        if kwargs:
+            raise TypeError(f"unexpected arguments {sorted(kwargs)}")
+        module.weight, module.bias = linear.weight, linear.bias
+        return module
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if x.shape[-1] != self.in_features:
+            raise ValueError(f"expected input [..., {self.in_features}], got {tuple(x.shape)}")
+        lead = x.shape[:-1]
+        world = world_size(self.group)
+        if self.sequence_parallel and (not lead or lead[0] % world):
+            raise ValueError(
+                f"sequence_parallel splits the first dimension over {world} ranks: got input {tuple(x.shape)}"
+            )
+        x2d = x.reshape(-1, self.in_features).contiguous()
+        y = _RowParallel.apply(x2d, self.weight, self.group, self.config, self.sequence_parallel)
+        if self.bias is not None:
+            bias = _AllReduceGrad.apply(self.bias, self.group) if self.sequence_parallel else self.bias
+            y = y + bias
+        if self.sequence_parallel:
+            return y.view(lead[0] // world, *lead[1:], self.out_features)
+        return y.view(*lead, self.out_features)
+
+    def extra_repr(self) -> str:
+        kind = "reduce-scatter" if self.sequence_parallel else "all-reduce"
+        return f"in_features={self.in_features}, out_features={self.out_features}, bias={self.bias is not None}, {kind}"
+
+
+def swap_row_parallel(
+    model: nn.Module,
+    match: Sequence[str] | Callable[[str, nn.Module], bool],
+    **kwargs,
+) -> list[str]:
+    """Replace the ``nn.Linear`` modules of ``model`` selected by ``match`` with
+    :class:`RowParallelLinear` modules sharing their parameters; returns the replaced names.
+
+    ``match``: glob patterns over qualified module names (e.g. ``["*.o_proj", "*.down_proj"]``)
+    or a predicate ``(name, module) -> bool``. The replaced layers now do their own all-reduce
+    (or reduce-scatter): remove the collective that followed them in the model's code. ``kwargs``
+    go to :meth:`RowParallelLinear.from_linear` (group, sequence_parallel, config).
+    """
+    if callable(match):
+        selected = match
+    else:
+        patterns = [match] if isinstance(match, str) else list(match)
+
+        def selected(name: str, module: nn.Module) -> bool:
+            return any(fnmatch.fnmatchcase(name, p) for p in patterns)
+
+    targets = [(name, module) for name, module in model.named_modules() if name and selected(name, module)]
+    for name, module in targets:
+        if type(module) is not nn.Linear:
+            raise ValueError(f"{name} is a {type(module).__name__}, not an nn.Linear")
+    for name, module in targets:
+        parent_name, _, child = name.rpartition(".")
+        parent = model.get_submodule(parent_name) if parent_name else model
+        setattr(parent, child, RowParallelLinear.from_linear(module, **dict(kwargs)))
+    return [name for name, _ in targets]

@@ -1,0 +1,79 @@
+"""flashoverlap.nn on the CPU (gloo, 2 ranks, the plain path with the same autograd)."""
+
+import os
+import tempfile
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+from torch import nn
+
+from flashoverlap.nn import RowParallelLinear, swap_row_parallel
+
+T, K, N = 12, 16, 10  # tokens, input features (split over ranks), output features
+
+
+def full_problem():
+    gen = torch.Generator().manual_seed(0)
+    x = torch.randn(T, K, generator=gen, dtype=torch.float64)
+    w = torch.randn(N, K, generator=gen, dtype=torch.float64)
+    b = torch.randn(N, generator=gen, dtype=torch.float64)
+    g = torch.randn(T, N, generator=gen, dtype=torch.float64)  # d loss / d y
+    return x, w, b, g
+
+
+def worker(rank: int, world: int, store_path: str):
+    dist.init_process_group("gloo", store=dist.FileStore(store_path, world), rank=rank, world_size=world)
+    try:
+        x, w, b, g = full_problem()
+        cols = slice(rank * K // world, (rank + 1) * K // world)
+        for sequence_parallel in (False, True):
+            layer = RowParallelLinear(K // world, N, sequence_parallel=sequence_parallel, dtype=torch.float64)
+            with torch.no_grad():
+                layer.weight.copy_(w[:, cols])
+                layer.bias.copy_(b)
+            xr = x[:, cols].clone().requires_grad_()
+            y = layer(xr)
+            rows = slice(rank * T // world, (rank + 1) * T // world) if sequence_parallel else slice(None)
+            torch.testing.assert_close(y, (x @ w.t() + b)[rows])
+            (y * g[rows]).sum().backward()  # each rank's share of one global loss
+            torch.testing.assert_close(xr.grad, (g @ w)[:, cols])
+            torch.testing.assert_close(layer.weight.grad, (g.t() @ x)[:, cols])
+            torch.testing.assert_close(layer.bias.grad, g.sum(0))
+        # [s, b, h] input with sequence parallelism: the sequence is split
+        layer = RowParallelLinear(K // world, N, sequence_parallel=True, dtype=torch.float64)
+        assert layer(torch.randn(4, 3, K // world, dtype=torch.float64)).shape == (4 // world, 3, N)
+        with pytest.raises(ValueError, match="splits the first dimension over 2 ranks"):
+            layer(torch.randn(3, K // world, dtype=torch.float64))
+        with pytest.raises(ValueError, match=r"expected input \[\.\.\., 8\]"):
+            layer(torch.randn(4, K, dtype=torch.float64))
+    finally:
+        dist.destroy_process_group()
+
+
+def test_row_parallel_linear_forward_and_backward_match_the_unsharded_layer():
+    with tempfile.TemporaryDirectory() as tmp:
+        mp.spawn(worker, args=(2, os.path.join(tmp, "store")), nprocs=2, join=True)
+
+
+class Block(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.q_proj, self.o_proj = nn.Linear(8, 8), nn.Linear(8, 8, bias=False)
+        self.mlp = nn.ModuleDict({"up_proj": nn.Linear(8, 16), "down_proj": nn.Linear(16, 8), "act": nn.GELU()})
+
+
+def test_swap_replaces_matching_linears_and_shares_their_parameters():
+    model = nn.ModuleList([Block(), Block()])
+    weight = model[1].mlp["down_proj"].weight
+    names = swap_row_parallel(model, ["*.o_proj", "*.down_proj"], sequence_parallel=True)
+    assert names == ["0.o_proj", "0.mlp.down_proj", "1.o_proj", "1.mlp.down_proj"]
+    swapped = model[1].mlp["down_proj"]
+    assert isinstance(swapped, RowParallelLinear) and swapped.weight is weight and swapped.sequence_parallel
+    assert model[0].o_proj.bias is None and isinstance(model[0].q_proj, nn.Linear)
+    assert swap_row_parallel(model, lambda name, m: name == "0.q_proj") == ["0.q_proj"]
+    with pytest.raises(ValueError, match="0.mlp.act is a GELU, not an nn.Linear"):
+        swap_row_parallel(model, "*.act")
+    with pytest.raises(TypeError, match="unexpected arguments"):
+        swap_row_parallel(nn.Sequential(nn.Linear(2, 2)), "0", bogus=1)
