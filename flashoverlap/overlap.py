@@ -9,7 +9,8 @@ synchronisation happens inside a call.
 Operands of every public entry point: a: [M, K]; weight: [N, K] like ``torch.nn.Linear``
 (``weight_layout="nk"``) or [K, N] (``"kn"``); bf16 or fp16, contiguous, on this rank's CUDA
 device; N and K multiples of 8; every rank passes the same shapes. ``config``: an
-:class:`OverlapConfig`, a dict of its fields, or a YAML path (default: built-in). The result is a
+:class:`OverlapConfig`, a dict of its fields, or a YAML path (default: the registry's entry nearest
+the call, see :mod:`flashoverlap.registry`, else the built-in defaults). The result is a
 new tensor, ready on the current stream. Bad input raises ``ValueError``/``TypeError`` before
 anything is launched. A group of one rank runs the plain GEMM.
 """
@@ -24,7 +25,7 @@ from dataclasses import dataclass, field
 import torch
 import torch.distributed as dist
 
-from . import comm, signal
+from . import comm, registry, signal
 from .comm import Exchange
 from .config import OverlapConfig, for_collective, resolve
 from .gemm import GemmSpec, SignalGemm, get_kernel
@@ -239,6 +240,13 @@ def run_overlapped(
     return out
 
 
+def tuned_config(a: torch.Tensor, world: int, collective: str, shape: tuple[int, int, int]) -> OverlapConfig:
+    """The registry's config for this call (flashoverlap.registry), else the built-in defaults."""
+    gpu = torch.cuda.get_device_name(a.device)
+    found = registry.lookup(gpu, world, collective, registry.transport(), DTYPES[a.dtype], shape)
+    return found if found is not None else OverlapConfig()
+
+
 def _gemm_collective(
     a: torch.Tensor,
     weight: torch.Tensor,
@@ -250,8 +258,9 @@ def _gemm_collective(
     output_splits: Sequence[int] | None = None,
 ) -> torch.Tensor:
     world = world_size(group)
-    cfg = for_collective(resolve(config), collective)
+    explicit = for_collective(resolve(config), collective) if config is not None else None
     m, n, k = check_inputs(a, weight, weight_layout)
+    cfg = explicit or for_collective(tuned_config(a, world, collective, (m, n, k)), collective)
     ex = comm.exchange(collective, m, world, splits, output_splits, group, a.device)
     if world == 1 or cfg.sequential:
         return sequential(a, weight, weight_layout, ex, group)

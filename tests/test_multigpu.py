@@ -166,7 +166,8 @@ def nn_worker(rank, world, store_path, part):
             assert err < 1e-2, f"{what}: rel err {err:.2e}"
 
         for sp in (False, True):
-            layer = RowParallelLinear(k // world, n, sequence_parallel=sp, device="cuda")
+            # config={}: the overlapped path even where the registry would pick sequential
+            layer = RowParallelLinear(k // world, n, sequence_parallel=sp, config={}, device="cuda")
             with torch.no_grad():
                 layer.weight.copy_(w[:, cols])
                 layer.bias.copy_(b)

@@ -1,0 +1,162 @@
+"""Tuned configs from YAML files, looked up by GPU, world size, collective, transport, dtype and shape.
+
+A registry file (``configs/*.yaml``)::
+
+    gpu: NVIDIA H200        # matched against torch.cuda.get_device_name() (substring)
+    world: 2
+    entries:
+      - {collective: all_reduce, transport: nvlink, dtype: bfloat16, shape: [4096, 8192, 8192],
+         config: {comm_sms: 16}, measured: {speedup: 1.13}}
+      - {collective: all_reduce, transport: nvlink, dtype: bfloat16, shape: [1024, 8192, 8192],
+         config: {sequential: true}}
+
+``config`` holds :class:`~flashoverlap.config.OverlapConfig` fields; ``measured`` is free-form
+information. A call with ``config=None`` takes the entry of its GPU, world size, collective,
+transport and dtype whose shape is nearest (log-distance over M, N, K); a ``partition`` (waves per
+group) is kept only for the exact shape. No matching entry: the built-in defaults.
+
+Files are read from ``FLASHOVERLAP_CONFIG_DIRS`` (``os.pathsep``-separated directories, searched
+first) and the repository's ``configs/`` directory.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import math
+import os
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+from .comm import COLLECTIVES
+from .config import OverlapConfig, for_collective
+
+TRANSPORTS = ("nvlink", "pcie", "net")
+DTYPES = ("bfloat16", "float16")
+FILE_KEYS = {"gpu", "world", "entries"}
+ENTRY_KEYS = {"collective", "transport", "dtype", "shape", "config", "measured"}
+REPO_CONFIGS = Path(__file__).resolve().parent.parent / "configs"
+
+
+@dataclass(frozen=True)
+class Entry:
+    gpu: str
+    world: int
+    collective: str
+    transport: str
+    dtype: str
+    shape: tuple[int, int, int]
+    config: OverlapConfig
+    source: str  # file and entry index, for messages
+
+
+def parse(data: Any, source: str) -> list[Entry]:
+    """Validate one registry file's content; errors name the file, the entry and the key."""
+    if not isinstance(data, dict):
+        raise ValueError(f"{source}: expected a mapping with keys {sorted(FILE_KEYS)}")
+    unknown = sorted(set(data) - FILE_KEYS)
+    if unknown:
+        raise ValueError(f"{source}: unknown key(s) {unknown}; allowed: {sorted(FILE_KEYS)}")
+    gpu, world, entries = data.get("gpu"), data.get("world"), data.get("entries")
+    if not isinstance(gpu, str) or not gpu:
+        raise ValueError(f"{source}: gpu must be a GPU name such as 'NVIDIA H200', got {gpu!r}")
+    if not isinstance(world, int) or isinstance(world, bool) or world < 1:
+        raise ValueError(f"{source}: world must be a positive integer, got {world!r}")
+    if not isinstance(entries, list):
+        raise ValueError(f"{source}: entries must be a list, got {type(entries).__name__}")
+    return [_entry(item, gpu, world, f"{source}: entries[{i}]") for i, item in enumerate(entries)]
+
+
+def _entry(item: Any, gpu: str, world: int, where: str) -> Entry:
+    if not isinstance(item, dict):
+        raise ValueError(f"{where}: expected a mapping with keys {sorted(ENTRY_KEYS)}")
+    unknown = sorted(set(item) - ENTRY_KEYS)
+    if unknown:
+        raise ValueError(f"{where}: unknown key(s) {unknown}; allowed: {sorted(ENTRY_KEYS)}")
+    for key, allowed in (("collective", COLLECTIVES), ("transport", TRANSPORTS), ("dtype", DTYPES)):
+        if item.get(key) not in allowed:
+            raise ValueError(f"{where}: {key} must be one of {list(allowed)}, got {item.get(key)!r}")
+    shape = item.get("shape")
+    if not (
+        isinstance(shape, list)
+        and len(shape) == 3
+        and all(isinstance(v, int) and not isinstance(v, bool) and v > 0 for v in shape)
+    ):
+        raise ValueError(f"{where}: shape must be [M, N, K] of positive integers, got {shape!r}")
+    config = OverlapConfig.from_dict(item.get("config", {}), source=f"{where}: config")
+    try:
+        for_collective(config, item["collective"])
+    except ValueError as exc:
+        raise ValueError(f"{where}: config: {exc}") from None
+    return Entry(gpu, world, item["collective"], item["transport"], item["dtype"], tuple(shape), config, where)
+
+
+def load(paths: Iterable[Path]) -> list[Entry]:
+    entries = []
+    for path in paths:
+        try:
+            data = yaml.safe_load(path.read_text())
+        except yaml.YAMLError as exc:
+            raise ValueError(f"{path}: malformed YAML: {exc}") from None
+        if isinstance(data, dict) and "entries" in data:  # registry files (not single configs)
+            entries += parse(data, str(path))
+    return entries
+
+
+def config_dirs() -> list[Path]:
+    extra = [Path(p) for p in os.environ.get("FLASHOVERLAP_CONFIG_DIRS", "").split(os.pathsep) if p]
+    return [*extra, REPO_CONFIGS]
+
+
+@functools.cache
+def _entries_in(dirs: tuple[Path, ...]) -> list[Entry]:
+    return load(sorted(p for d in dirs if d.is_dir() for p in d.glob("*.yaml")))
+
+
+def nearest(
+    entries: Sequence[Entry],
+    gpu: str,
+    world: int,
+    collective: str,
+    transport: str,
+    dtype: str,
+    shape: tuple[int, int, int],
+) -> Entry | None:
+    """The entry for this call's GPU, world, collective, transport and dtype nearest in shape
+    (log-distance); earlier entries (earlier directories) win ties."""
+    candidates = [
+        e
+        for e in entries
+        if e.gpu in gpu and e.world == world and (e.collective, e.transport, e.dtype) == (collective, transport, dtype)
+    ]
+    if not candidates:
+        return None
+    return min(candidates, key=lambda e: sum(abs(math.log(a / b)) for a, b in zip(e.shape, shape)))
+
+
+def lookup(
+    gpu: str, world: int, collective: str, transport: str, dtype: str, shape: tuple[int, int, int]
+) -> OverlapConfig | None:
+    """The tuned config for a call (see the module doc), or None."""
+    entry = nearest(_entries_in(tuple(config_dirs())), gpu, world, collective, transport, dtype, shape)
+    if entry is None:
+        return None
+    if entry.shape != tuple(shape) and entry.config.partition is not None:
+        return dataclasses.replace(entry.config, partition=None)  # waves differ between shapes
+    return entry.config
+
+
+def transport() -> str:
+    """How NCCL moves data between this node's GPUs: what ``NCCL_P2P_DISABLE`` /
+    ``NCCL_SHM_DISABLE`` force, else ``nvlink`` where the GPUs can access each other's memory."""
+    if os.environ.get("NCCL_P2P_DISABLE") == "1":
+        return "net" if os.environ.get("NCCL_SHM_DISABLE") == "1" else "pcie"
+    import torch
+
+    if torch.cuda.device_count() > 1 and not torch.cuda.can_device_access_peer(0, 1):
+        return "pcie"
+    return "nvlink"

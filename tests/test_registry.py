@@ -1,0 +1,119 @@
+"""Tuned-config registry: file validation, nearest-shape lookup, transport detection (CPU)."""
+
+from pathlib import Path
+
+import pytest
+import yaml
+
+from flashoverlap import registry
+from flashoverlap.config import OverlapConfig
+
+RS_ROWS = {"layout": "rows"}
+ENTRY = {"collective": "all_reduce", "transport": "nvlink", "dtype": "bfloat16", "shape": [4096, 8192, 8192]}
+
+
+def write(tmp_path: Path, data, name="r.yaml") -> Path:
+    path = tmp_path / name
+    path.write_text(yaml.safe_dump(data) if not isinstance(data, str) else data)
+    return path
+
+
+def test_shipped_registry_files_are_valid():
+    entries = registry.load(sorted(registry.REPO_CONFIGS.glob("*.yaml")))
+    assert entries and {e.collective for e in entries} == {"all_reduce", "reduce_scatter", "all_to_all"}
+    assert {e.transport for e in entries} == {"nvlink", "pcie"}
+
+
+@pytest.mark.parametrize(
+    "data, message",
+    [
+        ({"gpu": "H200", "world": 2, "entries": [], "tuned": 1}, r"r.yaml: unknown key\(s\) \['tuned'\]"),
+        ({"gpu": "", "world": 2, "entries": []}, "gpu must be a GPU name"),
+        ({"gpu": "H200", "world": 0, "entries": []}, "world must be a positive integer"),
+        ({"gpu": "H200", "world": 2, "entries": {}}, "entries must be a list"),
+        ({"gpu": "H200", "world": 2, "entries": [{**ENTRY, "shape": [1, 2]}]}, r"entries\[0\]: shape must be"),
+        ({"gpu": "H200", "world": 2, "entries": [{**ENTRY, "transport": "ib"}]}, "transport must be one of"),
+        ({"gpu": "H200", "world": 2, "entries": [{**ENTRY, "dtype": "fp8"}]}, "dtype must be one of"),
+        ({"gpu": "H200", "world": 2, "entries": [{**ENTRY, "speed": 1}]}, r"unknown key\(s\) \['speed'\]"),
+        (
+            {"gpu": "H200", "world": 2, "entries": [ENTRY, {**ENTRY, "config": {"tile_n": 96}}]},
+            r"entries\[1\]: config: .*tile_n 96 not in",
+        ),
+        (
+            {
+                "gpu": "H200",
+                "world": 2,
+                "entries": [{**ENTRY, "collective": "reduce_scatter", "config": {"layout": "rows"}}],
+            },
+            r"entries\[0\]: config: reduce_scatter needs layout 'cols'",
+        ),
+    ],
+)
+def test_invalid_files_name_file_entry_and_key(tmp_path, data, message):
+    path = write(tmp_path, data)
+    with pytest.raises(ValueError, match=message):
+        registry.load([path])
+
+
+def test_malformed_yaml_is_named(tmp_path):
+    path = write(tmp_path, "gpu: [H200\n")
+    with pytest.raises(ValueError, match=f"{path}: malformed YAML"):
+        registry.load([path])
+
+
+def test_single_config_files_are_not_registry_files():
+    assert registry.load([registry.REPO_CONFIGS / "example.yaml"]) == []
+
+
+def make_entries(tmp_path):
+    data = {
+        "gpu": "NVIDIA H200",
+        "world": 2,
+        "entries": [
+            {**ENTRY, "shape": [1024, 8192, 8192], "config": {"sequential": True}},
+            {**ENTRY, "config": {"comm_sms": 8, "partition": [1, 2, 2, 2, 1, 1]}},
+            {**ENTRY, "transport": "pcie", "config": {"comm_sms": 32}},
+        ],
+    }
+    return registry.load([write(tmp_path, data)])
+
+
+def test_nearest_shape_within_the_same_gpu_world_collective_transport_dtype(tmp_path):
+    entries = make_entries(tmp_path)
+    key = ("NVIDIA H200", 2, "all_reduce", "nvlink", "bfloat16")
+    assert registry.nearest(entries, *key, (1100, 8192, 8192)).config.sequential
+    assert registry.nearest(entries, *key, (8192, 8192, 16384)).config.comm_sms == 8
+    assert (
+        registry.nearest(entries, "NVIDIA H200", 2, "all_reduce", "pcie", "bfloat16", (1, 8, 8)).config.comm_sms == 32
+    )
+    for other in (("NVIDIA H100", 2), ("NVIDIA H200", 4)):
+        assert registry.nearest(entries, *other, "all_reduce", "nvlink", "bfloat16", (4096, 8192, 8192)) is None
+    assert registry.nearest(entries, "NVIDIA H200", 2, "all_to_all", "nvlink", "bfloat16", (4096, 8192, 8192)) is None
+    assert registry.nearest(entries, "NVIDIA H200", 2, "all_reduce", "nvlink", "float16", (4096, 8192, 8192)) is None
+
+
+def test_lookup_searches_user_dirs_first_and_keeps_partitions_only_for_the_exact_shape(tmp_path, monkeypatch):
+    make_entries(tmp_path)  # writes tmp_path/r.yaml
+    monkeypatch.setenv("FLASHOVERLAP_CONFIG_DIRS", str(tmp_path))
+    registry._entries_in.cache_clear()
+    try:
+        exact = registry.lookup("NVIDIA H200", 2, "all_reduce", "nvlink", "bfloat16", (4096, 8192, 8192))
+        assert exact == OverlapConfig(comm_sms=8, partition=(1, 2, 2, 2, 1, 1))
+        near = registry.lookup("NVIDIA H200", 2, "all_reduce", "nvlink", "bfloat16", (4096, 8192, 9000))
+        assert near == OverlapConfig(comm_sms=8)
+        # not in the user's file: the repository's registry answers
+        rs = registry.lookup("NVIDIA H200", 2, "reduce_scatter", "pcie", "bfloat16", (16384, 8192, 4096))
+        assert rs is not None and not rs.sequential
+        assert registry.lookup("NVIDIA A100", 8, "all_reduce", "nvlink", "bfloat16", (1, 8, 8)) is None
+    finally:
+        registry._entries_in.cache_clear()
+
+
+def test_transport_follows_the_nccl_environment(monkeypatch):
+    monkeypatch.setenv("NCCL_P2P_DISABLE", "1")
+    monkeypatch.delenv("NCCL_SHM_DISABLE", raising=False)
+    assert registry.transport() == "pcie"
+    monkeypatch.setenv("NCCL_SHM_DISABLE", "1")
+    assert registry.transport() == "net"
+    monkeypatch.delenv("NCCL_P2P_DISABLE")
+    assert registry.transport() == "nvlink"  # no GPUs here to say otherwise

@@ -1,0 +1,79 @@
+"""The tuner's cost model and partition search on synthetic problems (CPU)."""
+
+import itertools
+
+import numpy as np
+import pytest
+
+from flashoverlap.tune import CommModel, Problem, best_partition, choose, fit_comm, makespan
+
+
+def compositions(total: int):
+    for cuts in itertools.chain.from_iterable(itertools.combinations(range(1, total), r) for r in range(total)):
+        yield tuple(b - a for a, b in zip((0, *cuts), (*cuts, total)))
+
+
+def problem(rng, waves=None, latency=None, bandwidth=None) -> Problem:
+    waves = waves or int(rng.integers(1, 10))
+    wave_bytes = [8e6] * (waves - 1) + [float(rng.uniform(1e6, 8e6))]
+    during = CommModel(latency if latency is not None else rng.uniform(0.005, 0.05), bandwidth or rng.uniform(2e7, 2e8))
+    return Problem(tuple(wave_bytes), float(rng.uniform(0.05, 0.2)), during, CommModel(during.latency_ms, 2.5e8))
+
+
+def test_dynamic_programming_finds_the_brute_force_optimum():
+    rng = np.random.default_rng(0)
+    for _ in range(40):
+        p = problem(rng)
+        partition, best = best_partition(p)
+        brute = min(makespan(p, c) for c in compositions(p.num_waves))
+        assert best == pytest.approx(brute) and makespan(p, partition) == pytest.approx(best)
+
+
+def test_known_optima():
+    # no latency, each wave's output takes exactly a wave to send: one group per wave keeps the
+    # communication one wave behind the GEMM (any merged group ends later)
+    paced = Problem((1.0,) * 5, 0.1, CommModel(0.0, 10.0), CommModel(0.0, 10.0))
+    assert best_partition(paced) == ((1, 1, 1, 1, 1), pytest.approx(0.6))
+    # latency dominates: every extra group costs more than it hides, so one group
+    slow = Problem((1.0,) * 5, 0.1, CommModel(10.0, 1e30), CommModel(10.0, 1e30))
+    assert best_partition(slow) == ((5,), pytest.approx(10.5))
+
+
+def test_more_bandwidth_never_predicts_a_slower_call():
+    rng = np.random.default_rng(1)
+    for _ in range(20):
+        base = problem(rng, waves=8)
+        previous = np.inf
+        for bandwidth in (1e7, 3e7, 1e8, 3e8, 1e9):
+            during = CommModel(base.during.latency_ms, bandwidth)
+            _, t = best_partition(Problem(base.wave_bytes, base.wave_ms, during, base.tail))
+            assert t <= previous + 1e-12
+            previous = t
+
+
+def test_choose_falls_back_to_sequential_where_overlap_cannot_pay():
+    # communication a fraction of the GEMM: overlap hides it
+    p = Problem((8e6,) * 8, 0.1, CommModel(0.01, 1e8), CommModel(0.01, 2.5e8))
+    pays = choose(p, gemm_full_ms=0.75)
+    assert pays.overlap_pays and pays.overlap_ms < pays.sequential_ms
+    # the SM budget slows the GEMM more than the communication it could hide
+    small = Problem((8e6,) * 8, 0.1, CommModel(0.01, 1e8), CommModel(0.01, 1e10))
+    assert not choose(small, gemm_full_ms=0.5).overlap_pays
+
+
+def test_comm_model_fit_recovers_latency_and_bandwidth():
+    sizes = [1e6, 4e6, 16e6, 64e6]
+    model = fit_comm(sizes, [0.02 + s / 2e8 for s in sizes])
+    assert model.latency_ms == pytest.approx(0.02) and model.bytes_per_ms == pytest.approx(2e8)
+    assert model.time_ms(8e6) == pytest.approx(0.06)
+    with pytest.raises(ValueError, match="at least two different sizes"):
+        fit_comm([1e6, 1e6], [0.1, 0.1])
+    with pytest.raises(ValueError, match="do not grow with size"):
+        fit_comm([1e6, 2e6], [0.2, 0.1])
+
+
+def test_makespan_rejects_partitions_that_do_not_cover_the_waves():
+    p = Problem((1.0,) * 3, 0.1, CommModel(0.0, 1.0), CommModel(0.0, 1.0))
+    for bad in ((1, 1), (2, 2), (3, 0)):
+        with pytest.raises(ValueError, match="sum to 3 waves"):
+            makespan(p, bad)
