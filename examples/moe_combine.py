@@ -11,28 +11,12 @@ from __future__ import annotations
 
 import argparse
 import os
-import statistics
 
 import torch
 import torch.distributed as dist
 
 import flashoverlap
-
-
-def time_ms(fn, iters: int = 20) -> float:
-    for _ in range(3):
-        fn()
-    samples = []
-    for _ in range(iters):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        fn()
-        end.record()
-        torch.cuda.synchronize()
-        samples.append(start.elapsed_time(end))
-    median = torch.tensor([statistics.median(samples)], device="cuda")
-    dist.all_reduce(median, op=dist.ReduceOp.MAX)
-    return median.item()
+from flashoverlap.bench import time_variants
 
 
 def main() -> None:
@@ -68,7 +52,8 @@ def main() -> None:
 
     want, got = plain().float(), overlapped().float()
     err = ((got - want).norm() / want.norm()).item()
-    t_plain, t_fo = time_ms(plain), time_ms(overlapped)
+    times = time_variants({"plain": lambda i: plain(), "fo": lambda i: overlapped()}, 20, 1, 3)
+    t_plain, t_fo = times["plain"], times["fo"]
     if rank == 0:
         print(
             f"{torch.cuda.get_device_name()} x{world}, {args.transport}: combine of {args.tokens} rows "

@@ -12,13 +12,13 @@ from __future__ import annotations
 
 import argparse
 import os
-import statistics
 
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
+from flashoverlap.bench import time_variants
 from flashoverlap.nn import RowParallelLinear
 
 
@@ -36,22 +36,6 @@ class MLP(nn.Module):
         if not self.overlap:
             dist.all_reduce(y)
         return y
-
-
-def time_ms(fn, x: torch.Tensor, iters: int) -> float:
-    for _ in range(3):
-        fn(x)
-    samples = []
-    for _ in range(iters):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        fn(x)
-        end.record()
-        torch.cuda.synchronize()
-        samples.append(start.elapsed_time(end))
-    median = torch.tensor([statistics.median(samples)], device="cuda")
-    dist.all_reduce(median, op=dist.ReduceOp.MAX)
-    return median.item()
 
 
 def main() -> None:
@@ -78,7 +62,10 @@ def main() -> None:
             x = torch.randn(tokens, args.hidden, device="cuda", dtype=torch.bfloat16)
             want, got = plain(x).float(), overlapped(x).float()
             err = ((got - want).norm() / want.norm()).item()
-            t_plain, t_fo = time_ms(plain, x, args.iters), time_ms(overlapped, x, args.iters)
+            # the two take turns, CUDA events, median over rounds, max over ranks (flashoverlap.bench)
+            variants = {"plain": lambda i, x=x: plain(x), "fo": lambda i, x=x: overlapped(x)}
+            times = time_variants(variants, args.iters, 1, 3)
+            t_plain, t_fo = times["plain"], times["fo"]
             rows.append((tokens, t_plain, t_fo, err))
     if dist.get_rank() == 0:
         name = torch.cuda.get_device_name()
