@@ -127,6 +127,16 @@ def input_sets(m: int, n: int, k: int, dtype: torch.dtype, l2_bytes: int) -> int
     return max(2, math.ceil(3 * l2_bytes / per_set))
 
 
+def operand_sets(m: int, n: int, k: int, dtype: torch.dtype) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+    """Random operand sets (a [m, k], weight [n, k]) to rotate through, larger than L2 together."""
+    props = torch.cuda.get_device_properties(torch.cuda.current_device())
+    sets = input_sets(m, n, k, dtype, props.L2_cache_size)
+    gen = torch.Generator(device="cuda").manual_seed(1234 + dist.get_rank())
+    a = [torch.randn(m, k, device="cuda", generator=gen).to(dtype) for _ in range(sets)]
+    w = [(torch.randn(n, k, device="cuda", generator=gen) / math.sqrt(k)).to(dtype) for _ in range(sets)]
+    return a, w
+
+
 def time_variants(
     variants: dict[str, Callable[[int], object]], rounds: int, block: int, warmup: int
 ) -> dict[str, float]:
@@ -218,13 +228,10 @@ def bench_shape(shape, configs, collective, dtype, rounds, block, warmup, chunks
     from .overlap import prepare
 
     m, n, k = shape
-    rank, world = dist.get_rank(), dist.get_world_size()
-    props = torch.cuda.get_device_properties(torch.cuda.current_device())
-    sets = input_sets(m, n, k, dtype, props.L2_cache_size)
-    gen = torch.Generator(device="cuda").manual_seed(1234 + rank)
-    a = [torch.randn(m, k, device="cuda", generator=gen).to(dtype) for _ in range(sets)]
-    w = [torch.randn(n, k, device="cuda", generator=gen).to(dtype) / math.sqrt(k) for _ in range(sets)]
-    c = torch.randn(m, n, device="cuda", generator=gen).to(dtype)
+    world = dist.get_world_size()
+    a, w = operand_sets(m, n, k, dtype)
+    sets = len(a)
+    c = torch.randn(m, n, device="cuda").to(dtype)
     ex = comm.exchange(collective, m, world)
     overlapped = getattr(flashoverlap, f"gemm_{collective}")
 

@@ -16,6 +16,8 @@ partition with the smallest predicted makespan exactly (dynamic programming over
 
 from __future__ import annotations
 
+import json
+import statistics
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -120,3 +122,240 @@ def choose(problem: Problem, gemm_full_ms: float, margin: float = 0.02) -> Choic
     partition, overlap_ms = best_partition(problem)
     sequential_ms = gemm_full_ms + problem.tail.time_ms(sum(problem.wave_bytes))
     return Choice(partition, overlap_ms, sequential_ms, margin)
+
+
+# --- measuring on GPUs: python -m flashoverlap.tune (under torchrun) -----------------------------
+
+DEFAULT_CANDIDATES = ({}, {"comm_sms": 8}, {"comm_sms": 24}, {"tile_n": 128})
+COMM_SIZES_MB = (1, 4, 16, 64)
+
+
+def wave_bytes(plan, elem_bytes: int) -> tuple[float, ...]:
+    """Output bytes the GEMM completes in each wave of ``plan``."""
+    mt, nt = np.divmod(np.arange(plan.num_tiles), plan.tiles_n)
+    elems = np.minimum(plan.tile_m, plan.m - mt * plan.tile_m) * np.minimum(plan.tile_n, plan.n - nt * plan.tile_n)
+    per_wave = np.bincount(plan.wave, weights=elems, minlength=plan.num_waves) * elem_bytes
+    return tuple(float(b) for b in per_wave)
+
+
+def entry(collective: str, transport: str, dtype: str, shape, config: dict, measured: dict) -> dict:
+    """One registry entry (flashoverlap.registry) as written to YAML."""
+    return {
+        "collective": collective,
+        "transport": transport,
+        "dtype": dtype,
+        "shape": [int(v) for v in shape],
+        "config": config,
+        "measured": measured,
+    }
+
+
+def merge(existing: list[dict], new: list[dict]) -> list[dict]:
+    """``existing`` entries with those ``new`` re-tunes replaced; sorted by collective, transport, shape."""
+
+    def key(e):
+        return (e["collective"], e["transport"], e["dtype"], tuple(e["shape"]))
+
+    fresh = {key(e): e for e in new}
+    kept = [e for e in existing if key(e) not in fresh]
+    return sorted(kept + list(fresh.values()), key=key)
+
+
+def write_registry(path: str, gpu: str, world: int, entries: list[dict]) -> None:
+    """Write (or update) the registry file at ``path``; the result is validated by loading it."""
+    import os
+    from pathlib import Path
+
+    import yaml
+
+    from . import registry
+
+    target = Path(path)
+    existing = []
+    if target.exists():
+        data = yaml.safe_load(target.read_text()) or {}
+        if (data.get("gpu"), data.get("world")) != (gpu, world):
+            raise ValueError(f"{path} holds configs for {data.get('gpu')!r} x{data.get('world')}, not {gpu!r} x{world}")
+        existing = data.get("entries", [])
+    text = yaml.safe_dump({"gpu": gpu, "world": world, "entries": merge(existing, entries)}, sort_keys=False)
+    registry.parse(yaml.safe_load(text), str(path))  # never write a file the runtime would reject
+    tmp = target.with_suffix(".tmp")
+    tmp.write_text("# written by python -m flashoverlap.tune\n" + text)
+    os.replace(tmp, target)
+
+
+def _progress(message: str) -> None:
+    import sys
+
+    import torch.distributed as dist
+
+    if dist.get_rank() == 0:
+        print(f"[tune] {message}", file=sys.stderr, flush=True)
+
+
+def _comm_model(collective, group, dtype, sizes_mb, rounds) -> CommModel:
+    import torch
+    import torch.distributed as dist
+
+    from . import comm
+    from .bench import time_variants
+
+    world, elem = dist.get_world_size(), torch.finfo(dtype).bits // 8
+    variants, sizes = {}, []
+    for mb in sizes_mb:
+        rows = max(world, (mb << 20) // (1024 * elem) // world * world)
+        data = torch.randn(rows, 1024, device="cuda").to(dtype)
+        ex = comm.exchange(collective, rows, world)
+        variants[f"{mb}MB"] = lambda i, ex=ex, data=data: comm.collective(ex, data, group)
+        sizes.append(rows * 1024 * elem)
+    times = time_variants(variants, rounds, 4, 2)
+    return fit_comm(sizes, [times[f"{mb}MB"] for mb in sizes_mb])
+
+
+def tune_shape(shape, collective, candidates, dtype, transport, rounds, top, margin) -> tuple[dict, list[dict]]:
+    """Measure, predict, confirm for one shape: (registry entry, summary rows)."""
+    import torch
+    import torch.distributed as dist
+
+    import flashoverlap
+
+    from . import comm
+    from .bench import operand_sets, time_variants
+    from .config import for_collective, resolve
+    from .overlap import DTYPES, prepare
+
+    m, n, k = shape
+    world = dist.get_world_size()
+    a, w = operand_sets(m, n, k, dtype)
+    sets = len(a)
+    ex = comm.exchange(collective, m, world)
+    cfgs = [for_collective(resolve(c), collective) for c in candidates]
+    preps = [prepare(m, n, k, dtype, "nk", a[0].device, cfg) for cfg in cfgs]
+    buf = torch.empty(m * n, dtype=dtype, device="cuda")
+
+    def kernel(prep):
+        def run(i):
+            prep.launch(a[i % sets], w[i % sets], buf, torch.cuda.current_stream())
+            prep.counters.zero_()
+
+        return run
+
+    _progress(f"{m}x{n}x{k}: GEMM per wave for {len(cfgs)} candidates")
+    variants = {"gemm": lambda i: a[i % sets] @ w[i % sets].t()}
+    variants.update({f"kernel{j}": kernel(p) for j, p in enumerate(preps)})
+    times = time_variants(variants, rounds, 4, 3)
+    full = dist.group.WORLD
+    _progress(f"{m}x{n}x{k}: fitting {collective} latency and bandwidth")
+    tail = _comm_model(collective, full, dtype, COMM_SIZES_MB, rounds)
+    during = {}
+    for budget in sorted({c.comm_sms for c in cfgs}):
+        during[budget] = _comm_model(collective, comm.budget_group(full, budget), dtype, COMM_SIZES_MB, rounds)
+    elem = torch.finfo(dtype).bits // 8
+    choices = []
+    for j, (cfg, prep) in enumerate(zip(cfgs, preps)):
+        per_wave_ms = times[f"kernel{j}"] / prep.plan.num_waves
+        problem = Problem(wave_bytes(prep.plan, elem), per_wave_ms, during[cfg.comm_sms], tail)
+        choices.append((choose(problem, times["gemm"], margin), j))
+    choices.sort(key=lambda cj: cj[0].overlap_ms)
+    finalists = choices[:top]
+    _progress(f"{m}x{n}x{k}: measuring the best {len(finalists)} predicted partitions against sequential")
+    overlapped = getattr(flashoverlap, f"gemm_{collective}")
+    variants = {"seq": lambda i: comm.collective(ex, a[i % sets] @ w[i % sets].t(), None)}
+    for choice, j in finalists:
+        tuned = {**candidates[j], "partition": list(choice.partition)}
+        variants[f"fo{j}"] = lambda i, tuned=tuned: overlapped(a[i % sets], w[i % sets], config=tuned)
+    measured = time_variants(variants, rounds, 4, 3)
+    rows = [
+        {
+            "shape": f"{m}x{n}x{k}",
+            "config": json.dumps(candidates[j], sort_keys=True),
+            "partition": list(choice.partition),
+            "predicted_ms": choice.overlap_ms,
+            "measured_ms": measured[f"fo{j}"],
+            "seq_ms": measured["seq"],
+        }
+        for choice, j in finalists
+    ]
+    best = min(rows, key=lambda r: r["measured_ms"])
+    speedup = best["seq_ms"] / best["measured_ms"]
+    if speedup > 1.0 + margin:
+        config = {**json.loads(best["config"]), "partition": best["partition"]}
+    else:  # overlap does not pay here: never write a config slower than sequential
+        config = {"sequential": True}
+    result = entry(collective, transport, DTYPES[dtype], shape, config, {"speedup": round(speedup, 3)})
+    return result, rows
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    import argparse
+    import os
+    import sys
+
+    import torch
+    import torch.distributed as dist
+
+    from . import bench
+
+    parser = argparse.ArgumentParser(
+        prog="python -m flashoverlap.tune",
+        description="Tune configs (GEMM instance, comm_sms, group partition) per shape and write them to a "
+        "registry YAML (flashoverlap.registry). Run under torchrun with the world size to tune for.",
+    )
+    parser.add_argument("--collective", choices=("all_reduce", "reduce_scatter", "all_to_all"), default="all_reduce")
+    parser.add_argument("--shapes", nargs="+", type=bench.parse_shape, help="MxNxK ...")
+    parser.add_argument("--shapes-file", help="YAML list of shapes (see python -m flashoverlap.bench)")
+    parser.add_argument("--candidates", nargs="+", type=bench.parse_config, default=list(DEFAULT_CANDIDATES))
+    parser.add_argument("--transport", choices=sorted(bench.TRANSPORTS), default="nvlink")
+    parser.add_argument("--dtype", choices=["bfloat16", "float16"], default="bfloat16")
+    parser.add_argument("--rounds", type=int, default=10)
+    parser.add_argument("--top", type=int, default=2, help="predicted-best candidates measured for real")
+    parser.add_argument("--margin", type=float, default=0.02, help="overlap must beat sequential by this")
+    parser.add_argument("--output", required=True, help="registry YAML to write or update")
+    args = parser.parse_args(argv)
+    shapes = list(args.shapes or []) + (bench.load_shapes(args.shapes_file) if args.shapes_file else [])
+    if not shapes:
+        parser.error("give --shapes and/or --shapes-file")
+    if "RANK" not in os.environ:
+        print("run under torchrun, e.g. torchrun --nproc-per-node 2 -m flashoverlap.tune ...", file=sys.stderr)
+        return 2
+    os.environ.update(bench.TRANSPORTS[args.transport])
+    local_rank = int(os.environ.get("LOCAL_RANK", 0))
+    torch.cuda.set_device(local_rank)
+    dist.init_process_group("nccl", device_id=torch.device("cuda", local_rank))
+    try:
+        dtype = getattr(torch, args.dtype)
+        entries, rows = [], []
+        for i, shape in enumerate(shapes):
+            _progress(f"shape {i + 1}/{len(shapes)}")
+            found, summary = tune_shape(
+                shape, args.collective, args.candidates, dtype, args.transport, args.rounds, args.top, args.margin
+            )
+            entries.append(found)
+            rows += summary
+        if dist.get_rank() == 0:
+            print(format_summary(rows))
+            errors = [abs(r["predicted_ms"] / r["measured_ms"] - 1) for r in rows]
+            print(f"median |predicted / measured - 1|: {statistics.median(errors):.1%}")
+            write_registry(args.output, torch.cuda.get_device_name(), dist.get_world_size(), entries)
+            print(f"wrote {len(entries)} entries to {args.output}")
+    finally:
+        dist.destroy_process_group()
+    return 0
+
+
+def format_summary(rows: list[dict]) -> str:
+    """Predicted vs measured per tuned candidate."""
+    lines = [f"{'shape':>16} {'pred ms':>8} {'meas ms':>8} {'seq ms':>8} {'err':>6}  partition  config"]
+    for r in rows:
+        err = r["predicted_ms"] / r["measured_ms"] - 1
+        lines.append(
+            f"{r['shape']:>16} {r['predicted_ms']:>8.3f} {r['measured_ms']:>8.3f} {r['seq_ms']:>8.3f} "
+            f"{err:>+6.1%}  {r['partition']}  {r['config']}"
+        )
+    return "\n".join(lines)
+
+
+if __name__ == "__main__":
+    import sys
+
+    sys.exit(main())

@@ -5,7 +5,18 @@ import itertools
 import numpy as np
 import pytest
 
-from flashoverlap.tune import CommModel, Problem, best_partition, choose, fit_comm, makespan
+from flashoverlap.tune import (
+    CommModel,
+    Problem,
+    best_partition,
+    choose,
+    entry,
+    fit_comm,
+    format_summary,
+    makespan,
+    wave_bytes,
+    write_registry,
+)
 
 
 def compositions(total: int):
@@ -77,3 +88,51 @@ def test_makespan_rejects_partitions_that_do_not_cover_the_waves():
     for bad in ((1, 1), (2, 2), (3, 0)):
         with pytest.raises(ValueError, match="sum to 3 waves"):
             makespan(p, bad)
+
+
+def test_wave_bytes_cover_the_output_once():
+    from flashoverlap.plan import make_plan
+
+    plan = make_plan(1000, 1032, tile_m=128, tile_n=256, cluster_m=1, ctas=7)
+    per_wave = wave_bytes(plan, 2)
+    assert len(per_wave) == plan.num_waves and sum(per_wave) == 1000 * 1032 * 2
+    # raster along N: the first wave is row 0 (four whole tiles and the 8-column edge tile), then
+    # two whole tiles of row 1
+    assert per_wave[0] == (6 * 128 * 256 + 128 * 8) * 2
+
+
+def test_registry_writing_merges_and_validates(tmp_path):
+    from flashoverlap import registry
+
+    path = tmp_path / "tuned.yaml"
+    first = [entry("all_reduce", "nvlink", "bfloat16", (4096, 8192, 8192), {"comm_sms": 8, "partition": [3, 6]}, {})]
+    write_registry(str(path), "NVIDIA H200", 2, first)
+    again = [
+        entry("all_reduce", "nvlink", "bfloat16", (4096, 8192, 8192), {"sequential": True}, {"speedup": 0.97}),
+        entry("all_reduce", "nvlink", "bfloat16", (1024, 8192, 8192), {}, {"speedup": 1.05}),
+    ]
+    write_registry(str(path), "NVIDIA H200", 2, again)
+    loaded = registry.load([path])
+    assert [(e.shape, e.config.sequential) for e in loaded] == [((1024, 8192, 8192), False), ((4096, 8192, 8192), True)]
+    with pytest.raises(ValueError, match="holds configs for 'NVIDIA H200' x2"):
+        write_registry(str(path), "NVIDIA H100", 2, again)
+    bad = [entry("reduce_scatter", "nvlink", "bfloat16", (8, 8, 8), {"layout": "rows"}, {})]
+    with pytest.raises(ValueError, match="needs layout 'cols'"):
+        write_registry(str(path), "NVIDIA H200", 2, bad)
+    assert len(registry.load([path])) == 2  # the rejected write left the file as it was
+
+
+def test_summary_and_cli_errors(capsys, monkeypatch):
+    from flashoverlap import tune
+
+    rows = [
+        {"shape": "8x8x8", "config": "{}", "partition": [1], "predicted_ms": 1.1, "measured_ms": 1.0, "seq_ms": 1.2}
+    ]
+    text = format_summary(rows)
+    assert "+10.0%" in text and "8x8x8" in text
+    with pytest.raises(SystemExit):
+        tune.main(["--output", "x.yaml"])  # no shapes
+    assert "give --shapes" in capsys.readouterr().err
+    monkeypatch.delenv("RANK", raising=False)
+    assert tune.main(["--shapes", "8x8x8", "--output", "x.yaml"]) == 2
+    assert "torchrun" in capsys.readouterr().err
