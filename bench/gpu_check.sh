@@ -17,3 +17,8 @@ for transport in ${TRANSPORTS:-nvlink pcie}; do
   bench "all_to_all_$transport" -- --transport "$transport" --collective all_to_all \
     --shapes 8192x4096x7168 --rounds "${ROUNDS:-15}" --csv "$OUT/all_to_all_$transport.csv"
 done
+# The Ampere/Ada kernels forced on Hopper, NCCL through host memory (the consumer-GPU stand-in),
+# beside the Hopper kernels in the same run.
+bench sm80_pcie -- --transport pcie --shapes 8192x4096x14336 4096x8192x8192 --rounds "${ROUNDS:-15}" \
+  --configs '{}' '{"kernel": "sm80"}' '{"kernel": "sm80", "comm_sms": 8}' '{"kernel": "sm80", "tile_n": 128}' \
+  --csv "$OUT/sm80_pcie.csv"

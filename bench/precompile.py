@@ -1,8 +1,9 @@
 """Build GEMM instances into the kernel cache ahead of time, several nvcc processes at once.
 
     python bench/precompile.py --jobs 8 bfloat16:nk:128x256:1 float16:nk:128x256:1:streamk:direct
-(dtype:weight_layout:tile_mxtile_n:cluster_m[:scheduler[:epilogue]]), so that timed runs never include
-a compile.
+    python bench/precompile.py bfloat16:nk:128x256:1:persistent:direct:sm_89   (Ampere/Ada family)
+(dtype:weight_layout:tile_mxtile_n:cluster_m[:scheduler[:epilogue[:arch]]], tile_k the family's
+default), so that timed runs never include a compile.
 """
 
 from __future__ import annotations
@@ -12,12 +13,14 @@ from concurrent.futures import ThreadPoolExecutor
 
 from flashoverlap import jit
 from flashoverlap.gemm import GemmSpec, generate
+from flashoverlap.gemm.generator import FAMILIES, family_of
 
 
 def parse_spec(text: str) -> GemmSpec:
     dtype, layout, tile, cluster, *rest = text.split(":")
     tile_m, tile_n = (int(v) for v in tile.split("x"))
-    scheduler, epilogue = rest + ["persistent", "tma"][len(rest) :]
+    scheduler, epilogue, arch = rest + ["persistent", "tma", "sm_90a"][len(rest) :]
+    family = family_of(arch)
     return GemmSpec(
         dtype=dtype,
         weight_layout=layout,
@@ -26,6 +29,8 @@ def parse_spec(text: str) -> GemmSpec:
         cluster_m=int(cluster),
         scheduler=scheduler,
         epilogue=epilogue,
+        arch=arch,
+        tile_k=FAMILIES[family]["tile_k"][0] if family else 64,
     )
 
 

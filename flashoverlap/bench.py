@@ -54,7 +54,11 @@ def parse_shape(text: str) -> tuple[int, int, int]:
     return m, n, k
 
 
-def parse_config(text: str) -> dict:
+def parse_config(text: str) -> dict | None:
+    """A JSON object of OverlapConfig fields, or ``registry`` (None: what a call without ``config=``
+    runs, the tuned registry's entry for the shape)."""
+    if text == "registry":
+        return None
     try:
         value = json.loads(text)
     except json.JSONDecodeError as exc:
@@ -77,7 +81,8 @@ def build_parser() -> argparse.ArgumentParser:
         nargs="+",
         type=parse_config,
         default=[{}],
-        help="OverlapConfig fields as JSON objects; each is one flashoverlap variant",
+        help="OverlapConfig fields as JSON objects, or 'registry' (the tuned configs, as with no config=); "
+        "each is one flashoverlap variant",
     )
     parser.add_argument("--collective", choices=COLLECTIVES, default="all_reduce")
     parser.add_argument("--dtype", choices=["bfloat16", "float16"], default="bfloat16")
@@ -225,7 +230,7 @@ def bench_shape(shape, configs, collective, dtype, rounds, block, warmup, chunks
 
     from . import comm
     from .config import for_collective, resolve
-    from .overlap import prepare
+    from .overlap import prepare, tuned_config
 
     m, n, k = shape
     world = dist.get_world_size()
@@ -249,10 +254,15 @@ def bench_shape(shape, configs, collective, dtype, rounds, block, warmup, chunks
     fused = async_tp(a[0], w[0]) if collective == "reduce_scatter" else None
     if fused is not None:
         variants["asynctp"] = lambda i: fused(a[i % sets], w[i % sets])
-    cfgs = [for_collective(resolve(cfg), collective) for cfg in configs]
+    cfgs = [
+        for_collective(resolve(cfg) if cfg is not None else tuned_config(a[0], world, collective, shape), collective)
+        for cfg in configs
+    ]
     errors = {}
     for j, cfg in enumerate(cfgs):
-        variants[f"fo{j}"] = lambda i, cfg=cfg: overlapped(a[i % sets], w[i % sets], config=cfg)
+        # "registry" variants call without config=, as a user would (the lookup is part of the call)
+        given = cfg if configs[j] is not None else None
+        variants[f"fo{j}"] = lambda i, cfg=given: overlapped(a[i % sets], w[i % sets], config=cfg)
         if not cfg.sequential:
             prep = prepare(m, n, k, dtype, "nk", a[0].device, cfg)
             buf = torch.empty(m * n, dtype=dtype, device="cuda")
@@ -262,7 +272,7 @@ def bench_shape(shape, configs, collective, dtype, rounds, block, warmup, chunks
                 prep.counters.zero_()
 
             variants[f"kernel{j}"] = kernel_only
-        got, want = overlapped(a[0], w[0], config=cfg).float(), seq(0).float()
+        got, want = overlapped(a[0], w[0], config=given).float(), seq(0).float()
         errors[j] = ((got - want).norm() / want.norm()).item()
     times = time_variants(variants, rounds, block, warmup)
 
@@ -282,7 +292,7 @@ def bench_shape(shape, configs, collective, dtype, rounds, block, warmup, chunks
                 "world": world,
                 "collective": collective,
                 "dtype": str(dtype).removeprefix("torch."),
-                "config": json.dumps(configs[j], sort_keys=True),
+                "config": config_label(configs[j], cfg, collective),
                 "waves": plan.num_waves if plan else "",
                 "groups": plan.num_groups if plan else "",
                 "t_gemm_ms": t_gemm,
@@ -304,6 +314,25 @@ def bench_shape(shape, configs, collective, dtype, rounds, block, warmup, chunks
             }
         )
     return rows
+
+
+def config_label(given: dict | None, cfg, collective: str) -> str:
+    """The CSV/table name of a variant: its JSON, or the registry's pick as ``registry:{...}``."""
+    if given is not None:
+        return json.dumps(given, sort_keys=True)
+    import dataclasses
+
+    from .config import OverlapConfig, for_collective
+
+    default = for_collective(OverlapConfig(), collective)
+    picked = {
+        f.name: getattr(cfg, f.name)
+        for f in dataclasses.fields(cfg)
+        if getattr(cfg, f.name) != getattr(default, f.name)
+    }
+    return "registry:" + json.dumps(
+        {k: list(v) if isinstance(v, tuple) else v for k, v in picked.items()}, sort_keys=True
+    )
 
 
 def trace_call(shape, config, collective, dtype, path: str) -> None:

@@ -14,7 +14,7 @@ from typing import Any
 
 import yaml
 
-from .gemm.generator import EPILOGUES, validate_instance
+from .gemm.generator import EPILOGUES, FAMILIES, validate_instance
 from .plan import LAYOUTS
 
 
@@ -22,7 +22,10 @@ from .plan import LAYOUTS
 class OverlapConfig:
     """How one overlapped GEMM + collective runs.
 
-    tile_m, tile_n, tile_k, cluster_m, scheduler: the CUTLASS instance (see ``flashoverlap.gemm``).
+    tile_m, tile_n, tile_k, cluster_m, scheduler: the CUTLASS instance (see ``flashoverlap.gemm``;
+      ``tile_k`` None: 64 for Hopper kernels, 32 for Ampere/Ada ones).
+    kernel: ``sm90`` (Hopper: TMA + WGMMA), ``sm80`` (Ampere / Ada: cp.async + mma.sync; runs on
+      Hopper too), or ``auto``: ``sm90`` on compute capability 9.0, else ``sm80``.
     comm_sms: SMs left out of the GEMM's persistent grid so NCCL kernels can run beside it.
     partition: waves per group, summing to the GEMM's wave count; ``None`` picks a default.
     layout: ``rows`` (groups rounded to row bands, stored in place; all-reduce), ``tiles`` (exact
@@ -35,13 +38,14 @@ class OverlapConfig:
 
     tile_m: int = 128
     tile_n: int = 256
-    tile_k: int = 64
+    tile_k: int | None = None
     cluster_m: int = 1
     scheduler: str = "persistent"
     comm_sms: int = 16
     partition: tuple[int, ...] | None = None
     layout: str = "auto"
     epilogue: str = "auto"
+    kernel: str = "auto"
     sequential: bool = False
 
     def __post_init__(self) -> None:
@@ -81,11 +85,17 @@ def _problems(cfg: OverlapConfig) -> list[str]:
     problems = []
     for name in ("tile_m", "tile_n", "tile_k", "cluster_m", "comm_sms"):
         value = getattr(cfg, name)
-        if not isinstance(value, int) or isinstance(value, bool):
+        if (not isinstance(value, int) or isinstance(value, bool)) and not (name == "tile_k" and value is None):
             problems.append(f"{name} must be an integer, got {value!r}")
+    if cfg.kernel != "auto" and cfg.kernel not in FAMILIES:
+        problems.append(f"kernel must be one of {['auto', *FAMILIES]}, got {cfg.kernel!r}")
     if problems:
         return problems
-    problems += validate_instance(cfg.tile_m, cfg.tile_n, cfg.tile_k, cfg.cluster_m, cfg.scheduler)
+    # a config must make an instance of its kernel family (either family for "auto")
+    families = list(FAMILIES) if cfg.kernel == "auto" else [cfg.kernel]
+    reasons = {f: validate_instance(*_instance(cfg, f), family=f) for f in families}
+    if all(reasons.values()):
+        problems += reasons[families[0]] if len(families) == 1 else reasons["sm90"] + reasons["sm80"]
     if cfg.comm_sms < 0:
         problems.append(f"comm_sms must be >= 0, got {cfg.comm_sms}")
     if cfg.partition is not None and (
@@ -94,6 +104,8 @@ def _problems(cfg: OverlapConfig) -> list[str]:
         problems.append(f"partition must be a non-empty list of positive integers (waves), got {list(cfg.partition)}")
     if cfg.layout != "auto" and cfg.layout not in LAYOUTS:
         problems.append(f"layout must be one of {['auto', *LAYOUTS]}, got {cfg.layout!r}")
+    if cfg.kernel == "sm80" and cfg.epilogue == "tma":
+        problems.append("epilogue 'tma' is a Hopper (sm90) kernel's; the sm80 kernels write through CUTLASS 2.x's")
     if cfg.epilogue != "auto" and cfg.epilogue not in EPILOGUES:
         problems.append(f"epilogue must be one of {['auto', *EPILOGUES]}, got {cfg.epilogue!r}")
     elif cfg.epilogue == "tma" and cfg.layout not in ("rows", "auto"):
@@ -104,18 +116,44 @@ def _problems(cfg: OverlapConfig) -> list[str]:
 
 
 def for_collective(cfg: OverlapConfig, collective: str) -> OverlapConfig:
-    """``cfg`` with ``auto`` layout and epilogue resolved for ``collective``; raises where the
-    config cannot run it."""
+    """``cfg`` with an ``auto`` layout resolved for ``collective``; raises where the config cannot
+    run it."""
     layout = cfg.layout if cfg.layout != "auto" else ("rows" if collective == "all_reduce" else "cols")
     if collective != "all_reduce" and layout != "cols":
         raise ValueError(
             f"{collective} needs layout 'cols' (every group must split into per-rank row segments), "
             f"got layout {layout!r}"
         )
-    epilogue = cfg.epilogue if cfg.epilogue != "auto" else ("tma" if layout == "rows" else "direct")
-    if epilogue == "tma" and layout != "rows":
+    if cfg.epilogue == "tma" and layout != "rows":
         raise ValueError(f"epilogue 'tma' writes C in place and needs layout 'rows', got layout {layout!r}")
-    return dataclasses.replace(cfg, layout=layout, epilogue=epilogue)
+    return dataclasses.replace(cfg, layout=layout)
+
+
+def for_device(cfg: OverlapConfig, capability: tuple[int, int]) -> tuple[OverlapConfig, str]:
+    """``cfg`` with kernel family, tile_k and epilogue resolved for a GPU of compute ``capability``,
+    and the arch to compile for; raises ``ValueError`` where no kernel of the config runs there."""
+    arch = f"sm_{capability[0]}{capability[1]}"
+    family = cfg.kernel if cfg.kernel != "auto" else ("sm90" if capability == (9, 0) else "sm80")
+    if family == "sm90":
+        if capability != (9, 0):
+            raise ValueError(f"the sm90 kernels need a Hopper GPU (sm_90), this one is {arch}: use kernel 'sm80'")
+        arch = "sm_90a"
+    elif arch not in FAMILIES["sm80"]["archs"]:
+        raise ValueError(f"no flashoverlap kernels for {arch}; supported: {list(FAMILIES['sm80']['archs'])}")
+    epilogue = cfg.epilogue
+    if epilogue == "auto":
+        epilogue = "tma" if family == "sm90" and cfg.layout == "rows" else "direct"
+    problems = validate_instance(*_instance(cfg, family), family=family)
+    if family == "sm80" and epilogue == "tma":
+        problems.append("epilogue 'tma' needs the sm90 kernels")
+    if problems:
+        raise ValueError(f"config {cfg} cannot run on {arch}: " + "; ".join(problems))
+    return dataclasses.replace(cfg, kernel=family, tile_k=_instance(cfg, family)[2], epilogue=epilogue), arch
+
+
+def _instance(cfg: OverlapConfig, family: str) -> tuple[int, int, int, int, str]:
+    tile_k = cfg.tile_k if cfg.tile_k is not None else FAMILIES[family]["tile_k"][0]
+    return cfg.tile_m, cfg.tile_n, tile_k, cfg.cluster_m, cfg.scheduler
 
 
 def resolve(config: OverlapConfig | Mapping[str, Any] | str | os.PathLike[str] | None) -> OverlapConfig:

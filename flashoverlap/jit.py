@@ -24,7 +24,13 @@ _PACKAGE_DIR = Path(__file__).resolve().parent
 
 # sm_90a needs the -gencode spelling: the -arch shorthand also runs a plain sm_90 pass that
 # rejects wgmma/setmaxnreg.
-ARCH_FLAGS = {"sm_90a": ["-gencode=arch=compute_90a,code=sm_90a"]}
+ARCH_FLAGS = {
+    "sm_90a": ["-gencode=arch=compute_90a,code=sm_90a"],
+    "sm_90": ["-gencode=arch=compute_90,code=sm_90"],
+    "sm_89": ["-gencode=arch=compute_89,code=sm_89"],
+    "sm_86": ["-gencode=arch=compute_86,code=sm_86"],
+    "sm_80": ["-gencode=arch=compute_80,code=sm_80"],
+}
 
 BASE_FLAGS = [
     "-std=c++17",

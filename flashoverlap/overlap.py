@@ -27,7 +27,7 @@ import torch.distributed as dist
 
 from . import comm, registry, signal
 from .comm import Exchange
-from .config import OverlapConfig, for_collective, resolve
+from .config import OverlapConfig, for_collective, for_device, resolve
 from .gemm import GemmSpec, SignalGemm, get_kernel
 from .plan import Plan, make_plan
 
@@ -130,7 +130,7 @@ _comm_streams: dict[int, torch.cuda.Stream] = {}
 def prepare(
     m: int, n: int, k: int, dtype: torch.dtype, weight_layout: str, device: torch.device, cfg: OverlapConfig
 ) -> Prepared:
-    if "auto" in (cfg.layout, cfg.epilogue):
+    if cfg.layout == "auto":
         raise ValueError("prepare() takes a config resolved for its collective (config.for_collective)")
     key = (m, n, k, dtype, weight_layout, device.index, cfg)
     if key in _prepared:
@@ -140,6 +140,7 @@ def prepare(
     sm_count = total_sms - cfg.comm_sms
     if sm_count < 1:
         raise ValueError(f"comm_sms={cfg.comm_sms} leaves no SM for the GEMM on {device} ({total_sms} SMs)")
+    cfg, arch = for_device(cfg, torch.cuda.get_device_capability(device))
     spec = GemmSpec(
         dtype=DTYPES[dtype],
         weight_layout=weight_layout,
@@ -149,6 +150,7 @@ def prepare(
         cluster_m=cfg.cluster_m,
         scheduler=cfg.scheduler,
         epilogue=cfg.epilogue,
+        arch=arch,
     )
     kernel = get_kernel(spec)
     index = device.index

@@ -114,7 +114,8 @@ def config_dirs() -> list[Path]:
 
 @functools.cache
 def _entries_in(dirs: tuple[Path, ...]) -> list[Entry]:
-    return load(sorted(p for d in dirs if d.is_dir() for p in d.glob("*.yaml")))
+    # directory order first (user directories win ties), file names within a directory
+    return load(p for d in dirs if d.is_dir() for p in sorted(d.glob("*.yaml")))
 
 
 def nearest(

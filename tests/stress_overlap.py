@@ -28,9 +28,21 @@ from flashoverlap import comm, overlap
 from flashoverlap.overlap import sequential
 
 CONFIGS = {
-    "all_reduce": [{}, {"epilogue": "direct"}, {"layout": "tiles"}, {"tile_n": 128}, {"cluster_m": 2}],
-    "reduce_scatter": [{}, {"tile_n": 128}, {"scheduler": "streamk", "comm_sms": 12}],
-    "all_to_all": [{}, {"tile_n": 128}, {"scheduler": "streamk", "comm_sms": 12}],
+    "all_reduce": [
+        {},
+        {"epilogue": "direct"},
+        {"layout": "tiles"},
+        {"tile_n": 128},
+        {"cluster_m": 2},
+        {"kernel": "sm80"},
+    ],
+    "reduce_scatter": [
+        {},
+        {"tile_n": 128},
+        {"scheduler": "streamk", "comm_sms": 12},
+        {"kernel": "sm80", "tile_n": 128},
+    ],
+    "all_to_all": [{}, {"tile_n": 128}, {"scheduler": "streamk", "comm_sms": 12}, {"kernel": "sm80", "tile_n": 128}],
 }
 KEEP = 3  # outputs held and re-checked at every check
 

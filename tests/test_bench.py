@@ -19,6 +19,17 @@ def test_shapes_and_configs_parse_with_clear_errors():
         bench.parse_config("[1]")
     with pytest.raises(argparse.ArgumentTypeError, match="JSON object"):
         bench.parse_config("{comm_sms: 8}")
+    assert bench.parse_config("registry") is None  # the tuned registry's pick, as a call without config=
+
+
+def test_config_labels_name_what_ran():
+    from flashoverlap.config import OverlapConfig, for_collective
+
+    assert bench.config_label({"comm_sms": 8}, None, "all_reduce") == '{"comm_sms": 8}'
+    picked = for_collective(OverlapConfig(comm_sms=8, partition=(2, 3)), "reduce_scatter")
+    assert bench.config_label(None, picked, "reduce_scatter") == 'registry:{"comm_sms": 8, "partition": [2, 3]}'
+    tiles = for_collective(OverlapConfig(layout="tiles"), "all_reduce")
+    assert bench.config_label(None, tiles, "all_reduce") == 'registry:{"layout": "tiles"}'
 
 
 def test_cli_defaults_and_choices(capsys):

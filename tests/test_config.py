@@ -1,6 +1,6 @@
 import pytest
 
-from flashoverlap.config import OverlapConfig, for_collective, resolve
+from flashoverlap.config import OverlapConfig, for_collective, for_device, resolve
 
 
 def test_defaults_are_valid_and_mappings_resolve():
@@ -10,21 +10,37 @@ def test_defaults_are_valid_and_mappings_resolve():
     assert resolve(cfg) is cfg
 
 
-def test_auto_layout_and_epilogue_follow_the_collective():
-    def resolved(collective, **fields):
-        cfg = for_collective(OverlapConfig(**fields), collective)
-        return cfg.layout, cfg.epilogue
+HOPPER, ADA, AMPERE, BLACKWELL = (9, 0), (8, 9), (8, 0), (12, 0)
 
-    assert resolved("all_reduce") == ("rows", "tma")
-    assert resolved("all_reduce", layout="tiles") == ("tiles", "direct")
-    assert resolved("all_reduce", layout="cols") == ("cols", "direct")
-    assert resolved("all_reduce", epilogue="direct") == ("rows", "direct")
-    assert resolved("reduce_scatter") == ("cols", "direct")
-    assert resolved("all_to_all") == ("cols", "direct")
+
+def test_auto_layout_epilogue_kernel_and_tile_k_follow_collective_and_device():
+    def resolved(collective, capability=HOPPER, **fields):
+        cfg, arch = for_device(for_collective(OverlapConfig(**fields), collective), capability)
+        return cfg.layout, cfg.epilogue, cfg.kernel, cfg.tile_k, arch
+
+    assert resolved("all_reduce") == ("rows", "tma", "sm90", 64, "sm_90a")
+    assert resolved("all_reduce", layout="tiles") == ("tiles", "direct", "sm90", 64, "sm_90a")
+    assert resolved("all_reduce", layout="cols") == ("cols", "direct", "sm90", 64, "sm_90a")
+    assert resolved("all_reduce", epilogue="direct") == ("rows", "direct", "sm90", 64, "sm_90a")
+    assert resolved("reduce_scatter") == ("cols", "direct", "sm90", 64, "sm_90a")
+    assert resolved("all_to_all") == ("cols", "direct", "sm90", 64, "sm_90a")
+    # Ampere / Ada get the sm80 kernels, which Hopper can be told to use too
+    assert resolved("all_reduce", ADA) == ("rows", "direct", "sm80", 32, "sm_89")
+    assert resolved("reduce_scatter", AMPERE) == ("cols", "direct", "sm80", 32, "sm_80")
+    assert resolved("all_reduce", HOPPER, kernel="sm80") == ("rows", "direct", "sm80", 32, "sm_90")
     with pytest.raises(ValueError, match="reduce_scatter needs layout 'cols'.*got layout 'rows'"):
         for_collective(OverlapConfig(layout="rows"), "reduce_scatter")
     with pytest.raises(ValueError, match="epilogue 'tma' .* needs layout 'rows', got layout 'cols'"):
         for_collective(OverlapConfig(epilogue="tma"), "all_to_all")
+    with pytest.raises(ValueError, match="the sm90 kernels need a Hopper GPU"):
+        for_device(OverlapConfig(kernel="sm90", layout="rows"), ADA)
+    with pytest.raises(ValueError, match=r"no flashoverlap kernels for sm_120"):
+        for_device(OverlapConfig(layout="rows"), BLACKWELL)
+    # valid for one family, not the other: rejected where it would run
+    with pytest.raises(ValueError, match=r"cannot run on sm_90a: tile_m 64 not in \(128, 256\)"):
+        for_device(OverlapConfig(tile_m=64, layout="rows"), HOPPER)
+    with pytest.raises(ValueError, match=r"cannot run on sm_86: scheduler 'streamk' not in"):
+        for_device(OverlapConfig(scheduler="streamk", layout="rows"), (8, 6))
 
 
 @pytest.mark.parametrize(
@@ -43,6 +59,11 @@ def test_auto_layout_and_epilogue_follow_the_collective():
         ({"epilogue": "smem"}, "epilogue must be one of"),
         ({"scheduler": "static"}, r"scheduler 'static' not in"),
         ({"epilogue": "tma", "layout": "tiles"}, "needs layout 'rows'"),
+        ({"kernel": "sm70"}, r"kernel must be one of \['auto', 'sm90', 'sm80'\]"),
+        ({"kernel": "sm80", "epilogue": "tma"}, "is a Hopper"),
+        ({"kernel": "sm80", "cluster_m": 2}, r"cluster_m 2 not in \(1,\) \(sm80 kernels\)"),
+        ({"kernel": "sm90", "tile_k": 32}, r"tile_k 32 not in \(64,\)"),
+        ({"tile_k": "32"}, "tile_k must be an integer"),
     ],
 )
 def test_invalid_values_are_named(data, message):
@@ -76,7 +97,11 @@ def test_yaml_files(tmp_path):
         resolve(42)
 
 
-def test_shipped_example_is_the_default():
+def test_shipped_single_configs_resolve():
     from pathlib import Path
 
-    assert resolve(Path(__file__).parent.parent / "configs" / "example.yaml") == OverlapConfig()
+    configs = Path(__file__).parent.parent / "configs"
+    assert resolve(configs / "example.yaml") == OverlapConfig()
+    consumer = resolve(configs / "consumer_pcie.yaml")
+    cfg, arch = for_device(for_collective(consumer, "all_reduce"), ADA)
+    assert (cfg.kernel, cfg.tile_k, cfg.epilogue, arch) == ("sm80", 32, "direct", "sm_89")

@@ -1,3 +1,4 @@
+import re
 import shutil
 
 import pytest
@@ -24,6 +25,22 @@ def test_spec_rejects_what_it_cannot_generate():
         GemmSpec(weight_layout="t")
     with pytest.raises(ValueError, match="epilogue 'smem' not in"):
         GemmSpec(epilogue="smem")
+    with pytest.raises(ValueError, match=r"arch 'sm_75' not in \['sm_90a', 'sm_80'"):
+        GemmSpec(arch="sm_75")
+    # the Ampere/Ada family: its own tiles, no clusters, stream-K or TMA epilogue
+    assert GemmSpec(tile_m=64, tile_k=32, epilogue="direct", arch="sm_86").family == "sm80"
+    with pytest.raises(ValueError, match=r"tile_k 64 not in \(32,\) \(sm80 kernels\).*epilogue 'tma'"):
+        GemmSpec(arch="sm_89")
+    with pytest.raises(ValueError, match=r"cluster_m 2 not in \(1,\).*scheduler 'streamk'"):
+        GemmSpec(tile_k=32, cluster_m=2, scheduler="streamk", epilogue="direct", arch="sm_80")
+
+
+def test_sm80_source_uses_cutlass_2x_and_fits_consumer_shared_memory():
+    src = generate(GemmSpec(tile_k=32, epilogue="direct", arch="sm_86"))
+    assert "cutlass::gemm::kernel::DefaultGemm<" in src and '#include "sm80_signal_gemm.cuh"' in src
+    assert "GemmShape<128, 256, 32>" in src and "GemmShape<64, 64, 32>" in src
+    stages = int(re.search(r"(\d+), false, cutlass::arch::OpMultiplyAdd", src).group(1))
+    assert stages * (128 + 256) * 32 * 2 <= 99 * 1024  # RTX 3090/4090: 99 KB per block
 
 
 def test_cache_key_changes_with_the_source(tmp_path, monkeypatch):
@@ -63,6 +80,29 @@ needs_nvcc = pytest.mark.skipif(shutil.which("nvcc") is None, reason="needs nvcc
 def test_generated_source_compiles_for_sm90a(spec, tmp_path):
     obj = jit.build(spec.name, generate(spec), arch=spec.arch, cutlass=True, object_only=True, output=tmp_path / "k.o")
     assert obj.stat().st_size > 0
+
+
+@pytest.mark.nvcc
+@needs_nvcc
+@pytest.mark.parametrize(
+    "spec",
+    [GemmSpec(tile_k=32, epilogue="direct", arch=arch) for arch in ("sm_80", "sm_86", "sm_89", "sm_90")]
+    + [GemmSpec(dtype="float16", weight_layout="kn", tile_n=128, tile_k=32, epilogue="direct", arch="sm_86")],
+    ids=lambda s: s.name,
+)
+def test_sm80_family_compiles(spec, tmp_path):
+    obj = jit.build(spec.name, generate(spec), arch=spec.arch, cutlass=True, object_only=True, output=tmp_path / "k.o")
+    assert obj.stat().st_size > 0
+
+
+@pytest.mark.nvcc
+@needs_nvcc
+def test_sm80_family_rejects_shared_memory_a_consumer_gpu_lacks(tmp_path):
+    spec = GemmSpec(tile_k=32, epilogue="direct", arch="sm_89")
+    src, stages = re.subn(r"\d+(, false, cutlass::arch::OpMultiplyAdd)", r"5\1", generate(spec))
+    assert stages == 1  # 5 stages of 128x256x32 bf16: 120 KB > 99 KB
+    with pytest.raises(RuntimeError, match="exceed sm_86/sm_89 shared memory"):
+        jit.build(spec.name, src, arch=spec.arch, cutlass=True, object_only=True, output=tmp_path / "k.o")
 
 
 @pytest.mark.nvcc

@@ -33,6 +33,10 @@ CONFIGS = [
     ("bfloat16", "kn", OverlapConfig()),
     ("float16", "nk", OverlapConfig(layout="tiles")),
     ("float16", "nk", OverlapConfig()),
+    # the Ampere/Ada family, forced on Hopper
+    ("bfloat16", "nk", OverlapConfig(kernel="sm80")),
+    ("bfloat16", "nk", OverlapConfig(kernel="sm80", layout="cols", tile_n=128)),
+    ("float16", "kn", OverlapConfig(kernel="sm80", tile_n=128, layout="tiles")),
 ]
 
 

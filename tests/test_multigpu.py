@@ -24,6 +24,7 @@ CONFIGS = [
     OverlapConfig(cluster_m=2, partition=None, comm_sms=16),
     OverlapConfig(tile_n=128, layout="tiles"),
     OverlapConfig(scheduler="streamk", comm_sms=12),
+    OverlapConfig(kernel="sm80"),
 ]
 
 
@@ -90,7 +91,12 @@ def test_gemm_all_reduce_on_all_gpus(mode):
     spawn(worker, mode)
 
 
-SPLIT_CONFIGS = [OverlapConfig(), OverlapConfig(tile_n=128), OverlapConfig(scheduler="streamk", comm_sms=12)]
+SPLIT_CONFIGS = [
+    OverlapConfig(),
+    OverlapConfig(tile_n=128),
+    OverlapConfig(scheduler="streamk", comm_sms=12),
+    OverlapConfig(kernel="sm80", tile_n=128),
+]
 
 
 def uneven_splits(seed, rank, m, world):

@@ -46,7 +46,7 @@ def test_uninitialised_process_group_is_reported(monkeypatch, fn):
         (bf16(64, 128)[:, ::2], bf16(64, 64), {}, ValueError, "a must be contiguous"),
         (bf16(64, 64), bf16(64, 128)[:, ::2], {}, ValueError, "weight must be contiguous"),
         (bf16(64, 64), bf16(64, 64), {}, ValueError, "a is on cpu, expected a cuda tensor"),
-        (bf16(64, 64), bf16(64, 64), {"config": {"tile_m": 64}}, ValueError, "tile_m 64 not in"),
+        (bf16(64, 64), bf16(64, 64), {"config": {"tile_m": 96}}, ValueError, "tile_m 96 not in"),
         (bf16(64, 64), bf16(64, 64), {"config": {"bogus": 1}}, ValueError, "unknown key"),
     ],
 )

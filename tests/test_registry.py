@@ -1,5 +1,6 @@
 """Tuned-config registry: file validation, nearest-shape lookup, transport detection (CPU)."""
 
+import os
 from pathlib import Path
 
 import pytest
@@ -93,8 +94,11 @@ def test_nearest_shape_within_the_same_gpu_world_collective_transport_dtype(tmp_
 
 
 def test_lookup_searches_user_dirs_first_and_keeps_partitions_only_for_the_exact_shape(tmp_path, monkeypatch):
-    make_entries(tmp_path)  # writes tmp_path/r.yaml
-    monkeypatch.setenv("FLASHOVERLAP_CONFIG_DIRS", str(tmp_path))
+    first, second = tmp_path / "z_first", tmp_path / "a_second"  # names sort against the search order
+    first.mkdir(), second.mkdir()
+    make_entries(first)  # writes first/r.yaml
+    write(second, {"gpu": "NVIDIA H200", "world": 2, "entries": [{**ENTRY, "config": {"comm_sms": 4}}]})
+    monkeypatch.setenv("FLASHOVERLAP_CONFIG_DIRS", os.pathsep.join(map(str, (first, second))))
     registry._entries_in.cache_clear()
     try:
         exact = registry.lookup("NVIDIA H200", 2, "all_reduce", "nvlink", "bfloat16", (4096, 8192, 8192))

@@ -9,14 +9,37 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-# What the cooperative warp-specialized sm90 kernel can be generated for. Two consumer
-# warpgroups split tile_m, so it is a multiple of 128; tile_m * tile_n is bounded by the
-# register file (fp32 accumulators).
-TILE_M = (128, 256)
-TILE_N = (64, 128, 192, 256)
-TILE_K = (64,)
-CLUSTER_M = (1, 2)
+# Kernel families. sm90: CUTLASS 3.x warp-specialized cooperative kernel (TMA + WGMMA) for Hopper;
+# two consumer warpgroups split tile_m, so it is a multiple of 128. sm80: CUTLASS 2.x multistage
+# kernel (cp.async + mma.sync) for Ampere / Ada (and Hopper, without its TMA/WGMMA), in our own
+# persistent loop (csrc/sm80_signal_gemm.cuh); tile_k 32 keeps 3-4 stages within the ~99 KB of
+# shared memory of consumer GPUs. In both, tile_m * tile_n is bounded by the register file.
+FAMILIES = {
+    "sm90": {
+        "archs": ("sm_90a",),
+        "tile_m": (128, 256),
+        "tile_n": (64, 128, 192, 256),
+        "tile_k": (64,),
+        "cluster_m": (1, 2),
+        "schedulers": ("persistent", "streamk"),
+        "epilogues": ("tma", "direct"),
+    },
+    "sm80": {
+        "archs": ("sm_80", "sm_86", "sm_89", "sm_90"),
+        "tile_m": (64, 128, 256),
+        "tile_n": (64, 128, 256),
+        "tile_k": (32,),
+        "cluster_m": (1,),
+        "schedulers": ("persistent",),
+        "epilogues": ("direct",),
+    },
+}
+TILE_M = FAMILIES["sm90"]["tile_m"]
+TILE_N = FAMILIES["sm90"]["tile_n"]
+TILE_K = FAMILIES["sm90"]["tile_k"]
+CLUSTER_M = FAMILIES["sm90"]["cluster_m"]
 MAX_TILE_ELEMENTS = 128 * 256
+SM80_SMEM_BUDGET = 80 * 1024  # mainloop stages within consumer GPUs' ~99 KB per block
 DTYPES = {"bfloat16": "cutlass::bfloat16_t", "float16": "cutlass::half_t"}
 WEIGHT_LAYOUTS = {
     # weight [N, K] (torch Linear): B is K-major
@@ -57,15 +80,24 @@ class GemmSpec:
     arch: str = "sm_90a"
 
     def __post_init__(self) -> None:
-        problems = validate_instance(self.tile_m, self.tile_n, self.tile_k, self.cluster_m, self.scheduler)
-        if self.epilogue not in EPILOGUES:
-            problems.append(f"epilogue {self.epilogue!r} not in {sorted(EPILOGUES)}")
+        family = family_of(self.arch)
+        if family is None:
+            archs = [a for f in FAMILIES.values() for a in f["archs"]]
+            raise ValueError(f"invalid GEMM instance: arch {self.arch!r} not in {archs}")
+        problems = validate_instance(self.tile_m, self.tile_n, self.tile_k, self.cluster_m, self.scheduler, family)
+        epilogues = list(FAMILIES[family]["epilogues"])
+        if self.epilogue not in epilogues:
+            problems.append(f"epilogue {self.epilogue!r} not in {epilogues} ({family} kernels)")
         if self.dtype not in DTYPES:
             problems.append(f"dtype {self.dtype!r} not in {sorted(DTYPES)}")
         if self.weight_layout not in WEIGHT_LAYOUTS:
             problems.append(f"weight_layout {self.weight_layout!r} not in {sorted(WEIGHT_LAYOUTS)}")
         if problems:
             raise ValueError("invalid GEMM instance: " + "; ".join(problems))
+
+    @property
+    def family(self) -> str:
+        return family_of(self.arch)
 
     @property
     def name(self) -> str:
@@ -75,26 +107,38 @@ class GemmSpec:
         )
 
 
-def validate_instance(tile_m: int, tile_n: int, tile_k: int, cluster_m: int, scheduler: str) -> list[str]:
-    """Reasons the generator cannot make this instance (empty when it can)."""
+def family_of(arch: str) -> str | None:
+    """The kernel family that builds for ``arch`` (None: none)."""
+    return next((name for name, f in FAMILIES.items() if arch in f["archs"]), None)
+
+
+def validate_instance(
+    tile_m: int, tile_n: int, tile_k: int, cluster_m: int, scheduler: str, family: str = "sm90"
+) -> list[str]:
+    """Reasons the generator cannot make this instance of ``family`` (empty when it can)."""
+    allowed = FAMILIES[family]
     problems = []
-    if tile_m not in TILE_M:
-        problems.append(f"tile_m {tile_m} not in {TILE_M}")
-    if tile_n not in TILE_N:
-        problems.append(f"tile_n {tile_n} not in {TILE_N}")
-    if tile_k not in TILE_K:
-        problems.append(f"tile_k {tile_k} not in {TILE_K}")
-    if cluster_m not in CLUSTER_M:
-        problems.append(f"cluster_m {cluster_m} not in {CLUSTER_M}")
-    if scheduler not in SCHEDULERS:
-        problems.append(f"scheduler {scheduler!r} not in {sorted(SCHEDULERS)}")
+    for name, value, key in (
+        ("tile_m", tile_m, "tile_m"),
+        ("tile_n", tile_n, "tile_n"),
+        ("tile_k", tile_k, "tile_k"),
+        ("cluster_m", cluster_m, "cluster_m"),
+    ):
+        if value not in allowed[key]:
+            problems.append(f"{name} {value} not in {allowed[key]}")
+    if scheduler not in allowed["schedulers"]:
+        problems.append(f"scheduler {scheduler!r} not in {sorted(allowed['schedulers'])}")
     if tile_m * tile_n > MAX_TILE_ELEMENTS:
         problems.append(f"tile {tile_m}x{tile_n} exceeds {MAX_TILE_ELEMENTS} accumulators per CTA")
+    if problems and family != "sm90":
+        problems = [f"{p} ({family} kernels)" for p in problems]
     return problems
 
 
 def generate(spec: GemmSpec) -> str:
     """C++ translation unit for ``spec``; compiled by :func:`flashoverlap.jit.build`."""
+    if spec.family == "sm80":
+        return _generate_sm80(spec)
     if spec.epilogue == "tma":
         epilogue = """using EpilogueBase = typename cutlass::epilogue::collective::CollectiveBuilder<
     cutlass::arch::Sm90, cutlass::arch::OpClassTensorOp, TileShape, ClusterShape,
@@ -149,4 +193,34 @@ using Gemm = cutlass::gemm::device::GemmUniversalAdapter<Kernel>;
 {check}}}  // namespace
 
 #include "launcher.cuh"
+"""
+
+
+def _generate_sm80(spec: GemmSpec) -> str:
+    warp_m, warp_n = min(64, spec.tile_m // 2), min(64, spec.tile_n // 2)
+    stage_bytes = (spec.tile_m + spec.tile_n) * spec.tile_k * 2
+    stages = max(2, min(4, SM80_SMEM_BUDGET // stage_bytes))
+    return f"""// Generated by flashoverlap.gemm.generator for {spec.name}. Do not edit.
+#include "cutlass/epilogue/thread/linear_combination.h"
+#include "cutlass/gemm/kernel/default_gemm.h"
+#include "cutlass/gemm/threadblock/threadblock_swizzle.h"
+
+namespace {{
+using Element = {DTYPES[spec.dtype]};
+using LayoutB = {WEIGHT_LAYOUTS[spec.weight_layout]};
+constexpr int kAlignment = 8;  // 16-byte cp.async and stores
+using DefaultKernel = typename cutlass::gemm::kernel::DefaultGemm<
+    Element, cutlass::layout::RowMajor, kAlignment,
+    Element, LayoutB, kAlignment,
+    Element, cutlass::layout::RowMajor, float,
+    cutlass::arch::OpClassTensorOp, cutlass::arch::Sm80,
+    cutlass::gemm::GemmShape<{spec.tile_m}, {spec.tile_n}, {spec.tile_k}>,
+    cutlass::gemm::GemmShape<{warp_m}, {warp_n}, {spec.tile_k}>,
+    cutlass::gemm::GemmShape<16, 8, 16>,
+    cutlass::epilogue::thread::LinearCombination<Element, kAlignment, float, float>,
+    cutlass::gemm::threadblock::GemmIdentityThreadblockSwizzle<>,
+    {stages}, false, cutlass::arch::OpMultiplyAdd>::GemmKernel;
+}}  // namespace
+
+#include "sm80_signal_gemm.cuh"
 """
