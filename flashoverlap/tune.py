@@ -16,9 +16,10 @@ partition with the smallest predicted makespan exactly (dynamic programming over
 
 from __future__ import annotations
 
+import itertools
 import json
 import statistics
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 
 import numpy as np
@@ -102,6 +103,15 @@ def best_partition(problem: Problem) -> tuple[tuple[int, ...], float]:
         cuts.append(int(j - came_from[j]))
         j = int(came_from[j])
     return tuple(reversed(cuts)), float(finish[total])
+
+
+def partitions(num_waves: int, max_groups: int | None = None) -> Iterator[tuple[int, ...]]:
+    """Every partition of ``num_waves`` waves into at most ``max_groups`` groups (all when None):
+    the space a brute-force search measures."""
+    most = num_waves if max_groups is None else min(max_groups, num_waves)
+    for groups in range(1, most + 1):
+        for cuts in itertools.combinations(range(1, num_waves), groups - 1):
+            yield tuple(b - a for a, b in zip((0, *cuts), (*cuts, num_waves)))
 
 
 @dataclass(frozen=True)
@@ -212,8 +222,12 @@ def _comm_model(collective, group, dtype, sizes_mb, rounds) -> CommModel:
     return fit_comm(sizes, [times[f"{mb}MB"] for mb in sizes_mb])
 
 
-def tune_shape(shape, collective, candidates, dtype, transport, rounds, top, margin) -> tuple[dict, list[dict]]:
-    """Measure, predict, confirm for one shape: (registry entry, summary rows)."""
+def tune_shape(
+    shape, collective, candidates, dtype, transport, rounds, top, margin, brute_force=0
+) -> tuple[dict, list[dict]]:
+    """Measure, predict, confirm for one shape: (registry entry, summary rows). ``brute_force`` > 0
+    also measures every partition of up to that many groups for every candidate and adds the best
+    of them (``brute_ms``, ``brute_config``) to the rows, to judge the model's pick."""
     import torch
     import torch.distributed as dist
 
@@ -277,6 +291,11 @@ def tune_shape(shape, collective, candidates, dtype, transport, rounds, top, mar
         for choice, j in finalists
     ]
     best = min(rows, key=lambda r: r["measured_ms"])
+    if brute_force:
+        brute_ms, brute_config = _brute_force(shape, collective, candidates, preps, brute_force, a, w, rounds, ex)
+        for r in rows:
+            r["brute_ms"] = brute_ms * r["seq_ms"]  # measured as a ratio to sequential: same scale
+            r["brute_config"] = brute_config
     speedup = best["seq_ms"] / best["measured_ms"]
     if speedup > 1.0 + margin:
         config = {**json.loads(best["config"]), "partition": best["partition"]}
@@ -284,6 +303,38 @@ def tune_shape(shape, collective, candidates, dtype, transport, rounds, top, mar
         config = {"sequential": True}
     result = entry(collective, transport, DTYPES[dtype], shape, config, {"speedup": round(speedup, 3)})
     return result, rows
+
+
+BRUTE_BATCH = 32  # variants per timing batch: their plans stay cached (overlap.MAX_PREPARED)
+
+
+def _brute_force(shape, collective, candidates, preps, max_groups, a, w, rounds, ex) -> tuple[float, str]:
+    """Best measured (time / sequential time, config JSON) over every candidate and every partition
+    of up to ``max_groups`` groups; sequential runs in every batch, so drift cancels in the ratio."""
+    import flashoverlap
+
+    from . import comm
+    from .bench import time_variants
+
+    m, n, k = shape
+    sets = len(a)
+    overlapped = getattr(flashoverlap, f"gemm_{collective}")
+    tried = [
+        {**candidates[j], "partition": list(p)}
+        for j, prep in enumerate(preps)
+        for p in partitions(prep.plan.num_waves, max_groups)
+    ]
+    best = (1.0, json.dumps({"sequential": True}))
+    for start in range(0, len(tried), BRUTE_BATCH):
+        batch = tried[start : start + BRUTE_BATCH]
+        _progress(f"{m}x{n}x{k}: brute force {start + len(batch)}/{len(tried)}")
+        variants = {"seq": lambda i: comm.collective(ex, a[i % sets] @ w[i % sets].t(), None)}
+        for b, cfg in enumerate(batch):
+            variants[f"b{b}"] = lambda i, cfg=cfg: overlapped(a[i % sets], w[i % sets], config=cfg)
+        times = time_variants(variants, rounds, 4, 2)
+        for b, cfg in enumerate(batch):
+            best = min(best, (times[f"b{b}"] / times["seq"], json.dumps(cfg, sort_keys=True)))
+    return best
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -311,7 +362,17 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--top", type=int, default=2, help="predicted-best candidates measured for real")
     parser.add_argument("--margin", type=float, default=0.02, help="overlap must beat sequential by this")
     parser.add_argument("--output", required=True, help="registry YAML to write or update")
+    parser.add_argument(
+        "--brute-force",
+        type=int,
+        default=0,
+        metavar="GROUPS",
+        help="also measure every partition of up to GROUPS groups per candidate and report how the "
+        "tuned pick compares (slow; to validate the model)",
+    )
     args = parser.parse_args(argv)
+    if args.brute_force < 0:
+        parser.error("--brute-force takes a number of groups >= 1 (0: off)")
     shapes = list(args.shapes or []) + (bench.load_shapes(args.shapes_file) if args.shapes_file else [])
     if not shapes:
         parser.error("give --shapes and/or --shapes-file")
@@ -328,7 +389,15 @@ def main(argv: Sequence[str] | None = None) -> int:
         for i, shape in enumerate(shapes):
             _progress(f"shape {i + 1}/{len(shapes)}")
             found, summary = tune_shape(
-                shape, args.collective, args.candidates, dtype, args.transport, args.rounds, args.top, args.margin
+                shape,
+                args.collective,
+                args.candidates,
+                dtype,
+                args.transport,
+                args.rounds,
+                args.top,
+                args.margin,
+                args.brute_force,
             )
             entries.append(found)
             rows += summary
@@ -336,6 +405,8 @@ def main(argv: Sequence[str] | None = None) -> int:
             print(format_summary(rows))
             errors = [abs(r["predicted_ms"] / r["measured_ms"] - 1) for r in rows]
             print(f"median |predicted / measured - 1|: {statistics.median(errors):.1%}")
+            if args.brute_force:
+                print(brute_summary(entries, rows))
             write_registry(args.output, torch.cuda.get_device_name(), dist.get_world_size(), entries)
             print(f"wrote {len(entries)} entries to {args.output}")
     finally:
@@ -352,6 +423,22 @@ def format_summary(rows: list[dict]) -> str:
             f"{r['shape']:>16} {r['predicted_ms']:>8.3f} {r['measured_ms']:>8.3f} {r['seq_ms']:>8.3f} "
             f"{err:>+6.1%}  {r['partition']}  {r['config']}"
         )
+    return "\n".join(lines)
+
+
+def brute_summary(entries: list[dict], rows: list[dict]) -> str:
+    """Per shape: the speedup over sequential of what was written (1.0 where sequential) against
+    the brute-force best, and the mean ratio of the two."""
+    lines = [f"{'shape':>16} {'tuned':>6} {'brute':>6} {'ratio':>6}  brute-force best"]
+    ratios = []
+    for e in entries:
+        shape = "x".join(map(str, e["shape"]))
+        row = next(r for r in rows if r["shape"] == shape)
+        tuned = 1.0 if e["config"].get("sequential") else e["measured"]["speedup"]
+        brute = row["seq_ms"] / row["brute_ms"]
+        ratios.append(tuned / brute)
+        lines.append(f"{shape:>16} {tuned:>6.3f} {brute:>6.3f} {ratios[-1]:>6.1%}  {row['brute_config']}")
+    lines.append(f"mean tuned / brute-force speedup: {statistics.mean(ratios):.1%}")
     return "\n".join(lines)
 
 

@@ -1,7 +1,5 @@
 """The tuner's cost model and partition search on synthetic problems (CPU)."""
 
-import itertools
-
 import numpy as np
 import pytest
 
@@ -9,19 +7,16 @@ from flashoverlap.tune import (
     CommModel,
     Problem,
     best_partition,
+    brute_summary,
     choose,
     entry,
     fit_comm,
     format_summary,
     makespan,
+    partitions,
     wave_bytes,
     write_registry,
 )
-
-
-def compositions(total: int):
-    for cuts in itertools.chain.from_iterable(itertools.combinations(range(1, total), r) for r in range(total)):
-        yield tuple(b - a for a, b in zip((0, *cuts), (*cuts, total)))
 
 
 def problem(rng, waves=None, latency=None, bandwidth=None) -> Problem:
@@ -36,7 +31,7 @@ def test_dynamic_programming_finds_the_brute_force_optimum():
     for _ in range(40):
         p = problem(rng)
         partition, best = best_partition(p)
-        brute = min(makespan(p, c) for c in compositions(p.num_waves))
+        brute = min(makespan(p, c) for c in partitions(p.num_waves))
         assert best == pytest.approx(brute) and makespan(p, partition) == pytest.approx(best)
 
 
@@ -136,3 +131,32 @@ def test_summary_and_cli_errors(capsys, monkeypatch):
     monkeypatch.delenv("RANK", raising=False)
     assert tune.main(["--shapes", "8x8x8", "--output", "x.yaml"]) == 2
     assert "torchrun" in capsys.readouterr().err
+
+
+def test_partitions_enumerate_every_split_once():
+    from math import comb
+
+    for waves in range(1, 9):
+        for most in (None, 1, 2, 3):
+            found = list(partitions(waves, most))
+            groups = waves if most is None else min(most, waves)
+            assert len(found) == len(set(found)) == sum(comb(waves - 1, g - 1) for g in range(1, groups + 1))
+            assert all(sum(p) == waves and min(p) >= 1 and len(p) <= groups for p in found)
+
+
+def test_brute_force_summary_compares_what_was_written(capsys):
+    from flashoverlap import tune
+
+    entries = [
+        entry("all_reduce", "nvlink", "bfloat16", (8, 8, 8), {"partition": [1]}, {"speedup": 1.2}),
+        entry("all_reduce", "nvlink", "bfloat16", (16, 8, 8), {"sequential": True}, {"speedup": 0.9}),
+    ]
+    rows = [
+        {"shape": "8x8x8", "seq_ms": 1.5, "brute_ms": 1.0, "brute_config": '{"partition": [1]}'},
+        {"shape": "16x8x8", "seq_ms": 1.0, "brute_ms": 1.0, "brute_config": '{"sequential": true}'},
+    ]
+    text = brute_summary(entries, rows)
+    assert "80.0%" in text and "100.0%" in text and "mean tuned / brute-force speedup: 90.0%" in text
+    with pytest.raises(SystemExit):
+        tune.main(["--shapes", "8x8x8", "--output", "x.yaml", "--brute-force", "-1"])
+    assert "--brute-force takes" in capsys.readouterr().err
