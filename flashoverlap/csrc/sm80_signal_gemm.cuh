@@ -124,18 +124,28 @@ int fail(char const* what, char const* detail) {
 
 constexpr int kSmemBytes = int(sizeof(typename Kernel::SharedStorage));
 
-// Resident CTAs per SM at this kernel's shared memory and thread count (0 on error).
+// Resident CTAs per SM at this kernel's shared memory and thread count on the current device (0 on
+// error). The shared-memory opt-in is a per-device attribute, so it is set once per device.
 int blocks_per_sm() {
-  static int cached = -1;
-  if (cached < 0) {
-    if (cudaFuncSetAttribute(flashoverlap::sm80_signal_gemm<Kernel>, cudaFuncAttributeMaxDynamicSharedMemorySize,
-                             kSmemBytes) != cudaSuccess ||
-        cudaOccupancyMaxActiveBlocksPerMultiprocessor(&cached, flashoverlap::sm80_signal_gemm<Kernel>,
-                                                      Kernel::kThreads, kSmemBytes) != cudaSuccess) {
-      cached = 0;
-    }
+  constexpr int kDevices = 64;
+  static int known[kDevices] = {};  // blocks per SM + 1; 0: not yet asked
+  int device = 0, blocks = 0;
+  if (cudaGetDevice(&device) != cudaSuccess) {
+    return 0;
   }
-  return cached;
+  if (device < kDevices && known[device] > 0) {
+    return known[device] - 1;
+  }
+  if (cudaFuncSetAttribute(flashoverlap::sm80_signal_gemm<Kernel>, cudaFuncAttributeMaxDynamicSharedMemorySize,
+                           kSmemBytes) != cudaSuccess ||
+      cudaOccupancyMaxActiveBlocksPerMultiprocessor(&blocks, flashoverlap::sm80_signal_gemm<Kernel>, Kernel::kThreads,
+                                                    kSmemBytes) != cudaSuccess) {
+    blocks = 0;
+  }
+  if (device < kDevices) {
+    known[device] = blocks + 1;
+  }
+  return blocks;
 }
 
 int grid_size(int M, int N, int sm_count) {
