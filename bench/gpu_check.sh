@@ -1,24 +1,58 @@
 #!/usr/bin/env bash
-# One call on a GPU machine: install, build, GPU tests, stress, and the side-by-side comparisons.
-#   bash bench/gpu_check.sh            (logs under $OUT, default /tmp/flashoverlap-check)
-# Wheels the machine lacks (nvidia-cutlass) may sit in .whl/; a prebuilt kernel cache in .kcache/.
+# On a GPU machine: install, build, then the chosen steps (default: all, ~20 min on 2x H200).
+#   bash bench/gpu_check.sh [tests] [stress] [bench] [sm80] [tune] [suite]
+# Logs and CSVs under $OUT (default /tmp/flashoverlap-check). Wheels the machine lacks
+# (nvidia-cutlass) may sit in .whl/; a prebuilt kernel cache in .kcache/ (bench/precompile.py).
+#   tests   GPU and multi-GPU tests (both kernel families)
+#   stress  10,000 random calls checked against the sequential path (STRESS_CALLS)
+#   bench   each collective, NVLink and P2P off, default config (SHAPES, CONFIGS, ROUNDS, TRACE)
+#   sm80    the Ampere/Ada kernels forced on Hopper, P2P off, beside the Hopper ones
+#   tune    the tuner on bench/suite.yaml, all-reduce, NVLink and P2P off -> $OUT/tuned/h200_x2.yaml
+#           (a copy of configs/h200_x2.yaml, updated); brute force on two shapes
+#   suite   bench/suite.yaml with the registry's configs beside the defaults ($OUT/tuned first if there)
 set -uo pipefail
 source bench/gpu_env.sh
-timeout 300 python3 -m pytest -q -m gpu tests/ > "$OUT/test_gpu.log" 2>&1; tail -3 "$OUT/test_gpu.log"
-timeout 300 python3 -m pytest -q -m multigpu tests/ > "$OUT/test_multigpu.log" 2>&1; tail -3 "$OUT/test_multigpu.log"
-timeout 600 torchrun --nproc-per-node "$NGPU" tests/stress_overlap.py --calls "${STRESS_CALLS:-10000}" \
-  > "$OUT/stress.log" 2>&1; tail -2 "$OUT/stress.log"
-for transport in ${TRANSPORTS:-nvlink pcie}; do
-  bench "all_reduce_$transport" -- --transport "$transport" --shapes ${SHAPES:-4096x8192x8192 8192x8192x8192} \
-    --configs ${CONFIGS:-'{}'} --rounds "${ROUNDS:-15}" --csv "$OUT/all_reduce_$transport.csv" \
-    ${TRACE:+--trace "$OUT/trace_$transport.json"}
-  bench "reduce_scatter_$transport" -- --transport "$transport" --collective reduce_scatter \
-    --shapes 16384x8192x4096 --rounds "${ROUNDS:-15}" --csv "$OUT/reduce_scatter_$transport.csv"
-  bench "all_to_all_$transport" -- --transport "$transport" --collective all_to_all \
-    --shapes 8192x4096x7168 --rounds "${ROUNDS:-15}" --csv "$OUT/all_to_all_$transport.csv"
+steps=${*:-tests stress bench sm80 tune suite}
+for step in $steps; do
+  case $step in
+  tests)
+    timeout 300 python3 -m pytest -q -m gpu tests/ > "$OUT/test_gpu.log" 2>&1; tail -3 "$OUT/test_gpu.log"
+    timeout 300 python3 -m pytest -q -m multigpu tests/ --durations=10 > "$OUT/test_multigpu.log" 2>&1
+    tail -15 "$OUT/test_multigpu.log" ;;
+  stress)
+    timeout 600 torchrun --nproc-per-node "$NGPU" tests/stress_overlap.py --calls "${STRESS_CALLS:-10000}" \
+      > "$OUT/stress.log" 2>&1; tail -2 "$OUT/stress.log" ;;
+  bench)
+    for transport in ${TRANSPORTS:-nvlink pcie}; do
+      bench "all_reduce_$transport" -- --transport "$transport" --shapes ${SHAPES:-4096x8192x8192 8192x8192x8192} \
+        --configs ${CONFIGS:-'{}'} --rounds "${ROUNDS:-15}" --csv "$OUT/all_reduce_$transport.csv" \
+        ${TRACE:+--trace "$OUT/trace_$transport.json"}
+      bench "reduce_scatter_$transport" -- --transport "$transport" --collective reduce_scatter \
+        --shapes 16384x8192x4096 --rounds "${ROUNDS:-15}" --csv "$OUT/reduce_scatter_$transport.csv"
+      bench "all_to_all_$transport" -- --transport "$transport" --collective all_to_all \
+        --shapes 8192x4096x7168 --rounds "${ROUNDS:-15}" --csv "$OUT/all_to_all_$transport.csv"
+    done ;;
+  sm80)
+    bench sm80_pcie -- --transport pcie --shapes 8192x4096x14336 4096x8192x8192 --rounds "${ROUNDS:-15}" \
+      --configs '{}' '{"kernel": "sm80"}' '{"kernel": "sm80", "comm_sms": 8}' '{"kernel": "sm80", "tile_n": 128}' \
+      --csv "$OUT/sm80_pcie.csv" ;;
+  tune)
+    mkdir -p "$OUT/tuned" && cp configs/h200_x2.yaml "$OUT/tuned/h200_x2.yaml"
+    for transport in nvlink pcie; do
+      timeout 400 torchrun --nproc-per-node "$NGPU" -m flashoverlap.tune --collective all_reduce \
+        --transport "$transport" --shapes-file bench/suite.yaml --output "$OUT/tuned/h200_x2.yaml" \
+        > "$OUT/tune_$transport.log" 2>&1
+      tail -12 "$OUT/tune_$transport.log"
+    done
+    timeout 400 torchrun --nproc-per-node "$NGPU" -m flashoverlap.tune --collective all_reduce --transport nvlink \
+      --shapes 4096x8192x8192 8192x4096x14336 --brute-force 4 --output "$OUT/brute.yaml" > "$OUT/brute.log" 2>&1
+    tail -6 "$OUT/brute.log" ;;
+  suite)
+    for transport in nvlink pcie; do
+      bench "suite_$transport" FLASHOVERLAP_CONFIG_DIRS="$OUT/tuned" -- --transport "$transport" \
+        --shapes-file bench/suite.yaml --rounds "${ROUNDS:-15}" \
+        --configs registry '{}' --csv "$OUT/suite_$transport.csv"
+    done ;;
+  *) echo "unknown step $step (tests stress bench sm80 tune suite)"; exit 2 ;;
+  esac
 done
-# The Ampere/Ada kernels forced on Hopper, NCCL through host memory (the consumer-GPU stand-in),
-# beside the Hopper kernels in the same run.
-bench sm80_pcie -- --transport pcie --shapes 8192x4096x14336 4096x8192x8192 --rounds "${ROUNDS:-15}" \
-  --configs '{}' '{"kernel": "sm80"}' '{"kernel": "sm80", "comm_sms": 8}' '{"kernel": "sm80", "tile_n": 128}' \
-  --csv "$OUT/sm80_pcie.csv"

@@ -33,7 +33,7 @@ import torch
 
 LAYOUTS = ("rows", "tiles", "cols")
 
-# Mirrors flashoverlap::TileSlot in gemm/csrc/signal_epilogue.cuh.
+# Mirrors flashoverlap::TileSlot in csrc/tile_slot.cuh.
 SLOT_DTYPE = np.dtype([("offset", "<i8"), ("ld", "<i4"), ("group", "<i4")])
 
 
