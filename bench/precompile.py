@@ -39,7 +39,7 @@ def main() -> None:
     parser.add_argument("specs", nargs="+", type=parse_spec)
     parser.add_argument("--jobs", type=int, default=4)
     args = parser.parse_args()
-    jit.build("fo_runtime", jit.runtime_source())
+    jit.build_runtime()
     with ThreadPoolExecutor(args.jobs) as pool:
         for path in pool.map(lambda s: jit.build(s.name, generate(s), arch=s.arch, cutlass=True), args.specs):
             print(path)

@@ -30,7 +30,15 @@ ARCH_FLAGS = {
     "sm_89": ["-gencode=arch=compute_89,code=sm_89"],
     "sm_86": ["-gencode=arch=compute_86,code=sm_86"],
     "sm_80": ["-gencode=arch=compute_80,code=sm_80"],
+    # the small runtime kernels, for every GPU the kernel families run on (PTX for newer ones)
+    "sm_80-sm_90": [
+        "-gencode=arch=compute_80,code=sm_80",
+        "-gencode=arch=compute_86,code=sm_86",
+        "-gencode=arch=compute_89,code=sm_89",
+        "-gencode=arch=compute_90,code=[sm_90,compute_90]",
+    ],
 }
+RUNTIME_ARCH = "sm_80-sm_90"
 
 BASE_FLAGS = [
     "-std=c++17",
@@ -161,14 +169,15 @@ def build(
     return target
 
 
-def runtime_source() -> str:
-    return (_PACKAGE_DIR / "csrc" / "runtime.cu").read_text()
+def build_runtime(**kwargs) -> Path:
+    """Build csrc/runtime.cu (restore, spin-wait) for every supported GPU; ``kwargs`` go to :func:`build`."""
+    return build("fo_runtime", (_PACKAGE_DIR / "csrc" / "runtime.cu").read_text(), arch=RUNTIME_ARCH, **kwargs)
 
 
 @functools.cache
 def runtime_library() -> ctypes.CDLL:
     """The small runtime kernels (restore, spin-wait fallback) of csrc/runtime.cu."""
-    lib = ctypes.CDLL(str(build("fo_runtime", runtime_source())))
+    lib = ctypes.CDLL(str(build_runtime()))
     lib.fo_runtime_error.restype = ctypes.c_char_p
     lib.fo_restore.argtypes = [ctypes.c_void_p] * 3 + [ctypes.c_int] * 7 + [ctypes.c_void_p]
     lib.fo_spin_wait.argtypes = [ctypes.c_void_p, ctypes.c_uint, ctypes.c_ulonglong, ctypes.c_void_p, ctypes.c_int]
