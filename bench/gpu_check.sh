@@ -2,7 +2,7 @@
 # On a GPU machine: install, build, then the chosen steps (default: all, ~20 min on 2x H200).
 #   bash bench/gpu_check.sh [tests] [stress] [bench] [sm80] [tune] [suite]
 # Logs and CSVs under $OUT (default /tmp/flashoverlap-check). Wheels the machine lacks
-# (nvidia-cutlass) may sit in .whl/; a prebuilt kernel cache in .kcache/ (bench/precompile.py).
+# (nvidia-cutlass) may sit in .whl/; a prebuilt kernel cache in .kcache/ (python -m flashoverlap.precompile).
 #   tests   GPU and multi-GPU tests (both kernel families)
 #   stress  10,000 random calls checked against the sequential path (STRESS_CALLS)
 #   bench   each collective, NVLink and P2P off, default config (SHAPES, CONFIGS, ROUNDS, TRACE)

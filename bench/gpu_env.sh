@@ -12,9 +12,8 @@ NGPU=$(python3 -c 'import torch; print(torch.cuda.device_count())')
 { nvidia-smi --query-gpu=name,memory.total,clocks.max.sm --format=csv; nvidia-smi topo -m; nvcc --version | tail -1;
   python3 -c 'import torch; print("torch", torch.__version__, "nccl", torch.cuda.nccl.version())'; } > "$OUT/env.txt" 2>&1
 head -3 "$OUT/env.txt"
-SPECS="bfloat16:nk:128x256:1 bfloat16:nk:128x256:1:persistent:direct bfloat16:nk:128x256:2 bfloat16:nk:128x256:1:streamk bfloat16:nk:128x256:1:streamk:direct bfloat16:nk:256x128:1:persistent:direct bfloat16:nk:128x128:1 bfloat16:nk:128x128:1:persistent:direct bfloat16:kn:128x256:1 float16:nk:128x256:1:persistent:direct float16:nk:128x256:1 bfloat16:nk:128x256:1:persistent:direct:sm_90 bfloat16:nk:128x128:1:persistent:direct:sm_90 float16:kn:128x128:1:persistent:direct:sm_90"
-timeout 300 python3 bench/precompile.py --jobs 14 $SPECS > /tmp/flashoverlap-build.log 2>&1 \
-  || { tail -30 /tmp/flashoverlap-build.log; exit 1; }
+timeout 300 python3 -m flashoverlap.precompile --jobs 14 --file bench/kernels.yaml --registry \
+  > /tmp/flashoverlap-build.log 2>&1 || { tail -30 /tmp/flashoverlap-build.log; exit 1; }
 
 # bench NAME [env assignments...] -- [flashoverlap.bench args...]: one torchrun, logged to $OUT/NAME.log
 bench() {

@@ -57,15 +57,9 @@ def parse_shape(text: str) -> tuple[int, int, int]:
 def parse_config(text: str) -> dict | None:
     """A JSON object of OverlapConfig fields, or ``registry`` (None: what a call without ``config=``
     runs, the tuned registry's entry for the shape)."""
-    if text == "registry":
-        return None
-    try:
-        value = json.loads(text)
-    except json.JSONDecodeError as exc:
-        raise argparse.ArgumentTypeError(f"config must be a JSON object, got {text!r}: {exc}") from None
-    if not isinstance(value, dict):
-        raise argparse.ArgumentTypeError(f"config must be a JSON object, got {text!r}")
-    return value
+    from .config import json_object
+
+    return None if text == "registry" else json_object(text)
 
 
 def build_parser() -> argparse.ArgumentParser:

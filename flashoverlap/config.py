@@ -14,7 +14,7 @@ from typing import Any
 
 import yaml
 
-from .gemm.generator import EPILOGUES, FAMILIES, validate_instance
+from .gemm.generator import EPILOGUES, FAMILIES, GemmSpec, validate_instance
 from .plan import LAYOUTS
 
 
@@ -151,9 +151,42 @@ def for_device(cfg: OverlapConfig, capability: tuple[int, int]) -> tuple[Overlap
     return dataclasses.replace(cfg, kernel=family, tile_k=_instance(cfg, family)[2], epilogue=epilogue), arch
 
 
+def kernel_spec(
+    cfg: OverlapConfig, dtype: str, weight_layout: str, capability: tuple[int, int]
+) -> tuple[OverlapConfig, GemmSpec]:
+    """``cfg`` resolved for the device (:func:`for_device`) and the GEMM instance it runs there."""
+    cfg, arch = for_device(cfg, capability)
+    spec = GemmSpec(
+        dtype=dtype,
+        weight_layout=weight_layout,
+        tile_m=cfg.tile_m,
+        tile_n=cfg.tile_n,
+        tile_k=cfg.tile_k,
+        cluster_m=cfg.cluster_m,
+        scheduler=cfg.scheduler,
+        epilogue=cfg.epilogue,
+        arch=arch,
+    )
+    return cfg, spec
+
+
 def _instance(cfg: OverlapConfig, family: str) -> tuple[int, int, int, int, str]:
     tile_k = cfg.tile_k if cfg.tile_k is not None else FAMILIES[family]["tile_k"][0]
     return cfg.tile_m, cfg.tile_n, tile_k, cfg.cluster_m, cfg.scheduler
+
+
+def json_object(text: str) -> dict[str, Any]:
+    """A JSON object given on a command line (an argparse ``type``): config fields and the like."""
+    import argparse
+    import json
+
+    try:
+        value = json.loads(text)
+    except json.JSONDecodeError as exc:
+        raise argparse.ArgumentTypeError(f"expected a JSON object, got {text!r}: {exc}") from None
+    if not isinstance(value, dict):
+        raise argparse.ArgumentTypeError(f"expected a JSON object, got {text!r}")
+    return value
 
 
 def resolve(config: OverlapConfig | Mapping[str, Any] | str | os.PathLike[str] | None) -> OverlapConfig:

@@ -27,8 +27,8 @@ import torch.distributed as dist
 
 from . import comm, registry, signal
 from .comm import Exchange
-from .config import OverlapConfig, for_collective, for_device, resolve
-from .gemm import GemmSpec, SignalGemm, get_kernel
+from .config import OverlapConfig, for_collective, kernel_spec, resolve
+from .gemm import SignalGemm, get_kernel
 from .plan import Plan, make_plan
 
 DTYPES = {torch.bfloat16: "bfloat16", torch.float16: "float16"}
@@ -140,18 +140,7 @@ def prepare(
     sm_count = total_sms - cfg.comm_sms
     if sm_count < 1:
         raise ValueError(f"comm_sms={cfg.comm_sms} leaves no SM for the GEMM on {device} ({total_sms} SMs)")
-    cfg, arch = for_device(cfg, torch.cuda.get_device_capability(device))
-    spec = GemmSpec(
-        dtype=DTYPES[dtype],
-        weight_layout=weight_layout,
-        tile_m=cfg.tile_m,
-        tile_n=cfg.tile_n,
-        tile_k=cfg.tile_k,
-        cluster_m=cfg.cluster_m,
-        scheduler=cfg.scheduler,
-        epilogue=cfg.epilogue,
-        arch=arch,
-    )
+    cfg, spec = kernel_spec(cfg, DTYPES[dtype], weight_layout, torch.cuda.get_device_capability(device))
     kernel = get_kernel(spec)
     index = device.index
     along_m = cfg.layout == "cols"

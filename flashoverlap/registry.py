@@ -118,6 +118,11 @@ def _entries_in(dirs: tuple[Path, ...]) -> list[Entry]:
     return load(p for d in dirs if d.is_dir() for p in sorted(d.glob("*.yaml")))
 
 
+def entries() -> list[Entry]:
+    """Every entry of the registry files in :func:`config_dirs` (read once per set of directories)."""
+    return _entries_in(tuple(config_dirs()))
+
+
 def nearest(
     entries: Sequence[Entry],
     gpu: str,
@@ -143,7 +148,7 @@ def lookup(
     gpu: str, world: int, collective: str, transport: str, dtype: str, shape: tuple[int, int, int]
 ) -> OverlapConfig | None:
     """The tuned config for a call (see the module doc), or None."""
-    entry = nearest(_entries_in(tuple(config_dirs())), gpu, world, collective, transport, dtype, shape)
+    entry = nearest(entries(), gpu, world, collective, transport, dtype, shape)
     if entry is None:
         return None
     if entry.shape != tuple(shape) and entry.config.partition is not None:

@@ -346,6 +346,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     import torch.distributed as dist
 
     from . import bench
+    from .config import json_object
 
     parser = argparse.ArgumentParser(
         prog="python -m flashoverlap.tune",
@@ -355,7 +356,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--collective", choices=("all_reduce", "reduce_scatter", "all_to_all"), default="all_reduce")
     parser.add_argument("--shapes", nargs="+", type=bench.parse_shape, help="MxNxK ...")
     parser.add_argument("--shapes-file", help="YAML list of shapes (see python -m flashoverlap.bench)")
-    parser.add_argument("--candidates", nargs="+", type=bench.parse_config, default=list(DEFAULT_CANDIDATES))
+    parser.add_argument("--candidates", nargs="+", type=json_object, default=list(DEFAULT_CANDIDATES))
     parser.add_argument("--transport", choices=sorted(bench.TRANSPORTS), default="nvlink")
     parser.add_argument("--dtype", choices=["bfloat16", "float16"], default="bfloat16")
     parser.add_argument("--rounds", type=int, default=10)

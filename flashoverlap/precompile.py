@@ -1,0 +1,133 @@
+"""Build the GEMM kernels a deployment will use ahead of time (no GPU needed, only nvcc).
+
+    python -m flashoverlap.precompile --gpu-arch sm_90 '{}' '{"tile_n": 128}' --registry
+    python -m flashoverlap.precompile --gpu-arch sm_89 '{"collective": "reduce_scatter", "dtype": "float16"}'
+
+Each item is a JSON object of :class:`~flashoverlap.config.OverlapConfig` fields plus, optionally,
+``collective`` (default all_reduce), ``dtype`` (bfloat16) and ``weight_layout`` (nk: weight
+[N, K] as in torch Linear; kn: [K, N]); ``--file`` reads a YAML list of them. ``--registry`` adds
+every tuned config of the registry (``configs/*.yaml`` and ``FLASHOVERLAP_CONFIG_DIRS``, whatever
+GPU they were tuned on). Kernels land in the on-disk cache the runtime reads
+(``FLASHOVERLAP_CACHE_DIR``, default ``~/.cache/flashoverlap``), so the first call of a run does
+not stop for a 1-2 minute compile on every rank.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from collections.abc import Sequence
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+from . import jit, registry
+from .config import OverlapConfig, for_collective, json_object, kernel_spec, resolve
+from .gemm import GemmSpec, generate
+from .gemm.generator import DTYPES, WEIGHT_LAYOUTS
+
+GPU_ARCHS = {"sm_80": (8, 0), "sm_86": (8, 6), "sm_89": (8, 9), "sm_90": (9, 0)}
+CALL_KEYS = {"collective": "all_reduce", "dtype": "bfloat16", "weight_layout": "nk"}
+
+
+def load_items(path: str) -> list[dict[str, Any]]:
+    try:
+        data = yaml.safe_load(Path(path).read_text())
+    except yaml.YAMLError as exc:
+        raise ValueError(f"{path}: malformed YAML: {exc}") from None
+    if not isinstance(data, list) or not all(isinstance(item, dict) for item in data):
+        raise ValueError(f"{path}: expected a YAML list of mappings (config fields, collective, dtype, weight_layout)")
+    return data
+
+
+def call_and_config(item: dict[str, Any]) -> tuple[dict[str, str], OverlapConfig]:
+    """Split an item into its call (collective, dtype, weight_layout) and its config."""
+    call = {key: item.get(key, default) for key, default in CALL_KEYS.items()}
+    return call, resolve({key: value for key, value in item.items() if key not in CALL_KEYS})
+
+
+def spec_for(call: dict[str, str], cfg: OverlapConfig, capability: tuple[int, int]) -> GemmSpec | None:
+    """The GEMM instance ``cfg`` runs for ``call`` on a GPU of ``capability`` (None: sequential)."""
+    if call["dtype"] not in DTYPES:
+        raise ValueError(f"dtype must be one of {sorted(DTYPES)}, got {call['dtype']!r}")
+    if call["weight_layout"] not in WEIGHT_LAYOUTS:
+        raise ValueError(f"weight_layout must be one of {sorted(WEIGHT_LAYOUTS)}, got {call['weight_layout']!r}")
+    cfg = for_collective(cfg, call["collective"])
+    if cfg.sequential:
+        return None
+    return kernel_spec(cfg, call["dtype"], call["weight_layout"], capability)[1]
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(
+        prog="python -m flashoverlap.precompile",
+        description=__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    parser.add_argument("items", nargs="*", type=json_object, help="configs as JSON objects (default: '{}')")
+    parser.add_argument(
+        "--gpu-arch", choices=sorted(GPU_ARCHS), help="the GPUs' compute capability (default: this machine's GPU)"
+    )
+    parser.add_argument("--file", help="a YAML list of items (mappings like the JSON ones) to add")
+    parser.add_argument("--registry", action="store_true", help="add every config of the tuned registry")
+    parser.add_argument("--jobs", type=int, default=2, help="nvcc processes at once (each takes ~2-4 GB)")
+    parser.add_argument("--list", action="store_true", help="print the kernels that would be built, build nothing")
+    args = parser.parse_args(argv)
+    if args.jobs < 1:
+        parser.error("--jobs must be >= 1")
+    if args.gpu_arch is None:
+        import torch
+
+        if not torch.cuda.is_available():
+            parser.error(f"no GPU on this machine: pass --gpu-arch (one of {sorted(GPU_ARCHS)})")
+        capability = torch.cuda.get_device_capability()
+    else:
+        capability = GPU_ARCHS[args.gpu_arch]
+    items = list(args.items)
+    if args.file:
+        try:
+            items += load_items(args.file)
+        except (OSError, ValueError) as exc:
+            parser.error(str(exc))
+    specs: dict[str, GemmSpec] = {}
+    for item in items or ([] if args.registry else [{}]):
+        try:
+            spec = spec_for(*call_and_config(item), capability)
+        except (ValueError, TypeError) as exc:
+            parser.error(f"{json.dumps(item)}: {exc}")
+        if spec is not None:
+            specs.setdefault(spec.name, spec)
+    for entry in registry.entries() if args.registry else []:
+        call = {**CALL_KEYS, "collective": entry.collective, "dtype": entry.dtype}
+        try:
+            spec = spec_for(call, entry.config, capability)
+        except ValueError as exc:  # e.g. tuned for another GPU family
+            print(f"skipping {entry.source}: {exc}", file=sys.stderr)
+            continue
+        if spec is not None:
+            specs.setdefault(spec.name, spec)
+    if args.list:
+        print("\n".join(specs))
+        return 0
+    jit.build_runtime()
+    done = 0
+
+    def build(spec: GemmSpec) -> None:
+        nonlocal done
+        start = time.monotonic()
+        jit.build(spec.name, generate(spec), arch=spec.arch, cutlass=True)
+        done += 1
+        print(f"[{done}/{len(specs)}] {spec.name} ({time.monotonic() - start:.0f} s)", file=sys.stderr, flush=True)
+
+    with ThreadPoolExecutor(args.jobs) as pool:
+        list(pool.map(build, specs.values()))
+    print(f"{len(specs)} kernels in {jit.cache_dir()}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,94 @@
+"""Ahead-of-time kernel builds: items, files, the registry, and the kernels they name (CPU)."""
+
+import re
+import shutil
+
+import pytest
+
+from flashoverlap import precompile
+
+
+def listed(capsys, *argv):
+    assert precompile.main([*argv, "--list"]) == 0
+    return capsys.readouterr().out.split()
+
+
+def test_items_name_the_kernels_the_runtime_would_build(capsys):
+    assert listed(capsys, "--gpu-arch", "sm_90") == ["fo_gemm_bfloat16_nk_128x256x64_c1x1_persistent_tma_sm_90a"]
+    names = listed(
+        capsys,
+        "--gpu-arch",
+        "sm_90",
+        '{"collective": "reduce_scatter", "dtype": "float16", "weight_layout": "kn"}',
+        '{"kernel": "sm80", "tile_n": 128}',
+        '{"tile_n": 256}',  # the default again: built once
+        '{"sequential": true}',  # nothing to build
+    )
+    assert names == [
+        "fo_gemm_float16_kn_128x256x64_c1x1_persistent_direct_sm_90a",
+        "fo_gemm_bfloat16_nk_128x128x32_c1x1_persistent_direct_sm_90",
+        "fo_gemm_bfloat16_nk_128x256x64_c1x1_persistent_tma_sm_90a",
+    ]
+    # a consumer GPU gets the Ampere/Ada family
+    assert listed(capsys, "--gpu-arch", "sm_89", '{"tile_m": 64}') == [
+        "fo_gemm_bfloat16_nk_64x256x32_c1x1_persistent_direct_sm_89"
+    ]
+
+
+def test_files_and_the_registry_add_items(tmp_path, capsys):
+    path = tmp_path / "k.yaml"
+    path.write_text("- {tile_n: 128}\n- {collective: all_to_all}\n")
+    assert listed(capsys, "--gpu-arch", "sm_90", "--file", str(path)) == [
+        "fo_gemm_bfloat16_nk_128x128x64_c1x1_persistent_tma_sm_90a",
+        "fo_gemm_bfloat16_nk_128x256x64_c1x1_persistent_direct_sm_90a",
+    ]
+    # every overlapped entry of the shipped registry, for the arch asked for
+    names = listed(capsys, "--gpu-arch", "sm_86", "--registry")
+    assert names and all(n.endswith("_sm_86") for n in names)
+
+
+@pytest.mark.parametrize(
+    "argv, message",
+    [
+        (["--gpu-arch", "sm_90", '{"tile_m": 96}'], r"\{\"tile_m\": 96\}: .*tile_m 96 not in"),
+        (["--gpu-arch", "sm_90", '{"dtype": "fp8"}'], "dtype must be one of"),
+        (["--gpu-arch", "sm_90", '{"weight_layout": "t"}'], "weight_layout must be one of"),
+        (["--gpu-arch", "sm_90", '{"collective": "all_reduce", "layout": "cols", "epilogue": "tma"}'], "needs layout"),
+        (["--gpu-arch", "sm_90", "[1]"], "expected a JSON object"),
+        (["--gpu-arch", "sm_75"], "invalid choice"),
+        (["--gpu-arch", "sm_90", "--jobs", "0"], "--jobs must be >= 1"),
+        (["--gpu-arch", "sm_90", "--file", "missing.yaml"], "missing.yaml"),
+    ],
+)
+def test_bad_arguments_are_named(argv, message, capsys):
+    with pytest.raises(SystemExit):
+        precompile.main([*argv, "--list"])
+    assert re.search(message, capsys.readouterr().err)
+
+
+def test_malformed_item_files_are_named(tmp_path, capsys):
+    for text in ("- {tile_n: [\n", "tile_n: 128\n"):
+        path = tmp_path / "k.yaml"
+        path.write_text(text)
+        with pytest.raises(SystemExit):
+            precompile.main(["--gpu-arch", "sm_90", "--file", str(path), "--list"])
+        assert str(path) in capsys.readouterr().err
+
+
+def test_without_a_gpu_the_arch_must_be_given(capsys, monkeypatch):
+    import torch
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    with pytest.raises(SystemExit):
+        precompile.main(["--list"])
+    assert "pass --gpu-arch" in capsys.readouterr().err
+
+
+@pytest.mark.nvcc
+@pytest.mark.skipif(shutil.which("nvcc") is None, reason="nvcc not on PATH")
+def test_builds_into_the_cache_the_runtime_reads(tmp_path, monkeypatch, capsys):
+    monkeypatch.setenv("FLASHOVERLAP_CACHE_DIR", str(tmp_path))
+    assert precompile.main(["--gpu-arch", "sm_86", '{"tile_m": 64, "tile_n": 64}']) == 0
+    built = sorted(p.name.split("-")[0] for p in tmp_path.glob("*.so"))
+    assert built == ["fo_gemm_bfloat16_nk_64x64x32_c1x1_persistent_direct_sm_86", "fo_runtime"]
+    assert "[1/1] fo_gemm_bfloat16_nk_64x64x32" in capsys.readouterr().err
