@@ -1,18 +1,19 @@
 #!/usr/bin/env bash
 # On a GPU machine: install, build, then the chosen steps (default: all, ~20 min on 2x H200).
-#   bash bench/gpu_check.sh [tests] [stress] [bench] [sm80] [tune] [suite]
+#   bash bench/gpu_check.sh [tests] [stress] [bench] [sm80] [swizzle] [tune] [suite]
 # Logs and CSVs under $OUT (default /tmp/flashoverlap-check). Wheels the machine lacks
 # (nvidia-cutlass) may sit in .whl/; a prebuilt kernel cache in .kcache/ (python -m flashoverlap.precompile).
 #   tests   GPU and multi-GPU tests (both kernel families)
 #   stress  10,000 random calls checked against the sequential path (STRESS_CALLS)
 #   bench   each collective, NVLink and P2P off, default config (SHAPES, CONFIGS, ROUNDS, TRACE)
 #   sm80    the Ampere/Ada kernels forced on Hopper, P2P off, beside the Hopper ones
+#   swizzle each collective over NVLink with swizzled rasters beside the plain one (kernel time too)
 #   tune    the tuner on bench/suite.yaml, all-reduce, NVLink and P2P off -> $OUT/tuned/h200_x2.yaml
 #           (a copy of configs/h200_x2.yaml, updated); brute force on two shapes
 #   suite   bench/suite.yaml with the registry's configs beside the defaults ($OUT/tuned first if there)
 set -uo pipefail
 source bench/gpu_env.sh
-steps=${*:-tests stress bench sm80 tune suite}
+steps=${*:-tests stress bench sm80 swizzle tune suite}
 for step in $steps; do
   case $step in
   tests)
@@ -36,6 +37,13 @@ for step in $steps; do
     bench sm80_pcie -- --transport pcie --shapes 8192x4096x14336 4096x8192x8192 --rounds "${ROUNDS:-15}" \
       --configs '{}' '{"kernel": "sm80"}' '{"kernel": "sm80", "comm_sms": 8}' '{"kernel": "sm80", "tile_n": 128}' \
       --csv "$OUT/sm80_pcie.csv" ;;
+  swizzle)
+    for collective in all_reduce reduce_scatter all_to_all; do
+      case $collective in all_reduce) shapes="4096x8192x8192 8192x8192x8192";; reduce_scatter) shapes=16384x8192x4096;;
+        all_to_all) shapes=8192x4096x7168;; esac
+      bench "swizzle_$collective" -- --collective "$collective" --shapes $shapes --rounds "${ROUNDS:-15}" \
+        --configs '{}' '{"swizzle": 2}' '{"swizzle": 4}' '{"swizzle": 8}' --csv "$OUT/swizzle_$collective.csv"
+    done ;;
   tune)
     mkdir -p "$OUT/tuned" && cp configs/h200_x2.yaml "$OUT/tuned/h200_x2.yaml"
     for transport in nvlink pcie; do
@@ -53,6 +61,6 @@ for step in $steps; do
         --shapes-file bench/suite.yaml --rounds "${ROUNDS:-15}" \
         --configs registry '{}' --csv "$OUT/suite_$transport.csv"
     done ;;
-  *) echo "unknown step $step (tests stress bench sm80 tune suite)"; exit 2 ;;
+  *) echo "unknown step $step (tests stress bench sm80 swizzle tune suite)"; exit 2 ;;
   esac
 done

@@ -15,7 +15,7 @@ from typing import Any
 import yaml
 
 from .gemm.generator import EPILOGUES, FAMILIES, GemmSpec, validate_instance
-from .plan import LAYOUTS
+from .plan import LAYOUTS, SWIZZLES
 
 
 @dataclass(frozen=True)
@@ -26,6 +26,8 @@ class OverlapConfig:
       ``tile_k`` None: 64 for Hopper kernels, 32 for Ampere/Ada ones).
     kernel: ``sm90`` (Hopper: TMA + WGMMA), ``sm80`` (Ampere / Ada: cp.async + mma.sync; runs on
       Hopper too), or ``auto``: ``sm90`` on compute capability 9.0, else ``sm80``.
+    swizzle: tile raster in panels this many tiles wide (1, 2, 4, 8; persistent scheduler only) for
+      L2 reuse; the scheduler applies less where the tile grid is small (plan.effective_swizzle).
     comm_sms: SMs left out of the GEMM's persistent grid so NCCL kernels can run beside it.
     partition: waves per group, summing to the GEMM's wave count; ``None`` picks a default.
     layout: ``rows`` (groups rounded to row bands, stored in place; all-reduce), ``tiles`` (exact
@@ -41,6 +43,7 @@ class OverlapConfig:
     tile_k: int | None = None
     cluster_m: int = 1
     scheduler: str = "persistent"
+    swizzle: int = 1
     comm_sms: int = 16
     partition: tuple[int, ...] | None = None
     layout: str = "auto"
@@ -83,7 +86,7 @@ class OverlapConfig:
 
 def _problems(cfg: OverlapConfig) -> list[str]:
     problems = []
-    for name in ("tile_m", "tile_n", "tile_k", "cluster_m", "comm_sms"):
+    for name in ("tile_m", "tile_n", "tile_k", "cluster_m", "swizzle", "comm_sms"):
         value = getattr(cfg, name)
         if (not isinstance(value, int) or isinstance(value, bool)) and not (name == "tile_k" and value is None):
             problems.append(f"{name} must be an integer, got {value!r}")
@@ -96,6 +99,10 @@ def _problems(cfg: OverlapConfig) -> list[str]:
     reasons = {f: validate_instance(*_instance(cfg, f), family=f) for f in families}
     if all(reasons.values()):
         problems += reasons[families[0]] if len(families) == 1 else reasons["sm90"] + reasons["sm80"]
+    if cfg.swizzle not in SWIZZLES:
+        problems.append(f"swizzle must be one of {list(SWIZZLES)}, got {cfg.swizzle}")
+    elif cfg.swizzle > 1 and cfg.scheduler != "persistent":
+        problems.append(f"swizzle {cfg.swizzle} needs scheduler 'persistent' (stream-K tiles are planned unswizzled)")
     if cfg.comm_sms < 0:
         problems.append(f"comm_sms must be >= 0, got {cfg.comm_sms}")
     if cfg.partition is not None and (

@@ -117,6 +117,7 @@ class Prepared:
             (self.plan.tiles_m, self.plan.tiles_n),
             self.sm_count,
             self.plan.along_m,
+            self.plan.swizzle,
             stream,
         )
 
@@ -150,14 +151,15 @@ def prepare(
         tile_m=cfg.tile_m,
         tile_n=cfg.tile_n,
         cluster_m=cfg.cluster_m,
-        ctas=kernel.num_ctas(m, n, k, sm_count, index, along_m),
-        stream_k_tiles=kernel.stream_k_tiles(m, n, k, sm_count, index, along_m),
+        ctas=kernel.num_ctas(m, n, k, sm_count, index, along_m, cfg.swizzle),
+        stream_k_tiles=kernel.stream_k_tiles(m, n, k, sm_count, index, along_m, cfg.swizzle),
         partition=cfg.partition,
         layout=cfg.layout,
+        swizzle=cfg.swizzle,
     )
     slots = torch.from_numpy(plan.slot_table().view("u1")).to(device)
     counters = torch.zeros(plan.num_groups, dtype=torch.int32, device=device)
-    workspace_bytes = kernel.workspace_size(m, n, k, sm_count, index, along_m)
+    workspace_bytes = kernel.workspace_size(m, n, k, sm_count, index, along_m, cfg.swizzle)
     workspace = torch.empty(workspace_bytes, dtype=torch.uint8, device=device) if workspace_bytes else None
     report = torch.zeros(4, dtype=torch.int32, device=device)
     targets = plan.counter_targets(kernel.signals_per_tile)

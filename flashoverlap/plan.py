@@ -37,37 +37,73 @@ LAYOUTS = ("rows", "tiles", "cols")
 SLOT_DTYPE = np.dtype([("offset", "<i8"), ("ld", "<i4"), ("group", "<i4")])
 
 
-def schedule_order(tiles_m: int, tiles_n: int, cluster_m: int, along_m: bool = False) -> np.ndarray:
+SWIZZLES = (1, 2, 4, 8)
+
+
+def effective_swizzle(blocks_m: int, blocks_n: int, swizzle: int) -> int:
+    """The swizzle CUTLASS's sm90 tile scheduler applies when asked for at most ``swizzle``
+    (``get_log_swizzle_size``): 8, 4 or 2 where the smaller side of the tile grid has at least 6,
+    3 or 2 tiles, else 1. The sm80 kernels apply the same rule."""
+    smaller = min(blocks_m, blocks_n)
+    for size, needs in ((8, 6), (4, 3), (2, 2)):
+        if swizzle >= size and smaller >= needs:
+            return size
+    return 1
+
+
+def scheduler_grid(tiles_m: int, tiles_n: int, cluster_m: int, swizzle: int = 1) -> tuple[int, int, int]:
+    """(tile rows, tile columns, swizzle) the scheduler walks: the tile grid padded to whole
+    clusters and swizzle panels, and the swizzle it applies."""
+    blocks_m = -(-tiles_m // cluster_m) * cluster_m
+    size = effective_swizzle(blocks_m, tiles_n, swizzle)
+    return -(-tiles_m // (size * cluster_m)) * size * cluster_m, -(-tiles_n // size) * size, size
+
+
+def schedule_order(tiles_m: int, tiles_n: int, cluster_m: int, along_m: bool = False, swizzle: int = 1) -> np.ndarray:
     """Tile id (``mt * tiles_n + nt``) for each linear scheduler index, -1 for padding.
 
     Mirrors CUTLASS's ``PersistentTileSchedulerSm90`` as the generated kernels configure it:
-    raster along N (``along_m``: along M), no swizzle, cluster ``(cluster_m, 1)``. The M tile
-    count is padded to a whole number of clusters; padded indices own no output. CTA ``j`` of a
-    grid of ``ctas`` handles indices ``j, j + ctas, ...``, so index ``i`` runs in wave ``i // ctas``.
+    clusters ``(cluster_m, 1)``, raster along N (``along_m``: along M), and a swizzle of ``s``
+    (see :func:`effective_swizzle`): consecutive clusters cycle over ``s`` tile rows (along M:
+    ``s`` tile columns) before the raster advances, so a wave covers panels ``s`` tiles wide and
+    reuses its operands in L2; ``s`` = 1 is a plain raster. The grid is padded to whole clusters
+    and panels (:func:`scheduler_grid`); padded indices own no output. CTA ``j`` of a grid of
+    ``ctas`` handles indices ``j, j + ctas, ...``, so index ``i`` runs in wave ``i // ctas``.
     """
-    padded_m = -(-tiles_m // cluster_m) * cluster_m
-    idx = np.arange(padded_m * tiles_n, dtype=np.int64)
+    padded_m, padded_n, size = scheduler_grid(tiles_m, tiles_n, cluster_m, swizzle)
+    cluster, within = np.divmod(np.arange(padded_m * padded_n, dtype=np.int64), cluster_m)
+    offset, extra = cluster % size, cluster // size
     if along_m:
-        mt, nt = idx % padded_m, idx // padded_m
+        panel, major = np.divmod(extra, padded_m // cluster_m)
+        mt, nt = major * cluster_m + within, panel * size + offset
     else:
-        cluster = idx // cluster_m
-        mt = (cluster // tiles_n) * cluster_m + idx % cluster_m
-        nt = cluster % tiles_n
-    return np.where(mt < tiles_m, mt * tiles_n + nt, -1)
+        panel, major = np.divmod(extra, padded_n)
+        mt, nt = (panel * size + offset) * cluster_m + within, major
+    return np.where((mt < tiles_m) & (nt < tiles_n), mt * tiles_n + nt, -1)
 
 
-def scheduled_tiles(m: int, n: int, tile_m: int, tile_n: int, cluster_m: int) -> int:
-    """Tiles the scheduler walks: the M tile count padded to whole clusters, times the N count."""
-    return -(-math.ceil(m / tile_m) // cluster_m) * cluster_m * math.ceil(n / tile_n)
+def scheduled_tiles(m: int, n: int, tile_m: int, tile_n: int, cluster_m: int, swizzle: int = 1) -> int:
+    """Tiles the scheduler walks (padding included, see :func:`scheduler_grid`)."""
+    padded_m, padded_n, _ = scheduler_grid(math.ceil(m / tile_m), math.ceil(n / tile_n), cluster_m, swizzle)
+    return padded_m * padded_n
 
 
-def wave_count(m: int, n: int, tile_m: int, tile_n: int, cluster_m: int, ctas: int, stream_k_tiles: int = 0) -> int:
+def wave_count(
+    m: int,
+    n: int,
+    tile_m: int,
+    tile_n: int,
+    cluster_m: int,
+    ctas: int,
+    stream_k_tiles: int = 0,
+    swizzle: int = 1,
+) -> int:
     """Waves the persistent grid needs for C[m, n] (padded tiles included, as they are scheduled).
 
     A stream-K schedule first spreads its ``stream_k_tiles`` leading tiles over all CTAs (one
     wave), then runs the rest in whole waves.
     """
-    last = scheduled_tiles(m, n, tile_m, tile_n, cluster_m) - 1
+    last = scheduled_tiles(m, n, tile_m, tile_n, cluster_m, swizzle) - 1
     return int(wave_of_index(np.array([last]), ctas, stream_k_tiles)[0]) + 1
 
 
@@ -100,6 +136,7 @@ class Plan:
     cluster_m: int
     ctas: int
     stream_k_tiles: int
+    swizzle: int  # as applied (see effective_swizzle)
     layout: str
     partition: tuple[int, ...]  # waves per group, as requested
     tiles_m: int
@@ -182,10 +219,12 @@ def make_plan(
     stream_k_tiles: int = 0,
     partition: tuple[int, ...] | None = None,
     layout: str = "rows",
+    swizzle: int = 1,
 ) -> Plan:
     """Plan C[m, n] computed by a persistent grid of ``ctas`` CTAs; see the module doc.
 
     ``stream_k_tiles``: leading tiles a stream-K schedule splits along K (0: none).
+    ``swizzle``: the most the scheduler may swizzle (see :func:`schedule_order`).
     """
     for name, value in (
         ("m", m),
@@ -199,12 +238,16 @@ def make_plan(
             raise ValueError(f"{name} must be a positive integer, got {value!r}")
     if layout not in LAYOUTS:
         raise ValueError(f"layout must be one of {LAYOUTS}, got {layout!r}")
+    if swizzle not in SWIZZLES:
+        raise ValueError(f"swizzle must be one of {SWIZZLES}, got {swizzle!r}")
 
     tiles_m, tiles_n = math.ceil(m / tile_m), math.ceil(n / tile_n)
-    order_padded = schedule_order(tiles_m, tiles_n, cluster_m, along_m=layout == "cols")
+    order_padded = schedule_order(tiles_m, tiles_n, cluster_m, along_m=layout == "cols", swizzle=swizzle)
     if not isinstance(stream_k_tiles, (int, np.integer)) or not 0 <= stream_k_tiles <= len(order_padded):
         raise ValueError(f"stream_k_tiles must be in [0, {len(order_padded)}], got {stream_k_tiles!r}")
-    num_waves = wave_count(m, n, tile_m, tile_n, cluster_m, ctas, stream_k_tiles)
+    if stream_k_tiles and swizzle > 1:
+        raise ValueError("stream-K schedules are planned without swizzle")
+    num_waves = wave_count(m, n, tile_m, tile_n, cluster_m, ctas, stream_k_tiles, swizzle)
     partition = tuple(default_partition(num_waves) if partition is None else partition)
     if any(not isinstance(w, (int, np.integer)) or w < 1 for w in partition):
         raise ValueError(f"group sizes must be positive integers (waves), got {list(partition)}")
@@ -245,6 +288,7 @@ def make_plan(
         cluster_m=cluster_m,
         ctas=ctas,
         stream_k_tiles=int(stream_k_tiles),
+        swizzle=scheduler_grid(tiles_m, tiles_n, cluster_m, swizzle)[2],
         layout=layout,
         partition=partition,
         tiles_m=tiles_m,

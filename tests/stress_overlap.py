@@ -35,14 +35,22 @@ CONFIGS = {
         {"tile_n": 128},
         {"cluster_m": 2},
         {"kernel": "sm80"},
+        {"swizzle": 4},
     ],
     "reduce_scatter": [
         {},
         {"tile_n": 128},
         {"scheduler": "streamk", "comm_sms": 12},
         {"kernel": "sm80", "tile_n": 128},
+        {"swizzle": 2},
     ],
-    "all_to_all": [{}, {"tile_n": 128}, {"scheduler": "streamk", "comm_sms": 12}, {"kernel": "sm80", "tile_n": 128}],
+    "all_to_all": [
+        {},
+        {"tile_n": 128},
+        {"scheduler": "streamk", "comm_sms": 12},
+        {"kernel": "sm80", "tile_n": 128},
+        {"swizzle": 2},
+    ],
 }
 KEEP = 3  # outputs held and re-checked at every check
 

@@ -64,6 +64,9 @@ def test_auto_layout_epilogue_kernel_and_tile_k_follow_collective_and_device():
         ({"kernel": "sm80", "cluster_m": 2}, r"cluster_m 2 not in \(1,\) \(sm80 kernels\)"),
         ({"kernel": "sm90", "tile_k": 32}, r"tile_k 32 not in \(64,\)"),
         ({"tile_k": "32"}, "tile_k must be an integer"),
+        ({"swizzle": 3}, r"swizzle must be one of \[1, 2, 4, 8\], got 3"),
+        ({"swizzle": 2.0}, "swizzle must be an integer"),
+        ({"swizzle": 4, "scheduler": "streamk"}, "swizzle 4 needs scheduler 'persistent'"),
     ],
 )
 def test_invalid_values_are_named(data, message):

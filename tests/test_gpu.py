@@ -33,6 +33,11 @@ CONFIGS = [
     ("bfloat16", "kn", OverlapConfig()),
     ("float16", "nk", OverlapConfig(layout="tiles")),
     ("float16", "nk", OverlapConfig()),
+    # swizzled rasters (padding included)
+    ("bfloat16", "nk", OverlapConfig(swizzle=4)),
+    ("bfloat16", "nk", OverlapConfig(layout="cols", swizzle=8)),
+    ("bfloat16", "nk", OverlapConfig(cluster_m=2, swizzle=2, comm_sms=0)),
+    ("bfloat16", "nk", OverlapConfig(kernel="sm80", swizzle=2, layout="tiles")),
     # the Ampere/Ada family, forced on Hopper
     ("bfloat16", "nk", OverlapConfig(kernel="sm80")),
     ("bfloat16", "nk", OverlapConfig(kernel="sm80", layout="cols", tile_n=128)),

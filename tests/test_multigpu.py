@@ -25,6 +25,7 @@ CONFIGS = [
     OverlapConfig(tile_n=128, layout="tiles"),
     OverlapConfig(scheduler="streamk", comm_sms=12),
     OverlapConfig(kernel="sm80"),
+    OverlapConfig(swizzle=4),
 ]
 
 
@@ -96,6 +97,7 @@ SPLIT_CONFIGS = [
     OverlapConfig(tile_n=128),
     OverlapConfig(scheduler="streamk", comm_sms=12),
     OverlapConfig(kernel="sm80", tile_n=128),
+    OverlapConfig(swizzle=4),
 ]
 
 

@@ -7,8 +7,10 @@ from flashoverlap.plan import (
     LAYOUTS,
     SLOT_DTYPE,
     default_partition,
+    effective_swizzle,
     make_plan,
     schedule_order,
+    scheduler_grid,
     slot_view,
     wave_count,
     wave_of_index,
@@ -36,6 +38,38 @@ def test_schedule_order_matches_cutlass_raster_along_n():
     # raster along M walks down each tile column (padding at the bottom of each)
     assert schedule_order(2, 3, 1, along_m=True).tolist() == [0, 3, 1, 4, 2, 5]
     assert schedule_order(3, 2, 2, along_m=True).tolist() == [0, 2, 4, -1, 1, 3, 5, -1]
+
+
+def test_swizzle_walks_panels_like_cutlass():
+    # along N, swizzle 2: clusters cycle over 2 tile rows, then advance along N; the grid is padded
+    # to whole panels in both dimensions (CUTLASS rounds M and N up to the swizzle)
+    assert schedule_order(4, 3, 1, swizzle=2).tolist() == [0, 3, 1, 4, 2, 5, -1, -1, 6, 9, 7, 10, 8, 11, -1, -1]
+    # along M: panels of 2 tile columns walked row by row (3 tile rows padded to 4)
+    expected = [0, 1, 4, 5, 8, 9, -1, -1, 2, 3, 6, 7, 10, 11, -1, -1]
+    assert schedule_order(3, 4, 1, along_m=True, swizzle=2).tolist() == expected
+    # clusters stay together inside a panel
+    assert schedule_order(4, 2, 2, swizzle=2).tolist() == [0, 2, 4, 6, 1, 3, 5, 7]
+    # the scheduler's rule: only as much swizzle as the smaller side of the grid allows
+    assert [effective_swizzle(6, 6, s) for s in (1, 2, 4, 8)] == [1, 2, 4, 8]
+    assert [effective_swizzle(5, 40, 8), effective_swizzle(40, 2, 8), effective_swizzle(1, 40, 8)] == [4, 2, 1]
+    # padding to whole panels (clusters of 2 in M): scheduled but empty, so it costs waves
+    assert scheduler_grid(5, 7, 2, 4) == (8, 8, 4) and scheduler_grid(5, 7, 2, 8) == (16, 8, 8)
+
+
+def test_swizzled_plans_keep_groups_contiguous_and_in_completion_order():
+    for layout in LAYOUTS:
+        plain = make_plan(1000, 3000, tile_m=128, tile_n=256, cluster_m=1, ctas=9, layout=layout)
+        for swizzle in (2, 4, 8):
+            plan = make_plan(1000, 3000, tile_m=128, tile_n=256, cluster_m=1, ctas=9, layout=layout, swizzle=swizzle)
+            assert plan.swizzle == swizzle and not np.array_equal(plan.order, plain.order)
+            assert np.array_equal(np.sort(plan.buffer_index()), np.arange(plan.numel))
+            # every group completes no later than the next one starts completing
+            last_wave = [plan.wave[plan.group == g].max() for g in range(plan.num_groups)]
+            assert last_wave == sorted(last_wave)
+    with pytest.raises(ValueError, match=r"swizzle must be one of \(1, 2, 4, 8\)"):
+        make_plan(1000, 3000, tile_m=128, tile_n=256, cluster_m=1, ctas=9, swizzle=3)
+    with pytest.raises(ValueError, match="stream-K schedules are planned without swizzle"):
+        make_plan(1000, 3000, tile_m=128, tile_n=256, cluster_m=1, ctas=9, stream_k_tiles=4, swizzle=2)
 
 
 @pytest.mark.parametrize("waves", range(1, 12))
@@ -83,13 +117,16 @@ def test_rows_layout_is_row_major_c_and_bands_stay_whole():
         band = np.arange(plan.num_tiles) // plan.tiles_n // plan.cluster_m
         for b in np.unique(band):
             assert len(np.unique(plan.group[band == b])) == 1
-        # each band waits for its last tile: it never lands in a group that ends before that tile's wave
-        group_of_wave = np.repeat(np.arange(len(plan.partition)), plan.partition)
-        requested = group_of_wave[plan.wave]
-        assert all(
-            np.unique(requested[plan.group == g]).max() <= np.unique(requested[plan.group == g + 1]).min()
-            for g in range(plan.num_groups - 1)
-        )
+        # each band waits for its last tile, so groups complete in order
+        last_wave = [plan.wave[plan.group == g].max() for g in range(plan.num_groups)]
+        assert last_wave == sorted(last_wave)
+        if plan.swizzle == 1:  # a plain raster also never mixes requested groups across group borders
+            group_of_wave = np.repeat(np.arange(len(plan.partition)), plan.partition)
+            requested = group_of_wave[plan.wave]
+            assert all(
+                np.unique(requested[plan.group == g]).max() <= np.unique(requested[plan.group == g + 1]).min()
+                for g in range(plan.num_groups - 1)
+            )
 
 
 def test_cols_layout_groups_are_column_blocks_with_contiguous_row_segments():

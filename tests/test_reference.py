@@ -119,6 +119,7 @@ def test_a_wrong_group_range_is_caught():
         ctas=plan.ctas,
         partition=plan.partition,
         layout="tiles",
+        swizzle=plan.swizzle,
     )
     object.__setattr__(broken, "offset", broken.offset + 8)  # every slot shifted: the first 8 elements never written
     with tempfile.TemporaryDirectory() as tmp:

@@ -37,11 +37,11 @@ int stream_k_tiles(P const&, long) {
   return 0;
 }
 
-typename Kernel::TileSchedulerArguments scheduler_arguments(int along_m) {
+typename Kernel::TileSchedulerArguments scheduler_arguments(int along_m, int swizzle) {
   typename Kernel::TileSchedulerArguments sched{};
-  // Fixed raster so that the planner knows the tile order: along N (or M), no swizzle.
+  // The raster the planner was told (flashoverlap.plan.schedule_order): along N (or M), swizzle.
   using Raster = cutlass::gemm::kernel::detail::RasterOrderOptions;
-  sched.max_swizzle_size = 1;
+  sched.max_swizzle_size = swizzle;
   sched.raster_order = along_m ? Raster::AlongM : Raster::AlongN;
   return sched;
 }
@@ -56,7 +56,7 @@ int fo_signals_per_tile() { return Epilogue::kSignalsPerTile; }
 
 typename Gemm::Arguments gemm_arguments(void const* a, void const* b, void* out, void const* tiles,
                                         unsigned* counters, int M, int N, int K, int tiles_m, int tiles_n,
-                                        int sm_count, int device, int along_m) {
+                                        int sm_count, int device, int along_m, int swizzle) {
   auto stride_a = cutlass::make_cute_packed_stride(typename Kernel::StrideA{}, cute::make_shape(M, K, 1));
   auto stride_b = cutlass::make_cute_packed_stride(typename Kernel::StrideB{}, cute::make_shape(N, K, 1));
   return typename Gemm::Arguments{
@@ -66,40 +66,44 @@ typename Gemm::Arguments gemm_arguments(void const* a, void const* b, void* out,
       Epilogue::make_arguments(static_cast<Element*>(out), static_cast<flashoverlap::TileSlot const*>(tiles),
                                counters, M, N, tiles_m, tiles_n),
       hardware(device, sm_count),
-      scheduler_arguments(along_m)};
+      scheduler_arguments(along_m, swizzle)};
 }
 
-typename Kernel::Params schedule(int M, int N, int K, int sm_count, int device, int along_m) {
+typename Kernel::Params schedule(int M, int N, int K, int sm_count, int device, int along_m, int swizzle) {
   auto problem = cute::make_shape(M, N, K, 1);
   auto hw = hardware(device, sm_count);
   typename Kernel::Params params{};
   params.problem_shape = problem;
   params.hw_info = hw;
   params.scheduler = Kernel::TileScheduler::to_underlying_arguments(
-      problem, typename Kernel::TileShape{}, typename Kernel::ClusterShape{}, hw, scheduler_arguments(along_m), nullptr);
+      problem, typename Kernel::TileShape{}, typename Kernel::ClusterShape{}, hw, scheduler_arguments(along_m, swizzle),
+      nullptr);
   return params;
 }
 
 // Number of persistent CTAs (tiles per wave) the kernel launches for this problem.
-int fo_num_ctas(int M, int N, int K, int sm_count, int device, int along_m) {
-  dim3 grid = Kernel::get_grid_shape(schedule(M, N, K, sm_count, device, along_m));
+int fo_num_ctas(int M, int N, int K, int sm_count, int device, int along_m, int swizzle) {
+  dim3 grid = Kernel::get_grid_shape(schedule(M, N, K, sm_count, device, along_m, swizzle));
   return int(grid.x * grid.y * grid.z);
 }
 
 // Output tiles (the first ones in raster order) that a stream-K schedule splits along K.
-int fo_stream_k_tiles(int M, int N, int K, int sm_count, int device, int along_m) {
-  return stream_k_tiles(schedule(M, N, K, sm_count, device, along_m).scheduler, 0);
+int fo_stream_k_tiles(int M, int N, int K, int sm_count, int device, int along_m, int swizzle) {
+  return stream_k_tiles(schedule(M, N, K, sm_count, device, along_m, swizzle).scheduler, 0);
 }
 
 // Bytes of scratch the schedule needs (stream-K partial sums); 0 for plain persistent kernels.
-long long fo_workspace_size(int M, int N, int K, int sm_count, int device, int along_m) {
-  auto args = gemm_arguments(nullptr, nullptr, nullptr, nullptr, nullptr, M, N, K, 1, 1, sm_count, device, along_m);
+long long fo_workspace_size(int M, int N, int K, int sm_count, int device, int along_m, int swizzle) {
+  auto args =
+      gemm_arguments(nullptr, nullptr, nullptr, nullptr, nullptr, M, N, K, 1, 1, sm_count, device, along_m, swizzle);
   return static_cast<long long>(Gemm::get_workspace_size(args));
 }
 
 int fo_run(void const* a, void const* b, void* out, void const* tiles, unsigned* counters, void* workspace, int M,
-           int N, int K, int tiles_m, int tiles_n, int sm_count, int device, int along_m, void* stream) {
-  auto args = gemm_arguments(a, b, out, tiles, counters, M, N, K, tiles_m, tiles_n, sm_count, device, along_m);
+           int N, int K, int tiles_m, int tiles_n, int sm_count, int device, int along_m, int swizzle,
+           void* stream) {
+  auto args =
+      gemm_arguments(a, b, out, tiles, counters, M, N, K, tiles_m, tiles_n, sm_count, device, along_m, swizzle);
   Gemm gemm;
   if (gemm.can_implement(args) != cutlass::Status::kSuccess) {
     return fail("can_implement", "CUTLASS rejected the problem (alignment or shape)");

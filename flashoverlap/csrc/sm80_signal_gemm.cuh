@@ -3,7 +3,8 @@
 // of our own so that the tile order is the planner's and an SM budget leaves SMs to NCCL.
 //
 // Same contract as the Hopper family (flashoverlap/plan.py, tile_slot.cuh): CTA j of the grid
-// handles linear tiles j, j + grid, ... in raster order (along N, or along M); tile (mt, nt) is
+// handles scheduler indices j, j + grid, ... of the planner's raster (along N or along M, in
+// swizzle panels, over the grid padded to whole panels: schedule_order); tile (mt, nt) is
 // written to out[slot.offset + r * slot.ld + c] through CUTLASS's epilogue (the slot is a small
 // row-major matrix); once every thread's stores are visible (each thread fences, then the block
 // synchronises), thread 0 adds 1 to counters[slot.group] with release semantics. One signal per tile.
@@ -51,18 +52,28 @@ struct Sm80SignalGemm {
     int tiles_m;
     int tiles_n;
     int along_m;
+    int swizzle;   // as applied (plan.effective_swizzle)
+    int padded_m;  // tile rows and columns the raster walks (plan.scheduler_grid)
+    int padded_n;
   };
 
   CUTLASS_DEVICE void operator()(Params const& p, SharedStorage& smem) const {
     int const thread_idx = threadIdx.x;
     int const warp_idx = __shfl_sync(0xffffffff, thread_idx / 32, 0);  // warp-uniform
     int const lane_idx = thread_idx % 32;
-    int const num_tiles = p.tiles_m * p.tiles_n;
+    int const scheduled = p.padded_m * p.padded_n;
     int const k_iterations = (p.problem.k() + kK - 1) / kK;
 
-    for (int tile = blockIdx.x; tile < num_tiles; tile += gridDim.x) {
-      int const mt = p.along_m ? tile % p.tiles_m : tile / p.tiles_n;
-      int const nt = p.along_m ? tile / p.tiles_m : tile % p.tiles_n;
+    for (int index = blockIdx.x; index < scheduled; index += gridDim.x) {
+      // flashoverlap.plan.schedule_order with clusters of 1
+      int const offset = index % p.swizzle, extra = index / p.swizzle;
+      int const major = extra % (p.along_m ? p.padded_m : p.padded_n);
+      int const panel = extra / (p.along_m ? p.padded_m : p.padded_n);
+      int const mt = p.along_m ? major : panel * p.swizzle + offset;
+      int const nt = p.along_m ? panel * p.swizzle + offset : major;
+      if (mt >= p.tiles_m || nt >= p.tiles_n) {
+        continue;  // padding: no tile (uniform over the block)
+      }
 
       typename Mma::IteratorA iterator_a(p.params_a, const_cast<typename Mma::IteratorA::Element*>(p.a),
                                          {p.problem.m(), p.problem.k()}, thread_idx,
@@ -148,9 +159,21 @@ int blocks_per_sm() {
   return blocks;
 }
 
-int grid_size(int M, int N, int sm_count) {
-  long long const tiles = (long long)((M + Kernel::kM - 1) / Kernel::kM) * ((N + Kernel::kN - 1) / Kernel::kN);
-  return int(std::min<long long>(tiles, (long long)sm_count * blocks_per_sm()));
+// The raster's swizzle and padded tile grid: flashoverlap.plan.effective_swizzle / scheduler_grid.
+struct Raster {
+  int swizzle, padded_m, padded_n;
+};
+
+Raster raster(int M, int N, int swizzle) {
+  int const tiles_m = (M + Kernel::kM - 1) / Kernel::kM, tiles_n = (N + Kernel::kN - 1) / Kernel::kN;
+  int const smaller = std::min(tiles_m, tiles_n);
+  int const size = swizzle >= 8 && smaller >= 6 ? 8 : swizzle >= 4 && smaller >= 3 ? 4 : swizzle >= 2 && smaller >= 2 ? 2 : 1;
+  return {size, (tiles_m + size - 1) / size * size, (tiles_n + size - 1) / size * size};
+}
+
+int grid_size(int M, int N, int sm_count, int swizzle) {
+  Raster const r = raster(M, N, swizzle);
+  return int(std::min<long long>((long long)r.padded_m * r.padded_n, (long long)sm_count * blocks_per_sm()));
 }
 
 }  // namespace
@@ -162,15 +185,15 @@ char const* fo_last_error() { return g_error; }
 int fo_signals_per_tile() { return Kernel::kSignalsPerTile; }
 
 // Persistent CTAs: at most sm_count SMs' worth of resident blocks (the SM budget), one per tile.
-int fo_num_ctas(int M, int N, int, int sm_count, int, int) { return grid_size(M, N, sm_count); }
+int fo_num_ctas(int M, int N, int, int sm_count, int, int, int swizzle) { return grid_size(M, N, sm_count, swizzle); }
 
-int fo_stream_k_tiles(int, int, int, int, int, int) { return 0; }
+int fo_stream_k_tiles(int, int, int, int, int, int, int) { return 0; }
 
-long long fo_workspace_size(int, int, int, int, int, int) { return 0; }
+long long fo_workspace_size(int, int, int, int, int, int, int) { return 0; }
 
 int fo_run(void const* a, void const* b, void* out, void const* tiles, unsigned* counters, void*, int M, int N, int K,
-           int tiles_m, int tiles_n, int sm_count, int, int along_m, void* stream) {
-  int const grid = grid_size(M, N, sm_count);
+           int tiles_m, int tiles_n, int sm_count, int, int along_m, int swizzle, void* stream) {
+  int const grid = grid_size(M, N, sm_count, swizzle);
   if (grid <= 0) {
     return fail("launch", "the kernel cannot be resident on this device (shared memory or threads)");
   }
@@ -187,6 +210,10 @@ int fo_run(void const* a, void const* b, void* out, void const* tiles, unsigned*
   params.tiles_m = tiles_m;
   params.tiles_n = tiles_n;
   params.along_m = along_m;
+  Raster const r = raster(M, N, swizzle);
+  params.swizzle = r.swizzle;
+  params.padded_m = r.padded_m;
+  params.padded_n = r.padded_n;
   flashoverlap::sm80_signal_gemm<Kernel>
       <<<grid, Kernel::kThreads, kSmemBytes, static_cast<cudaStream_t>(stream)>>>(params);
   cudaError_t err = cudaGetLastError();

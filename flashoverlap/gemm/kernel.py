@@ -19,23 +19,23 @@ class SignalGemm:
         lib = ctypes.CDLL(str(jit.build(spec.name, generate(spec), arch=spec.arch, cutlass=True)))
         lib.fo_last_error.restype = ctypes.c_char_p
         for fn in (lib.fo_num_ctas, lib.fo_stream_k_tiles, lib.fo_workspace_size):
-            fn.argtypes = [ctypes.c_int] * 6
+            fn.argtypes = [ctypes.c_int] * 7
         lib.fo_workspace_size.restype = ctypes.c_longlong
-        lib.fo_run.argtypes = [ctypes.c_void_p] * 6 + [ctypes.c_int] * 8 + [ctypes.c_void_p]
+        lib.fo_run.argtypes = [ctypes.c_void_p] * 6 + [ctypes.c_int] * 9 + [ctypes.c_void_p]
         self._lib = lib
         self.signals_per_tile: int = lib.fo_signals_per_tile()
 
-    # along_m: the tile raster (see flashoverlap.plan.schedule_order); the plan decides it.
-    def num_ctas(self, m: int, n: int, k: int, sm_count: int, device: int, along_m: bool) -> int:
+    # along_m, swizzle: the tile raster (see flashoverlap.plan.schedule_order); the plan decides it.
+    def num_ctas(self, m: int, n: int, k: int, sm_count: int, device: int, along_m: bool, swizzle: int) -> int:
         """Persistent CTAs the kernel launches for this problem: the tiles of one wave."""
-        return int(self._lib.fo_num_ctas(m, n, k, sm_count, device, along_m))
+        return int(self._lib.fo_num_ctas(m, n, k, sm_count, device, along_m, swizzle))
 
-    def stream_k_tiles(self, m: int, n: int, k: int, sm_count: int, device: int, along_m: bool) -> int:
+    def stream_k_tiles(self, m: int, n: int, k: int, sm_count: int, device: int, along_m: bool, swizzle: int) -> int:
         """Leading output tiles a stream-K schedule splits along K (0 otherwise)."""
-        return int(self._lib.fo_stream_k_tiles(m, n, k, sm_count, device, along_m))
+        return int(self._lib.fo_stream_k_tiles(m, n, k, sm_count, device, along_m, swizzle))
 
-    def workspace_size(self, m: int, n: int, k: int, sm_count: int, device: int, along_m: bool) -> int:
-        return int(self._lib.fo_workspace_size(m, n, k, sm_count, device, along_m))
+    def workspace_size(self, m: int, n: int, k: int, sm_count: int, device: int, along_m: bool, swizzle: int) -> int:
+        return int(self._lib.fo_workspace_size(m, n, k, sm_count, device, along_m, swizzle))
 
     def run(
         self,
@@ -48,6 +48,7 @@ class SignalGemm:
         tiles: tuple[int, int],
         sm_count: int,
         along_m: bool,
+        swizzle: int,
         stream: torch.cuda.Stream,
     ) -> None:
         """C = a @ B into ``out`` at the tile slots given by ``slots``, bumping ``counters``.
@@ -71,6 +72,7 @@ class SignalGemm:
             sm_count,
             a.device.index,
             along_m,
+            swizzle,
             stream.cuda_stream,
         )
         jit.check(self._lib, status, "fo_last_error")
