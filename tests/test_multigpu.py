@@ -203,11 +203,17 @@ def nn_worker(rank, world, store_path, part):
                     graph = torch.cuda.CUDAGraph()
                     with torch.cuda.graph(graph):
                         out = layer(static)
-                    for scale in (0.5, -2.0):
-                        static.copy_((scale * x[:, cols]).bfloat16())
-                        graph.replay()
-                        torch.cuda.synchronize()
-                        close(out, (scale * x @ w.t() + b)[rows], f"CUDA graph replay sp={sp}")
+                    try:
+                        for scale in (0.5, -2.0):
+                            static.copy_((scale * x[:, cols]).bfloat16())
+                            graph.replay()
+                            torch.cuda.synchronize()
+                            close(out, (scale * x @ w.t() + b)[rows], f"CUDA graph replay sp={sp}")
+                    finally:
+                        # NCCL's communicator teardown waits for every graph that captured one of
+                        # its collectives to be destroyed (pytorch/pytorch#115388): a live graph
+                        # would hang destroy_process_group below
+                        graph.reset()
         torch.cuda.synchronize()
     finally:
         dist.destroy_process_group()
