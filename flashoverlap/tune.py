@@ -7,11 +7,15 @@ The model (see ../shared/DESIGN.md, "Configs and tuning"):
 * a collective on ``b`` bytes takes ``latency_ms + b / bandwidth`` (:class:`CommModel`, fitted
   from a few NCCL sizes by :func:`fit_comm`), on the budget communicator while the GEMM runs and
   on the full one for the last group;
-* collectives run one after another on the communication stream.
+* collectives run one after another on the communication stream;
+* the host needs ``base_ms + groups * per_group_ms`` (:class:`HostModel`) to enqueue one call,
+  and calls run back to back, so a call never takes less than that: small GEMMs are host-bound,
+  and every group costs host time (a wait and a collective to enqueue).
 
-The makespan of a partition is when its last collective ends. :func:`best_partition` finds the
-partition with the smallest predicted makespan exactly (dynamic programming over waves), and
-:func:`choose` compares it with the sequential time to decide whether overlap pays.
+The makespan of a partition is the later of when its last collective ends and the host time.
+:func:`best_partition` finds the partition with the smallest predicted makespan exactly (dynamic
+programming over waves and group counts), and :func:`choose` compares it with the sequential time
+to decide whether overlap pays.
 """
 
 from __future__ import annotations
@@ -48,18 +52,40 @@ def fit_comm(sizes: Sequence[float], times_ms: Sequence[float]) -> CommModel:
 
 
 @dataclass(frozen=True)
+class HostModel:
+    """Host time to enqueue one overlapped call of ``groups`` groups."""
+
+    base_ms: float = 0.0
+    per_group_ms: float = 0.0
+
+    def time_ms(self, groups: int) -> float:
+        return self.base_ms + groups * self.per_group_ms
+
+
+def fit_host(groups: Sequence[int], times_ms: Sequence[float]) -> HostModel:
+    """Least-squares base + per-group fit of measured (groups, ms per call) pairs (>= 2 counts)."""
+    counts, times = np.asarray(groups, dtype=float), np.asarray(times_ms, dtype=float)
+    if len(counts) < 2 or len(np.unique(counts)) < 2 or len(counts) != len(times):
+        raise ValueError("fit_host needs (groups, ms) pairs for at least two different group counts")
+    slope, intercept = np.polyfit(counts, times, 1)
+    return HostModel(base_ms=max(float(intercept), 0.0), per_group_ms=max(float(slope), 0.0))
+
+
+@dataclass(frozen=True)
 class Problem:
     """One overlapped call as the model sees it.
 
     wave_bytes[w]: output bytes the GEMM completes in wave w (the last wave may be partial);
     wave_ms: GEMM time per wave with the SM budget; during / tail: the collective's model on the
-    budget communicator while the GEMM runs, and on the full one afterwards (the last group).
+    budget communicator while the GEMM runs, and on the full one afterwards (the last group);
+    host: the host's enqueue time per call (zero: not host-bound).
     """
 
     wave_bytes: tuple[float, ...]
     wave_ms: float
     during: CommModel
     tail: CommModel
+    host: HostModel = HostModel()
 
     @property
     def num_waves(self) -> int:
@@ -67,7 +93,8 @@ class Problem:
 
 
 def makespan(problem: Problem, partition: Sequence[int]) -> float:
-    """Predicted end of the last collective for ``partition`` (waves per group)."""
+    """Predicted time per call for ``partition`` (waves per group): the end of the last
+    collective, or the host's enqueue time where that is longer."""
     if sum(partition) != problem.num_waves or any(w < 1 for w in partition):
         raise ValueError(f"partition {list(partition)} must be positive and sum to {problem.num_waves} waves")
     done, end = 0, 0.0
@@ -76,33 +103,38 @@ def makespan(problem: Problem, partition: Sequence[int]) -> float:
         done += waves
         model = problem.tail if g == len(partition) - 1 else problem.during
         end = max(end, done * problem.wave_ms) + model.time_ms(nbytes)
-    return end
+    return max(end, problem.host.time_ms(len(partition)))
 
 
 def best_partition(problem: Problem) -> tuple[tuple[int, ...], float]:
     """The partition with the smallest predicted makespan, and that makespan.
 
-    ``finish[j]``: earliest end of the collectives of waves 1..j when a group ends at wave j.
-    A later finish never lets a later group start earlier, so the best prefix is the one to
-    extend: finish[j] = min over i < j of max(finish[i], j * wave_ms) + comm(waves i+1..j),
-    with the last group costed on the full communicator. O(waves^2).
+    ``finish[g, j]``: earliest end of the collectives of waves 1..j split into g groups, the last
+    ending at wave j. A later finish never lets a later group start earlier, so the best prefix is
+    the one to extend: finish[g, j] = min over i < j of max(finish[g - 1, i], j * wave_ms) +
+    comm(waves i+1..j), the last group costed on the full communicator. The host time depends on
+    the group count alone, so the answer is the best over g of max(finish[g, W], host(g)).
+    O(waves^3), vectorised over the split point.
     """
     total = problem.num_waves
     prefix = np.concatenate([[0.0], np.cumsum(problem.wave_bytes)])
-    finish = np.full(total + 1, np.inf)
-    finish[0] = 0.0
-    came_from = np.zeros(total + 1, dtype=int)
-    for j in range(1, total + 1):
-        model = problem.tail if j == total else problem.during
-        for i in range(j):
-            t = max(finish[i], j * problem.wave_ms) + model.time_ms(prefix[j] - prefix[i])
-            if t < finish[j]:
-                finish[j], came_from[j] = t, i
+    finish = np.full((total + 1, total + 1), np.inf)  # [groups, waves]
+    finish[0, 0] = 0.0
+    came_from = np.zeros((total + 1, total + 1), dtype=int)
+    for g in range(1, total + 1):
+        for j in range(g, total + 1):
+            model = problem.tail if j == total else problem.during
+            i = np.arange(g - 1, j)
+            t = np.maximum(finish[g - 1, i], j * problem.wave_ms) + model.time_ms(prefix[j] - prefix[i])
+            best = int(np.argmin(t))
+            finish[g, j], came_from[g, j] = t[best], i[best]
+    ends = [max(finish[g, total], problem.host.time_ms(g)) for g in range(1, total + 1)]
+    groups = int(np.argmin(ends)) + 1
     cuts, j = [], total
-    while j > 0:
-        cuts.append(int(j - came_from[j]))
-        j = int(came_from[j])
-    return tuple(reversed(cuts)), float(finish[total])
+    for g in range(groups, 0, -1):
+        cuts.append(int(j - came_from[g, j]))
+        j = int(came_from[g, j])
+    return tuple(reversed(cuts)), float(ends[groups - 1])
 
 
 def partitions(num_waves: int, max_groups: int | None = None) -> Iterator[tuple[int, ...]]:
@@ -264,11 +296,13 @@ def tune_shape(
     during = {}
     for budget in sorted({c.comm_sms for c in cfgs}):
         during[budget] = _comm_model(collective, comm.budget_group(full, budget), dtype, COMM_SIZES_MB, rounds)
+    host = _host_model(collective, a, w, candidates[0], preps[0].plan.num_waves)
+    _progress(f"{m}x{n}x{k}: host {host.base_ms:.3f} ms per call + {host.per_group_ms:.3f} ms per group")
     elem = torch.finfo(dtype).bits // 8
     choices = []
     for j, (cfg, prep) in enumerate(zip(cfgs, preps)):
         per_wave_ms = times[f"kernel{j}"] / prep.plan.num_waves
-        problem = Problem(wave_bytes(prep.plan, elem), per_wave_ms, during[cfg.comm_sms], tail)
+        problem = Problem(wave_bytes(prep.plan, elem), per_wave_ms, during[cfg.comm_sms], tail, host)
         choices.append((choose(problem, times["gemm"], margin), j))
     choices.sort(key=lambda cj: cj[0].overlap_ms)
     finalists = choices[:top]
@@ -303,6 +337,39 @@ def tune_shape(
         config = {"sequential": True}
     result = entry(collective, transport, DTYPES[dtype], shape, config, {"speedup": round(speedup, 3)})
     return result, rows
+
+
+def _host_model(collective: str, a, w, candidate: dict, num_waves: int, calls: int = 10) -> HostModel:
+    """Host time to enqueue one call (nothing waits for the GPU), with one group and with one
+    group per wave (as many as the layout makes of them); every rank makes the same calls."""
+    import time
+
+    import torch
+
+    import flashoverlap
+
+    from .config import for_collective, resolve
+    from .overlap import prepare
+
+    overlapped = getattr(flashoverlap, f"gemm_{collective}")
+    (m, k), n = a[0].shape, w[0].shape[0]
+    counts, times = [], []
+    for partition in dict.fromkeys([(num_waves,), (1,) * num_waves]):  # one entry when a single wave
+        cfg = {**candidate, "partition": list(partition)}
+        for i in range(3):  # plan, agreement and communicators first
+            overlapped(a[i % len(a)], w[i % len(w)], config=cfg)
+        torch.cuda.synchronize()
+        spent = []
+        for i in range(calls):
+            start = time.perf_counter()
+            overlapped(a[i % len(a)], w[i % len(w)], config=cfg)
+            spent.append((time.perf_counter() - start) * 1e3)
+        torch.cuda.synchronize()
+        resolved = for_collective(resolve(cfg), collective)
+        counts.append(prepare(m, n, k, a[0].dtype, "nk", a[0].device, resolved).plan.num_groups)
+        times.append(statistics.median(spent))
+    # a single possible group count: its time is all there is to know
+    return fit_host(counts, times) if len(set(counts)) > 1 else HostModel(base_ms=times[-1])
 
 
 BRUTE_BATCH = 32  # variants per timing batch: their plans stay cached (overlap.MAX_PREPARED)

@@ -5,12 +5,14 @@ import pytest
 
 from flashoverlap.tune import (
     CommModel,
+    HostModel,
     Problem,
     best_partition,
     brute_summary,
     choose,
     entry,
     fit_comm,
+    fit_host,
     format_summary,
     makespan,
     partitions,
@@ -33,6 +35,36 @@ def test_dynamic_programming_finds_the_brute_force_optimum():
         partition, best = best_partition(p)
         brute = min(makespan(p, c) for c in partitions(p.num_waves))
         assert best == pytest.approx(brute) and makespan(p, partition) == pytest.approx(best)
+
+
+def test_the_search_stays_exact_with_host_time_per_group():
+    rng = np.random.default_rng(2)
+    for _ in range(40):
+        p = problem(rng)
+        host = HostModel(float(rng.uniform(0, 0.3)), float(rng.uniform(0, 0.1)))
+        hosted = Problem(p.wave_bytes, p.wave_ms, p.during, p.tail, host)
+        partition, best = best_partition(hosted)
+        brute = min(makespan(hosted, c) for c in partitions(p.num_waves))
+        assert best == pytest.approx(brute) and makespan(hosted, partition) == pytest.approx(best)
+
+
+def test_host_bound_calls_take_fewer_groups():
+    # the paced problem below wants a group per wave; at 0.2 ms of host time per group, fewer pay
+    paced = Problem((1.0,) * 5, 0.1, CommModel(0.0, 10.0), CommModel(0.0, 10.0))
+    assert len(best_partition(paced)[0]) == 5
+    hosted = Problem(paced.wave_bytes, 0.1, paced.during, paced.tail, HostModel(0.0, 0.2))
+    partition, t = best_partition(hosted)
+    assert len(partition) < 5 and t == pytest.approx(max(makespan(paced, partition), 0.2 * len(partition)))
+    # a host slower than the whole GEMM: the call costs the host time whatever the partition
+    assert best_partition(Problem(paced.wave_bytes, 0.1, paced.during, paced.tail, HostModel(5.0, 0.0)))[1] == 5.0
+
+
+def test_host_model_fit():
+    model = fit_host([1, 3, 9], [0.1 + 0.03 * g for g in (1, 3, 9)])
+    assert model.base_ms == pytest.approx(0.1) and model.per_group_ms == pytest.approx(0.03)
+    assert model.time_ms(4) == pytest.approx(0.22)
+    with pytest.raises(ValueError, match="two different group counts"):
+        fit_host([2, 2], [0.1, 0.1])
 
 
 def test_known_optima():
