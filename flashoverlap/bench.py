@@ -9,7 +9,7 @@ run: the GEMM and the collective alone, sequential (torch.matmul then the NCCL c
 usual hand-written overlap (the GEMM split into column chunks, each chunk's collective on a second
 stream while the next chunk multiplies; best of 2, 4 and 8 chunks), torch's async-TP
 ``fused_matmul_reduce_scatter`` for reduce_scatter where it runs, and the ideal max(gemm, comm).
-Plot a CSV without GPUs: ``python -m flashoverlap.bench --plot out.png --from-csv a.csv b.csv``.
+Summarise (and plot) saved CSVs without GPUs: ``python -m flashoverlap.bench --from-csv a.csv b.csv --plot out.png``.
 
 Variants take turns round by round (so drift hits all alike),
 after warm-up, on random inputs rotated through sets larger than L2, timed with CUDA events
@@ -87,7 +87,9 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--csv", help="write one row per shape and variant here (rank 0)")
     parser.add_argument("--chunks", nargs="+", type=int, default=[2, 4, 8], help="decomposition chunk counts to try")
     parser.add_argument("--plot", help="write a PNG of speedup per shape and method here (needs matplotlib)")
-    parser.add_argument("--from-csv", nargs="+", help="with --plot: plot these CSVs instead of measuring")
+    parser.add_argument(
+        "--from-csv", nargs="+", help="summarise these CSVs (and plot them with --plot) instead of measuring"
+    )
     parser.add_argument(
         "--trace",
         help="write a Chrome trace of three calls of the first config here (rank 0) and print their timeline",
@@ -412,6 +414,29 @@ def format_table(rows: list[dict]) -> str:
     return "\n".join("  ".join(c.rjust(w) for c, w in zip(r, widths)) for r in cells)
 
 
+def summarize(rows: list[dict]) -> str:
+    """Per flashoverlap variant over the shapes measured: mean speedup over sequential, mean overlap
+    efficiency and share of the ideal, the worst speedup, and on how many shapes it was at least
+    as fast as the chunked decomposition. Takes rows as measured or as read back from CSVs."""
+
+    def num(row, key):
+        return float(row[key]) if row.get(key) not in (None, "") else float("nan")
+
+    variants: dict[str, list[dict]] = {}
+    for row in rows:
+        variants.setdefault(row["config"], []).append(row)
+    lines = [f"{'variant':>28} {'shapes':>6} {'speedup':>8} {'worst':>6} {'eff':>5} {'of_ideal':>8}  >= decomp"]
+    for config, group in variants.items():
+        speedups = [num(r, "speedup") for r in group]
+        wins = sum(num(r, "speedup") >= num(r, "decomp_speedup") for r in group)
+        lines.append(
+            f"{config[:28]:>28} {len(group):>6} {statistics.mean(speedups):>8.3f} {min(speedups):>6.3f} "
+            f"{statistics.mean(num(r, 'efficiency') for r in group):>5.2f} "
+            f"{statistics.mean(num(r, 'of_ideal') for r in group):>8.2f}  {wins}/{len(group)}"
+        )
+    return "\n".join(lines)
+
+
 def write_csv(path: str, rows: list[dict]) -> None:
     with open(path, "w", newline="") as handle:
         writer = csv.DictWriter(handle, fieldnames=list(rows[0]))
@@ -465,11 +490,11 @@ def plot(rows: list[dict], path: str) -> None:
 
 def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
-    if args.from_csv:
-        if not args.plot:
-            print("--from-csv needs --plot OUT.png", file=sys.stderr)
-            return 2
-        plot(read_csv(args.from_csv), args.plot)
+    if args.from_csv:  # no GPUs needed: summarise (and plot) saved results
+        rows = read_csv(args.from_csv)
+        print(summarize(rows))
+        if args.plot:
+            plot(rows, args.plot)
         return 0
     shapes = list(args.shapes or [])
     if args.shapes_file:
@@ -497,7 +522,8 @@ def main(argv: Sequence[str] | None = None) -> int:
                 f"\n{name} x{dist.get_world_size()}, {args.collective}, transport={args.transport}, {args.dtype}, "
                 f"ms per call, median of {args.rounds} rounds of {args.block} calls"
             )
-            print(format_table(rows), flush=True)
+            print(format_table(rows))
+            print(summarize(rows), flush=True)
             rows = [dict(row, gpu=name, transport=args.transport) for row in rows]
             if args.csv:
                 write_csv(args.csv, rows)

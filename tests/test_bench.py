@@ -47,7 +47,6 @@ def test_main_without_torchrun_says_how_to_run(capsys, monkeypatch):
     monkeypatch.delenv("RANK", raising=False)
     assert bench.main(["--shapes", "128x128x128"]) == 2
     assert "torchrun" in capsys.readouterr().err
-    assert bench.main(["--from-csv", "x.csv"]) == 2  # plotting needs --plot
 
 
 def test_shape_files(tmp_path):
@@ -104,3 +103,20 @@ def test_csv_round_trip_and_plot(tmp_path):
     png = tmp_path / "p.png"
     assert bench.main(["--plot", str(png), "--from-csv", str(path)]) == 0
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_summary_per_variant(tmp_path, capsys):
+    rows = [
+        row(),
+        row(m=8192, speedup=0.9, efficiency=-0.1, of_ideal=0.6),  # slower than decomposition (1.0476)
+        row(config='{"comm_sms": 8}', speedup=1.2, efficiency=0.5, of_ideal=0.9),
+    ]
+    lines = bench.summarize(rows).splitlines()
+    assert lines[0].split()[:4] == ["variant", "shapes", "speedup", "worst"]
+    assert lines[1].split() == ["{}", "2", "1.000", "0.900", "0.12", "0.70", "1/2"]
+    assert lines[2].split()[-5:] == ["1.200", "1.200", "0.50", "0.90", "1/1"]
+    # the same from saved CSVs, no GPUs
+    path = tmp_path / "r.csv"
+    bench.write_csv(str(path), rows)
+    assert bench.main(["--from-csv", str(path)]) == 0
+    assert "1/2" in capsys.readouterr().out
