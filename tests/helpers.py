@@ -2,6 +2,7 @@
 
 import numpy as np
 
+from flashoverlap.config import OverlapConfig, for_collective, for_device
 from flashoverlap.plan import scheduled_tiles, wave_count
 
 
@@ -40,3 +41,14 @@ def random_plan_args(
         partition=partition,
         swizzle=swizzle,
     )
+
+
+def runs_on_this_gpu(cfg: OverlapConfig, collective: str = "all_reduce") -> bool:
+    """Whether the current GPU has a kernel for ``cfg`` (the sm90 configs need a Hopper GPU)."""
+    import torch
+
+    try:
+        for_device(for_collective(cfg, collective), torch.cuda.get_device_capability())
+    except ValueError:
+        return False
+    return True

@@ -24,8 +24,11 @@ import torch
 import torch.distributed as dist
 
 import flashoverlap
-from flashoverlap import comm, overlap
+from flashoverlap import OverlapConfig, comm, overlap
 from flashoverlap.overlap import sequential
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from helpers import runs_on_this_gpu  # noqa: E402  (tests/helpers.py; this file runs as a script)
 
 CONFIGS = {
     "all_reduce": [
@@ -107,6 +110,8 @@ def main() -> int:
     dist.init_process_group("nccl", device_id=torch.device("cuda", torch.cuda.current_device()))
     world = dist.get_world_size()
     groups = [None, dist.new_group(list(range(world)))]
+    # the configs this GPU has kernels for (the Hopper ones need sm_90)
+    configs = {c: [cfg for cfg in cfgs if runs_on_this_gpu(OverlapConfig(**cfg), c)] for c, cfgs in CONFIGS.items()}
     rng = np.random.default_rng(args.seed)  # same stream on every rank: same calls everywhere
     pool = [random_shape(rng, world) for _ in range(args.shapes)]
     gen = torch.Generator(device="cuda").manual_seed(1000 + rank)
@@ -126,7 +131,7 @@ def main() -> int:
         index = int(rng.integers(len(pool)))
         m, n, k = pool[index]
         collective = ["all_reduce", "reduce_scatter", "all_to_all"][int(rng.integers(3))]
-        config = CONFIGS[collective][index % len(CONFIGS[collective])]
+        config = configs[collective][index % len(configs[collective])]
         group = groups[int(rng.integers(2))]
         kwargs = {}
         if collective == "all_to_all":
