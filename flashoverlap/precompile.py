@@ -7,7 +7,8 @@ Each item is a JSON object of :class:`~flashoverlap.config.OverlapConfig` fields
 ``collective`` (default all_reduce), ``dtype`` (bfloat16) and ``weight_layout`` (nk: weight
 [N, K] as in torch Linear; kn: [K, N]); ``--file`` reads a YAML list of them. ``--registry`` adds
 every tuned config of the registry (``configs/*.yaml`` and ``FLASHOVERLAP_CONFIG_DIRS``, whatever
-GPU they were tuned on). Kernels land in the on-disk cache the runtime reads
+GPU they were tuned on; those the target GPU has no kernel for are skipped, as items are with
+``--skip-unsupported``). Kernels land in the on-disk cache the runtime reads
 (``FLASHOVERLAP_CACHE_DIR``, default ``~/.cache/flashoverlap``), so the first call of a run does
 not stop for a 1-2 minute compile on every rank.
 """
@@ -45,18 +46,20 @@ def load_items(path: str) -> list[dict[str, Any]]:
 
 
 def call_and_config(item: dict[str, Any]) -> tuple[dict[str, str], OverlapConfig]:
-    """Split an item into its call (collective, dtype, weight_layout) and its config."""
+    """Split an item into its call (collective, dtype, weight_layout) and its config, resolved for
+    the collective; raises ``ValueError`` for what no GPU could run."""
     call = {key: item.get(key, default) for key, default in CALL_KEYS.items()}
-    return call, resolve({key: value for key, value in item.items() if key not in CALL_KEYS})
-
-
-def spec_for(call: dict[str, str], cfg: OverlapConfig, capability: tuple[int, int]) -> GemmSpec | None:
-    """The GEMM instance ``cfg`` runs for ``call`` on a GPU of ``capability`` (None: sequential)."""
     if call["dtype"] not in DTYPES:
         raise ValueError(f"dtype must be one of {sorted(DTYPES)}, got {call['dtype']!r}")
     if call["weight_layout"] not in WEIGHT_LAYOUTS:
         raise ValueError(f"weight_layout must be one of {sorted(WEIGHT_LAYOUTS)}, got {call['weight_layout']!r}")
-    cfg = for_collective(cfg, call["collective"])
+    cfg = resolve({key: value for key, value in item.items() if key not in CALL_KEYS})
+    return call, for_collective(cfg, call["collective"])
+
+
+def spec_for(call: dict[str, str], cfg: OverlapConfig, capability: tuple[int, int]) -> GemmSpec | None:
+    """The GEMM instance ``cfg`` runs for ``call`` on a GPU of ``capability`` (None: sequential);
+    raises ``ValueError`` where that GPU has no kernel for it."""
     if cfg.sequential:
         return None
     return kernel_spec(cfg, call["dtype"], call["weight_layout"], capability)[1]
@@ -74,6 +77,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     )
     parser.add_argument("--file", help="a YAML list of items (mappings like the JSON ones) to add")
     parser.add_argument("--registry", action="store_true", help="add every config of the tuned registry")
+    parser.add_argument(
+        "--skip-unsupported", action="store_true", help="skip configs this GPU has no kernel for instead of failing"
+    )
     parser.add_argument("--jobs", type=int, default=2, help="nvcc processes at once (each takes ~2-4 GB)")
     parser.add_argument("--list", action="store_true", help="print the kernels that would be built, build nothing")
     args = parser.parse_args(argv)
@@ -93,20 +99,23 @@ def main(argv: Sequence[str] | None = None) -> int:
             items += load_items(args.file)
         except (OSError, ValueError) as exc:
             parser.error(str(exc))
-    specs: dict[str, GemmSpec] = {}
+    wanted = []  # (where, call, config, skip where this GPU has no kernel for it)
     for item in items or ([] if args.registry else [{}]):
         try:
-            spec = spec_for(*call_and_config(item), capability)
+            wanted.append((json.dumps(item), *call_and_config(item), args.skip_unsupported))
         except (ValueError, TypeError) as exc:
             parser.error(f"{json.dumps(item)}: {exc}")
-        if spec is not None:
-            specs.setdefault(spec.name, spec)
     for entry in registry.entries() if args.registry else []:
         call = {**CALL_KEYS, "collective": entry.collective, "dtype": entry.dtype}
+        wanted.append((entry.source, call, for_collective(entry.config, entry.collective), True))
+    specs: dict[str, GemmSpec] = {}
+    for where, call, cfg, skip in wanted:
         try:
-            spec = spec_for(call, entry.config, capability)
-        except ValueError as exc:  # e.g. tuned for another GPU family
-            print(f"skipping {entry.source}: {exc}", file=sys.stderr)
+            spec = spec_for(call, cfg, capability)
+        except ValueError as exc:  # a kernel this GPU lacks (e.g. a Hopper-only config on sm_89)
+            if not skip:
+                parser.error(f"{where}: {exc} (--skip-unsupported skips such items)")
+            print(f"skipping {where}: {exc}", file=sys.stderr)
             continue
         if spec is not None:
             specs.setdefault(spec.name, spec)

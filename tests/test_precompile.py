@@ -66,6 +66,17 @@ def test_bad_arguments_are_named(argv, message, capsys):
     assert re.search(message, capsys.readouterr().err)
 
 
+def test_configs_a_gpu_has_no_kernel_for_fail_or_are_skipped(capsys):
+    hopper_only = '{"cluster_m": 2}'
+    with pytest.raises(SystemExit):
+        precompile.main(["--gpu-arch", "sm_89", hopper_only, "--list"])
+    err = capsys.readouterr().err
+    assert "cannot run on sm_89" in err and "--skip-unsupported skips" in err
+    assert listed(capsys, "--gpu-arch", "sm_89", "--skip-unsupported", hopper_only, "{}") == [
+        "fo_gemm_bfloat16_nk_128x256x32_c1x1_persistent_direct_sm_89"
+    ]
+
+
 def test_malformed_item_files_are_named(tmp_path, capsys):
     for text in ("- {tile_n: [\n", "tile_n: 128\n"):
         path = tmp_path / "k.yaml"
