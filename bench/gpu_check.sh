@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
-# On a GPU machine: install, build, then the chosen steps (default: all, ~20 min on 2x H200).
-#   bash bench/gpu_check.sh [tests] [stress] [bench] [sm80] [swizzle] [tune] [suite]
+# On a GPU machine: install, build, then the chosen steps (default: all; ~25 min on 2x H200, so
+# run a few steps per call where calls are time-limited).
+#   bash bench/gpu_check.sh [tests] [stress] [bench] [sm80] [swizzle] [tune] [brute] [suite]
 # Logs and CSVs under $OUT (default /tmp/flashoverlap-check). Wheels the machine lacks
 # (nvidia-cutlass) may sit in .whl/; a prebuilt kernel cache in .kcache/ (python -m flashoverlap.precompile).
 #   tests   GPU and multi-GPU tests (both kernel families)
@@ -8,12 +9,13 @@
 #   bench   each collective, NVLink and P2P off, default config (SHAPES, CONFIGS, ROUNDS, TRACE)
 #   sm80    the Ampere/Ada kernels forced on Hopper, P2P off, beside the Hopper ones
 #   swizzle each collective over NVLink with swizzled rasters beside the plain one (kernel time too)
-#   tune    the tuner on bench/suite.yaml, all-reduce, NVLink and P2P off -> $OUT/tuned/h200_x2.yaml
-#           (a copy of configs/h200_x2.yaml, updated); brute force on two shapes
+#   tune    the tuner on bench/suite.yaml, all-reduce, NVLink and P2P off (TRANSPORTS) ->
+#           $OUT/tuned/h200_x2.yaml (a copy of configs/h200_x2.yaml, updated)
+#   brute   the tuner with --brute-force 4 on two shapes: its pick against the best measured
 #   suite   bench/suite.yaml with the registry's configs beside the defaults ($OUT/tuned first if there)
 set -uo pipefail
 source bench/gpu_env.sh
-steps=${*:-tests stress bench sm80 swizzle tune suite}
+steps=${*:-tests stress bench sm80 swizzle tune brute suite}
 for step in $steps; do
   case $step in
   tests)
@@ -45,14 +47,16 @@ for step in $steps; do
         --configs '{}' '{"swizzle": 2}' '{"swizzle": 4}' '{"swizzle": 8}' --csv "$OUT/swizzle_$collective.csv"
     done ;;
   tune)
-    mkdir -p "$OUT/tuned" && cp configs/h200_x2.yaml "$OUT/tuned/h200_x2.yaml"
-    for transport in nvlink pcie; do
-      timeout 400 torchrun --nproc-per-node "$NGPU" -m flashoverlap.tune --collective all_reduce \
+    mkdir -p "$OUT/tuned"
+    [ -f "$OUT/tuned/h200_x2.yaml" ] || cp configs/h200_x2.yaml "$OUT/tuned/h200_x2.yaml"
+    for transport in ${TRANSPORTS:-nvlink pcie}; do
+      timeout 420 torchrun --nproc-per-node "$NGPU" -m flashoverlap.tune --collective all_reduce \
         --transport "$transport" --shapes-file bench/suite.yaml --output "$OUT/tuned/h200_x2.yaml" \
         > "$OUT/tune_$transport.log" 2>&1
       tail -12 "$OUT/tune_$transport.log"
-    done
-    timeout 400 torchrun --nproc-per-node "$NGPU" -m flashoverlap.tune --collective all_reduce --transport nvlink \
+    done ;;
+  brute)
+    timeout 420 torchrun --nproc-per-node "$NGPU" -m flashoverlap.tune --collective all_reduce --transport nvlink \
       --shapes 4096x8192x8192 8192x4096x14336 --brute-force 4 --output "$OUT/brute.yaml" > "$OUT/brute.log" 2>&1
     tail -6 "$OUT/brute.log" ;;
   suite)
@@ -61,6 +65,6 @@ for step in $steps; do
         --shapes-file bench/suite.yaml --rounds "${ROUNDS:-15}" \
         --configs registry '{}' --csv "$OUT/suite_$transport.csv"
     done ;;
-  *) echo "unknown step $step (tests stress bench sm80 swizzle tune suite)"; exit 2 ;;
+  *) echo "unknown step $step (tests stress bench sm80 swizzle tune brute suite)"; exit 2 ;;
   esac
 done
