@@ -27,7 +27,7 @@ import torch.distributed as dist
 
 from . import comm, registry, signal
 from .comm import Exchange
-from .config import OverlapConfig, for_collective, kernel_spec, resolve
+from .config import OverlapConfig, for_collective, for_device, kernel_spec, resolve
 from .gemm import SignalGemm, get_kernel
 from .plan import Plan, make_plan
 
@@ -254,6 +254,8 @@ def _gemm_collective(
     explicit = for_collective(resolve(config), collective) if config is not None else None
     m, n, k = check_inputs(a, weight, weight_layout)
     cfg = explicit or for_collective(tuned_config(a, world, collective, (m, n, k)), collective)
+    if world > 1 and not cfg.sequential:  # a config this GPU has no kernel for fails before any communication
+        for_device(cfg, torch.cuda.get_device_capability(a.device))
     ex = comm.exchange(collective, m, world, splits, output_splits, group, a.device)
     if world == 1 or cfg.sequential:
         return sequential(a, weight, weight_layout, ex, group)

@@ -89,3 +89,20 @@ def test_reference_inputs_must_be_on_cpu():
 def test_every_entry_point_validates(one_rank_group, fn, kwargs, message):
     with pytest.raises(ValueError, match=message):
         fn(bf16(64, 64), bf16(64, 64), **kwargs)
+
+
+def test_a_config_without_a_kernel_on_this_gpu_fails_before_any_communication(monkeypatch):
+    from flashoverlap import comm, overlap
+
+    monkeypatch.setattr(overlap, "check_inputs", lambda a, w, layout: (64, 64, 64))
+    monkeypatch.setattr(overlap, "world_size", lambda group: 2)
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (8, 9))  # an RTX 4090
+
+    def exchange(*args, **kwargs):
+        raise AssertionError("communicated before rejecting the config")
+
+    monkeypatch.setattr(comm, "exchange", exchange)
+    with pytest.raises(ValueError, match="the sm90 kernels need a Hopper GPU"):
+        flashoverlap.gemm_all_to_all(bf16(64, 64), bf16(64, 64), splits=[10, 54], config={"kernel": "sm90"})
+    with pytest.raises(ValueError, match=r"cannot run on sm_89: cluster_m 2 not in \(1,\)"):
+        flashoverlap.gemm_all_reduce(bf16(64, 64), bf16(64, 64), config={"cluster_m": 2})
