@@ -52,12 +52,13 @@ for step in $steps; do
     for transport in ${TRANSPORTS:-nvlink pcie}; do
       timeout 420 torchrun --nproc-per-node "$NGPU" -m flashoverlap.tune --collective all_reduce \
         --transport "$transport" --shapes-file bench/suite.yaml --output "$OUT/tuned/h200_x2.yaml" \
-        > "$OUT/tune_$transport.log" 2>&1
+        --csv "$OUT/tune_$transport.csv" > "$OUT/tune_$transport.log" 2>&1
       tail -12 "$OUT/tune_$transport.log"
     done ;;
   brute)
     timeout 420 torchrun --nproc-per-node "$NGPU" -m flashoverlap.tune --collective all_reduce --transport nvlink \
-      --shapes 4096x8192x8192 8192x4096x14336 --brute-force 4 --output "$OUT/brute.yaml" > "$OUT/brute.log" 2>&1
+      --shapes 4096x8192x8192 8192x4096x14336 --brute-force 4 --output "$OUT/brute.yaml" --csv "$OUT/brute.csv" \
+      > "$OUT/brute.log" 2>&1
     tail -6 "$OUT/brute.log" ;;
   suite)
     for transport in nvlink pcie; do

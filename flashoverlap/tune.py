@@ -430,6 +430,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--top", type=int, default=2, help="predicted-best candidates measured for real")
     parser.add_argument("--margin", type=float, default=0.02, help="overlap must beat sequential by this")
     parser.add_argument("--output", required=True, help="registry YAML to write or update")
+    parser.add_argument("--csv", help="also write the predicted-vs-measured rows here")
     parser.add_argument(
         "--brute-force",
         type=int,
@@ -477,6 +478,8 @@ def main(argv: Sequence[str] | None = None) -> int:
                 print(brute_summary(entries, rows))
             write_registry(args.output, torch.cuda.get_device_name(), dist.get_world_size(), entries)
             print(f"wrote {len(entries)} entries to {args.output}")
+            if args.csv:
+                bench.write_csv(args.csv, [dict(r, transport=args.transport) for r in rows])
     finally:
         dist.destroy_process_group()
     return 0
