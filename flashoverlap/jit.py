@@ -13,6 +13,7 @@ import fcntl
 import functools
 import hashlib
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -97,11 +98,21 @@ def _cutlass_version() -> str:
     return version("nvidia-cutlass")
 
 
-def _own_headers_digest() -> str:
+def _own_headers_digest(source: str) -> str:
+    """Digest of the headers of ours (csrc/) that ``source`` includes, directly or through them:
+    a change to one rebuilds the kernels that use it, and only those."""
+    csrc = _PACKAGE_DIR / "csrc"
+    seen: dict[str, bytes] = {}
+    pending = [source]
+    while pending:
+        for name in re.findall(r'#include\s+"([^"]+)"', pending.pop()):
+            path = csrc / name
+            if name not in seen and path.is_file():
+                seen[name] = path.read_bytes()
+                pending.append(seen[name].decode())
     digest = hashlib.sha256()
-    for header in sorted(_PACKAGE_DIR.rglob("*.cuh")):
-        digest.update(header.name.encode())
-        digest.update(header.read_bytes())
+    for name in sorted(seen):
+        digest.update(name.encode() + b"\0" + seen[name])
     return digest.hexdigest()
 
 
@@ -134,7 +145,7 @@ def build(
     key_material = "\n".join(
         [
             source,
-            _own_headers_digest(),
+            _own_headers_digest(source),
             " ".join(BASE_FLAGS + ARCH_FLAGS[arch]),
             str(object_only),
             nvcc_version(),

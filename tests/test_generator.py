@@ -55,6 +55,21 @@ def test_cache_key_changes_with_the_source(tmp_path, monkeypatch):
     assert jit.build("x", "int b;") != first and len(calls) == 2
 
 
+def test_cache_key_covers_exactly_the_headers_a_source_includes(tmp_path, monkeypatch):
+    csrc = tmp_path / "csrc"
+    csrc.mkdir()
+    (csrc / "a.cuh").write_text('#include "b.cuh"\n')
+    (csrc / "b.cuh").write_text("int b;\n")
+    (csrc / "c.cuh").write_text("int c;\n")
+    monkeypatch.setattr(jit, "_PACKAGE_DIR", tmp_path)
+    uses_a = '#include "a.cuh"\n#include "cutlass/cutlass.h"\n'
+    before = jit._own_headers_digest(uses_a)
+    (csrc / "c.cuh").write_text("int c2;\n")  # not included: same key
+    assert jit._own_headers_digest(uses_a) == before
+    (csrc / "b.cuh").write_text("int b2;\n")  # included through a.cuh: new key
+    assert jit._own_headers_digest(uses_a) != before
+
+
 def _touch(path):
     open(path, "w").close()
 
