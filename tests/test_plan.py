@@ -1,3 +1,6 @@
+import shutil
+import subprocess
+
 import numpy as np
 import pytest
 import torch
@@ -191,3 +194,46 @@ def test_plan_errors_name_the_problem():
         make_plan(256, 256, tile_m=128, tile_n=256, cluster_m=1, ctas=1, layout="columns")
     with pytest.raises(ValueError, match="ctas must be a positive integer"):
         make_plan(256, 256, tile_m=128, tile_n=256, cluster_m=1, ctas=0)
+
+
+RASTER_MAIN = r"""
+#include <cstdio>
+#include "raster.cuh"
+int main() {
+  int tiles_m, tiles_n, swizzle, along_m;
+  while (std::scanf("%d %d %d %d", &tiles_m, &tiles_n, &swizzle, &along_m) == 4) {
+    flashoverlap::Raster const r = flashoverlap::make_raster(tiles_m, tiles_n, swizzle);
+    std::printf("%d", r.swizzle);
+    for (int index = 0; index < r.padded_m * r.padded_n; ++index) {
+      int mt, nt;
+      flashoverlap::tile_of(index, r, along_m, mt, nt);
+      std::printf(" %d", mt < tiles_m && nt < tiles_n ? mt * tiles_n + nt : -1);
+    }
+    std::printf("\n");
+  }
+}
+"""
+
+
+@pytest.mark.nvcc
+@pytest.mark.skipif(shutil.which("nvcc") is None, reason="needs nvcc")
+def test_the_sm80_kernels_walk_tiles_in_the_planned_order(tmp_path):
+    """csrc/raster.cuh (the sm80 kernels' tile loop) against schedule_order, run on the CPU."""
+    from flashoverlap import jit
+
+    (tmp_path / "raster_main.cu").write_text(RASTER_MAIN)
+    exe = tmp_path / "raster"
+    csrc = jit._PACKAGE_DIR / "csrc"
+    subprocess.run([jit.nvcc_path(), "-I", str(csrc), str(tmp_path / "raster_main.cu"), "-o", str(exe)], check=True)
+    rng = np.random.default_rng(5)
+    cases = [
+        tuple(int(v) for v in (*rng.integers(1, 30, 2), rng.choice([1, 2, 4, 8]), rng.integers(2))) for _ in range(60)
+    ]
+    text = "\n".join(" ".join(map(str, c)) for c in cases)
+    lines = subprocess.run([str(exe)], input=text, capture_output=True, text=True, check=True).stdout.splitlines()
+    assert len(lines) == len(cases)
+    for (tiles_m, tiles_n, swizzle, along_m), line in zip(cases, lines):
+        applied, *order = map(int, line.split())
+        assert applied == scheduler_grid(tiles_m, tiles_n, 1, swizzle)[2]
+        expected = schedule_order(tiles_m, tiles_n, 1, along_m=bool(along_m), swizzle=swizzle).tolist()
+        assert order == expected, (tiles_m, tiles_n, swizzle, along_m)

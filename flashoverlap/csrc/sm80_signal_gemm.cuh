@@ -22,6 +22,7 @@
 #include "cutlass/gemm/gemm.h"
 #include "cutlass/matrix_coord.h"
 
+#include "raster.cuh"
 #include "tile_slot.cuh"
 
 namespace flashoverlap {
@@ -52,25 +53,19 @@ struct Sm80SignalGemm {
     int tiles_m;
     int tiles_n;
     int along_m;
-    int swizzle;   // as applied (plan.effective_swizzle)
-    int padded_m;  // tile rows and columns the raster walks (plan.scheduler_grid)
-    int padded_n;
+    Raster raster;
   };
 
   CUTLASS_DEVICE void operator()(Params const& p, SharedStorage& smem) const {
     int const thread_idx = threadIdx.x;
     int const warp_idx = __shfl_sync(0xffffffff, thread_idx / 32, 0);  // warp-uniform
     int const lane_idx = thread_idx % 32;
-    int const scheduled = p.padded_m * p.padded_n;
+    int const scheduled = p.raster.padded_m * p.raster.padded_n;
     int const k_iterations = (p.problem.k() + kK - 1) / kK;
 
     for (int index = blockIdx.x; index < scheduled; index += gridDim.x) {
-      // flashoverlap.plan.schedule_order with clusters of 1
-      int const offset = index % p.swizzle, extra = index / p.swizzle;
-      int const major = extra % (p.along_m ? p.padded_m : p.padded_n);
-      int const panel = extra / (p.along_m ? p.padded_m : p.padded_n);
-      int const mt = p.along_m ? major : panel * p.swizzle + offset;
-      int const nt = p.along_m ? panel * p.swizzle + offset : major;
+      int mt, nt;
+      tile_of(index, p.raster, p.along_m, mt, nt);
       if (mt >= p.tiles_m || nt >= p.tiles_n) {
         continue;  // padding: no tile (uniform over the block)
       }
@@ -159,20 +154,12 @@ int blocks_per_sm() {
   return blocks;
 }
 
-// The raster's swizzle and padded tile grid: flashoverlap.plan.effective_swizzle / scheduler_grid.
-struct Raster {
-  int swizzle, padded_m, padded_n;
-};
-
-Raster raster(int M, int N, int swizzle) {
-  int const tiles_m = (M + Kernel::kM - 1) / Kernel::kM, tiles_n = (N + Kernel::kN - 1) / Kernel::kN;
-  int const smaller = std::min(tiles_m, tiles_n);
-  int const size = swizzle >= 8 && smaller >= 6 ? 8 : swizzle >= 4 && smaller >= 3 ? 4 : swizzle >= 2 && smaller >= 2 ? 2 : 1;
-  return {size, (tiles_m + size - 1) / size * size, (tiles_n + size - 1) / size * size};
+flashoverlap::Raster raster(int M, int N, int swizzle) {
+  return flashoverlap::make_raster((M + Kernel::kM - 1) / Kernel::kM, (N + Kernel::kN - 1) / Kernel::kN, swizzle);
 }
 
 int grid_size(int M, int N, int sm_count, int swizzle) {
-  Raster const r = raster(M, N, swizzle);
+  flashoverlap::Raster const r = raster(M, N, swizzle);
   return int(std::min<long long>((long long)r.padded_m * r.padded_n, (long long)sm_count * blocks_per_sm()));
 }
 
@@ -210,10 +197,7 @@ int fo_run(void const* a, void const* b, void* out, void const* tiles, unsigned*
   params.tiles_m = tiles_m;
   params.tiles_n = tiles_n;
   params.along_m = along_m;
-  Raster const r = raster(M, N, swizzle);
-  params.swizzle = r.swizzle;
-  params.padded_m = r.padded_m;
-  params.padded_n = r.padded_n;
+  params.raster = raster(M, N, swizzle);
   flashoverlap::sm80_signal_gemm<Kernel>
       <<<grid, Kernel::kThreads, kSmemBytes, static_cast<cudaStream_t>(stream)>>>(params);
   cudaError_t err = cudaGetLastError();
