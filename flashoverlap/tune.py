@@ -5,8 +5,8 @@ The model (see ../shared/DESIGN.md, "Configs and tuning"):
 * the GEMM finishes wave ``w`` (1-based) at ``w * wave_ms`` (measured per GEMM instance and SM
   budget), so a group covering waves (i, j] is ready at ``j * wave_ms``;
 * a collective on ``b`` bytes takes ``latency_ms + b / bandwidth`` (:class:`CommModel`, fitted
-  from a few NCCL sizes by :func:`fit_comm`), on the budget communicator while the GEMM runs and
-  on the full one for the last group;
+  from a few NCCL sizes by :func:`fit_comm`, interpolated between them), on the budget
+  communicator while the GEMM runs and on the full one for the last group;
 * collectives run one after another on the communication stream;
 * the host needs ``base_ms + groups * per_group_ms`` (:class:`HostModel`) to enqueue one call,
   and calls run back to back, so a call never takes less than that: small GEMMs are host-bound,
@@ -31,24 +31,34 @@ import numpy as np
 
 @dataclass(frozen=True)
 class CommModel:
-    """Collective time = latency_ms + bytes / bytes_per_ms."""
+    """Collective time = latency_ms + bytes / bytes_per_ms; between the smallest and the largest
+    of the measured ``points`` ((bytes, ms), sorted by size), their piecewise-linear interpolation
+    instead, since NCCL switches protocol and algorithm with the size and a line misses that."""
 
     latency_ms: float
     bytes_per_ms: float
+    points: tuple[tuple[float, float], ...] = ()
 
-    def time_ms(self, nbytes: float) -> float:
-        return self.latency_ms + nbytes / self.bytes_per_ms
+    def time_ms(self, nbytes):
+        linear = self.latency_ms + np.asarray(nbytes, dtype=float) / self.bytes_per_ms
+        if self.points:
+            sizes, times = zip(*self.points)
+            inside = (nbytes >= sizes[0]) & (nbytes <= sizes[-1])
+            linear = np.where(inside, np.interp(nbytes, sizes, times), linear)
+        return float(linear) if np.ndim(linear) == 0 else linear
 
 
 def fit_comm(sizes: Sequence[float], times_ms: Sequence[float]) -> CommModel:
-    """Least-squares latency + bytes/bandwidth fit of measured (bytes, ms) pairs (>= 2 sizes)."""
+    """Least-squares latency + bytes/bandwidth fit of measured (bytes, ms) pairs (>= 2 sizes),
+    keeping the points (the median per size) for interpolation."""
     sizes, times = np.asarray(sizes, dtype=float), np.asarray(times_ms, dtype=float)
     if len(sizes) < 2 or len(np.unique(sizes)) < 2 or len(sizes) != len(times):
         raise ValueError("fit_comm needs (bytes, ms) pairs for at least two different sizes")
     slope, intercept = np.polyfit(sizes, times, 1)
     if slope <= 0:
         raise ValueError(f"measured times do not grow with size (slope {slope:.3g} ms/byte): cannot fit a bandwidth")
-    return CommModel(latency_ms=max(float(intercept), 0.0), bytes_per_ms=1.0 / float(slope))
+    points = tuple((float(size), float(np.median(times[sizes == size]))) for size in np.unique(sizes))
+    return CommModel(latency_ms=max(float(intercept), 0.0), bytes_per_ms=1.0 / float(slope), points=points)
 
 
 @dataclass(frozen=True)
@@ -169,7 +179,7 @@ def choose(problem: Problem, gemm_full_ms: float, margin: float = 0.02) -> Choic
 # --- measuring on GPUs: python -m flashoverlap.tune (under torchrun) -----------------------------
 
 DEFAULT_CANDIDATES = ({}, {"comm_sms": 8}, {"comm_sms": 24}, {"tile_n": 128}, {"swizzle": 4})
-COMM_SIZES_MB = (1, 4, 16, 64)
+COMM_SIZES_MB = (1, 2, 4, 8, 16, 32, 64)
 
 
 def wave_bytes(plan, elem_bytes: int) -> tuple[float, ...]:

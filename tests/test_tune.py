@@ -104,6 +104,18 @@ def test_comm_model_fit_recovers_latency_and_bandwidth():
     model = fit_comm(sizes, [0.02 + s / 2e8 for s in sizes])
     assert model.latency_ms == pytest.approx(0.02) and model.bytes_per_ms == pytest.approx(2e8)
     assert model.time_ms(8e6) == pytest.approx(0.06)
+    assert model.time_ms(np.array([0.5e6, 8e6, 128e6])) == pytest.approx([0.0225, 0.06, 0.66])
+
+
+def test_comm_model_follows_a_protocol_switch_between_measured_sizes():
+    # a slow small-message regime up to 4 MB, then bandwidth-bound: a line misses both ends
+    sizes = [1e6, 2e6, 4e6, 8e6, 16e6]
+    times = [0.05, 0.06, 0.08, 0.06, 0.10]
+    model = fit_comm(sizes + [4e6], times + [0.2])  # repeated size: its median (0.14)
+    assert model.time_ms(4e6) == pytest.approx(0.14) and model.time_ms(3e6) == pytest.approx(0.10)
+    assert model.time_ms(12e6) == pytest.approx(0.08)
+    outside = 64e6  # beyond the measured sizes: the fitted line
+    assert model.time_ms(outside) == pytest.approx(model.latency_ms + outside / model.bytes_per_ms)
     with pytest.raises(ValueError, match="at least two different sizes"):
         fit_comm([1e6, 1e6], [0.1, 0.1])
     with pytest.raises(ValueError, match="do not grow with size"):
