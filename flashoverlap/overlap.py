@@ -27,7 +27,7 @@ import torch.distributed as dist
 
 from . import comm, registry, signal
 from .comm import Exchange
-from .config import OverlapConfig, for_collective, for_device, kernel_spec, resolve
+from .config import OverlapConfig, for_collective, kernel_spec, resolve
 from .gemm import SignalGemm, get_kernel
 from .plan import Plan, make_plan
 
@@ -137,11 +137,11 @@ def prepare(
     if key in _prepared:
         _prepared.move_to_end(key)
         return _prepared[key]
+    cfg, spec = kernel_spec(cfg, DTYPES[dtype], weight_layout, torch.cuda.get_device_capability(device))
     total_sms = torch.cuda.get_device_properties(device).multi_processor_count
     sm_count = total_sms - cfg.comm_sms
     if sm_count < 1:
         raise ValueError(f"comm_sms={cfg.comm_sms} leaves no SM for the GEMM on {device} ({total_sms} SMs)")
-    cfg, spec = kernel_spec(cfg, DTYPES[dtype], weight_layout, torch.cuda.get_device_capability(device))
     kernel = get_kernel(spec)
     index = device.index
     along_m = cfg.layout == "cols"
@@ -224,10 +224,7 @@ def run_overlapped(
         if used is not None:
             used.record_stream(stream)
     caller.wait_stream(stream)
-    if plan.layout == "tiles":
-        comm.restore(buffer, out, plan, prep.slots)
-    elif plan.layout == "cols":
-        comm.gather_columns(ex, plan, buffer if recv is None else recv, out)
+    comm.into_place(ex, plan, buffer, recv, out, prep.slots)
     if timeout is not None:
         signal.raise_on_timeout(prep.report, plan.num_groups, timeout)
     return out
@@ -254,13 +251,12 @@ def _gemm_collective(
     explicit = for_collective(resolve(config), collective) if config is not None else None
     m, n, k = check_inputs(a, weight, weight_layout)
     cfg = explicit or for_collective(tuned_config(a, world, collective, (m, n, k)), collective)
-    if world > 1 and not cfg.sequential:  # a config this GPU has no kernel for fails before any communication
-        for_device(cfg, torch.cuda.get_device_capability(a.device))
-    ex = comm.exchange(collective, m, world, splits, output_splits, group, a.device)
-    if world == 1 or cfg.sequential:
-        return sequential(a, weight, weight_layout, ex, group)
     with torch.cuda.device(a.device):  # the kernels launch on the current device
-        prep = prepare(m, n, k, a.dtype, weight_layout, a.device, cfg)
+        # prepared before anything is communicated: a config this GPU has no kernel for fails first
+        prep = None if world == 1 or cfg.sequential else prepare(m, n, k, a.dtype, weight_layout, a.device, cfg)
+        ex = comm.exchange(collective, m, world, splits, output_splits, group, a.device)
+        if prep is None:
+            return sequential(a, weight, weight_layout, ex, group)
         full = group if group is not None else dist.group.WORLD
         check_agreement(prep, collective, full)
         budget = comm.budget_group(full, cfg.comm_sms)

@@ -47,8 +47,5 @@ def run_plan(
             issued += 1
     if issued != plan.num_groups:
         raise AssertionError(f"plan left groups {list(range(issued, plan.num_groups))} incomplete")
-    if plan.layout == "tiles":
-        comm.restore(buffer, out, plan)
-    elif plan.layout == "cols":
-        comm.gather_columns(ex, plan, buffer if recv is None else recv, out)
+    comm.into_place(ex, plan, buffer, recv, out)
     return out

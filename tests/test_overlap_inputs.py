@@ -1,5 +1,7 @@
 """Bad input is rejected with a clear message before anything is launched (CPU: gloo, one rank)."""
 
+import contextlib
+
 import pytest
 import torch
 import torch.distributed as dist
@@ -97,6 +99,7 @@ def test_a_config_without_a_kernel_on_this_gpu_fails_before_any_communication(mo
     monkeypatch.setattr(overlap, "check_inputs", lambda a, w, layout: (64, 64, 64))
     monkeypatch.setattr(overlap, "world_size", lambda group: 2)
     monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (8, 9))  # an RTX 4090
+    monkeypatch.setattr(torch.cuda, "device", lambda device: contextlib.nullcontext())  # CPU tensors stand in
 
     def exchange(*args, **kwargs):
         raise AssertionError("communicated before rejecting the config")

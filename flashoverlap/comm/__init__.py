@@ -175,6 +175,23 @@ def gather_columns(ex: Exchange, plan: Plan, result: torch.Tensor, out: torch.Te
         out[:, c0:c1].copy_(result[ex.rows * c0 : ex.rows * c1].view(ex.rows, c1 - c0))
 
 
+def into_place(
+    ex: Exchange,
+    plan: Plan,
+    buffer: torch.Tensor,
+    recv: torch.Tensor | None,
+    out: torch.Tensor,
+    slots: torch.Tensor | None = None,
+) -> None:
+    """After the last collective: copy the result into row-major ``out`` where the layout has not
+    put it there already (``tiles``: the gather of :func:`restore`; ``cols``: :func:`gather_columns`
+    from ``recv``, or from ``buffer`` after an all-reduce; ``rows``: nothing)."""
+    if plan.layout == "tiles":
+        restore(buffer, out, plan, slots)
+    elif plan.layout == "cols":
+        gather_columns(ex, plan, buffer if recv is None else recv, out)
+
+
 def restore(buffer: torch.Tensor, out: torch.Tensor, plan: Plan, slots: torch.Tensor | None = None) -> None:
     """Copy every tile from its slot in the flat ``buffer`` into row-major ``out`` [m, n].
 
