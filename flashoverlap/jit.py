@@ -191,8 +191,15 @@ def runtime_library() -> ctypes.CDLL:
     lib = ctypes.CDLL(str(build_runtime()))
     lib.fo_runtime_error.restype = ctypes.c_char_p
     lib.fo_restore.argtypes = [ctypes.c_void_p] * 3 + [ctypes.c_int] * 7 + [ctypes.c_void_p]
-    lib.fo_spin_wait.argtypes = [ctypes.c_void_p, ctypes.c_uint, ctypes.c_ulonglong, ctypes.c_void_p, ctypes.c_int]
-    lib.fo_spin_wait.argtypes += [ctypes.c_void_p]
+    # counter, target, timeout_ns, report, group, stream
+    lib.fo_spin_wait.argtypes = [
+        ctypes.c_void_p,
+        ctypes.c_uint,
+        ctypes.c_ulonglong,
+        ctypes.c_void_p,
+        ctypes.c_int,
+        ctypes.c_void_p,
+    ]
     return lib
 
 

@@ -86,22 +86,20 @@ def wait_geq(
     ``{1, index, value, target}`` into ``report`` (int32[4], zero until then).
     """
     address = counters.data_ptr() + 4 * index
-    # Inside CUDA-graph capture the spin kernel (one thread, fits beside a GEMM CTA) is the wait
-    # that is sure to capture on every driver.
-    if timeout is None and torch.cuda.is_current_stream_capturing():
+    # The spin kernel (one thread, fits beside a GEMM CTA) without a time limit where stream memory
+    # operations are missing, and inside CUDA-graph capture, where it is the wait sure to capture
+    # on every driver.
+    if timeout is None and (torch.cuda.is_current_stream_capturing() or not uses_stream_wait(counters.device.index)):
         timeout = 0.0
-    if timeout is not None:
-        lib = jit.runtime_library()
-        where = None if report is None else report.data_ptr()
-        status = lib.fo_spin_wait(address, target, int(timeout * 1e9), where, index, stream.cuda_stream)
-        jit.check(lib, status, "fo_runtime_error")
-    elif uses_stream_wait(counters.device.index):
+    if timeout is None:
         err = _stream_wait(stream, address, target)
         if err != 0:
             raise RuntimeError(f"cuStreamWaitValue32 failed with CUresult {err}")
-    else:
-        lib = jit.runtime_library()
-        jit.check(lib, lib.fo_spin_wait(address, target, 0, None, index, stream.cuda_stream), "fo_runtime_error")
+        return
+    lib = jit.runtime_library()
+    where = None if report is None else report.data_ptr()
+    status = lib.fo_spin_wait(address, target, int(timeout * 1e9), where, index, stream.cuda_stream)
+    jit.check(lib, status, "fo_runtime_error")
 
 
 def raise_on_timeout(report: torch.Tensor, groups: int, timeout: float) -> None:
