@@ -96,7 +96,7 @@ def _problems(cfg: OverlapConfig) -> list[str]:
         return problems
     # a config must make an instance of its kernel family (either family for "auto")
     families = list(FAMILIES) if cfg.kernel == "auto" else [cfg.kernel]
-    reasons = {f: validate_instance(*_instance(cfg, f), family=f) for f in families}
+    reasons = {f: _family_problems(cfg, f, cfg.epilogue) for f in families}
     if all(reasons.values()):
         problems += reasons[families[0]] if len(families) == 1 else reasons["sm90"] + reasons["sm80"]
     if cfg.swizzle not in SWIZZLES:
@@ -111,8 +111,6 @@ def _problems(cfg: OverlapConfig) -> list[str]:
         problems.append(f"partition must be a non-empty list of positive integers (waves), got {list(cfg.partition)}")
     if cfg.layout != "auto" and cfg.layout not in LAYOUTS:
         problems.append(f"layout must be one of {['auto', *LAYOUTS]}, got {cfg.layout!r}")
-    if cfg.kernel == "sm80" and cfg.epilogue == "tma":
-        problems.append("epilogue 'tma' is a Hopper (sm90) kernel's; the sm80 kernels write through CUTLASS 2.x's")
     if cfg.epilogue != "auto" and cfg.epilogue not in EPILOGUES:
         problems.append(f"epilogue must be one of {['auto', *EPILOGUES]}, got {cfg.epilogue!r}")
     elif cfg.epilogue == "tma" and cfg.layout not in ("rows", "auto"):
@@ -150,9 +148,7 @@ def for_device(cfg: OverlapConfig, capability: tuple[int, int]) -> tuple[Overlap
     epilogue = cfg.epilogue
     if epilogue == "auto":
         epilogue = "tma" if family == "sm90" and cfg.layout == "rows" else "direct"
-    problems = validate_instance(*_instance(cfg, family), family=family)
-    if family == "sm80" and epilogue == "tma":
-        problems.append("epilogue 'tma' needs the sm90 kernels")
+    problems = _family_problems(cfg, family, epilogue)
     if problems:
         raise ValueError(f"config {cfg} cannot run on {arch}: " + "; ".join(problems))
     return dataclasses.replace(cfg, kernel=family, tile_k=_instance(cfg, family)[2], epilogue=epilogue), arch
@@ -175,6 +171,14 @@ def kernel_spec(
         arch=arch,
     )
     return cfg, spec
+
+
+def _family_problems(cfg: OverlapConfig, family: str, epilogue: str) -> list[str]:
+    """Reasons ``cfg`` with ``epilogue`` makes no kernel of ``family`` (empty when it does)."""
+    problems = validate_instance(*_instance(cfg, family), family=family)
+    if family == "sm80" and epilogue == "tma":
+        problems.append("epilogue 'tma' is a Hopper (sm90) kernel's; the sm80 kernels write through CUTLASS 2.x's")
+    return problems
 
 
 def _instance(cfg: OverlapConfig, family: str) -> tuple[int, int, int, int, str]:
