@@ -34,10 +34,6 @@ FAMILIES = {
         "epilogues": ("direct",),
     },
 }
-TILE_M = FAMILIES["sm90"]["tile_m"]
-TILE_N = FAMILIES["sm90"]["tile_n"]
-TILE_K = FAMILIES["sm90"]["tile_k"]
-CLUSTER_M = FAMILIES["sm90"]["cluster_m"]
 MAX_TILE_ELEMENTS = 128 * 256
 SM80_SMEM_BUDGET = 80 * 1024  # mainloop stages within consumer GPUs' ~99 KB per block
 DTYPES = {"bfloat16": "cutlass::bfloat16_t", "float16": "cutlass::half_t"}
