@@ -138,6 +138,18 @@ def operand_sets(m: int, n: int, k: int, dtype: torch.dtype) -> tuple[list[torch
     return a, w
 
 
+def kernel_alone(prep, a: Sequence[torch.Tensor], w: Sequence[torch.Tensor]) -> Callable[[int], None]:
+    """A timing variant: the signal GEMM of ``prep`` alone (no waits, no collectives) on operand
+    set ``i % len(a)``, into a scratch buffer, counters reset after each call."""
+    buf = torch.empty(prep.plan.numel, dtype=a[0].dtype, device=a[0].device)
+
+    def run(i: int) -> None:
+        prep.launch(a[i % len(a)], w[i % len(w)], buf, torch.cuda.current_stream())
+        prep.counters.zero_()
+
+    return run
+
+
 def time_variants(
     variants: dict[str, Callable[[int], object]], rounds: int, block: int, warmup: int
 ) -> dict[str, float]:
@@ -226,7 +238,7 @@ def bench_shape(shape, configs, collective, dtype, rounds, block, warmup, chunks
 
     from . import comm
     from .config import for_collective, resolve
-    from .overlap import prepare, tuned_config
+    from .overlap import prepare, sequential, tuned_config
 
     m, n, k = shape
     world = dist.get_world_size()
@@ -237,7 +249,7 @@ def bench_shape(shape, configs, collective, dtype, rounds, block, warmup, chunks
     overlapped = getattr(flashoverlap, f"gemm_{collective}")
 
     def seq(i):
-        return comm.collective(ex, a[i % sets] @ w[i % sets].t(), None)
+        return sequential(a[i % sets], w[i % sets], "nk", ex, None)
 
     variants: dict[str, Callable[[int], object]] = {
         "gemm": lambda i: a[i % sets] @ w[i % sets].t(),
@@ -260,14 +272,7 @@ def bench_shape(shape, configs, collective, dtype, rounds, block, warmup, chunks
         given = cfg if configs[j] is not None else None
         variants[f"fo{j}"] = lambda i, cfg=given: overlapped(a[i % sets], w[i % sets], config=cfg)
         if not cfg.sequential:
-            prep = prepare(m, n, k, dtype, "nk", a[0].device, cfg)
-            buf = torch.empty(m * n, dtype=dtype, device="cuda")
-
-            def kernel_only(i, prep=prep, buf=buf):
-                prep.launch(a[i % sets], w[i % sets], buf, torch.cuda.current_stream())
-                prep.counters.zero_()
-
-            variants[f"kernel{j}"] = kernel_only
+            variants[f"kernel{j}"] = kernel_alone(prepare(m, n, k, dtype, "nk", a[0].device, cfg), a, w)
         got, want = overlapped(a[0], w[0], config=given).float(), seq(0).float()
         errors[j] = ((got - want).norm() / want.norm()).item()
     times = time_variants(variants, rounds, block, warmup)

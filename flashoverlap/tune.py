@@ -276,9 +276,9 @@ def tune_shape(
     import flashoverlap
 
     from . import comm
-    from .bench import operand_sets, time_variants
+    from .bench import kernel_alone, operand_sets, time_variants
     from .config import for_collective, resolve
-    from .overlap import DTYPES, prepare
+    from .overlap import DTYPES, prepare, sequential
 
     m, n, k = shape
     world = dist.get_world_size()
@@ -287,18 +287,9 @@ def tune_shape(
     ex = comm.exchange(collective, m, world)
     cfgs = [for_collective(resolve(c), collective) for c in candidates]
     preps = [prepare(m, n, k, dtype, "nk", a[0].device, cfg) for cfg in cfgs]
-    buf = torch.empty(m * n, dtype=dtype, device="cuda")
-
-    def kernel(prep):
-        def run(i):
-            prep.launch(a[i % sets], w[i % sets], buf, torch.cuda.current_stream())
-            prep.counters.zero_()
-
-        return run
-
     _progress(f"{m}x{n}x{k}: GEMM per wave for {len(cfgs)} candidates")
     variants = {"gemm": lambda i: a[i % sets] @ w[i % sets].t()}
-    variants.update({f"kernel{j}": kernel(p) for j, p in enumerate(preps)})
+    variants.update({f"kernel{j}": kernel_alone(p, a, w) for j, p in enumerate(preps)})
     times = time_variants(variants, rounds, 4, 3)
     full = dist.group.WORLD
     _progress(f"{m}x{n}x{k}: fitting {collective} latency and bandwidth")
@@ -318,7 +309,7 @@ def tune_shape(
     finalists = choices[:top]
     _progress(f"{m}x{n}x{k}: measuring the best {len(finalists)} predicted partitions against sequential")
     overlapped = getattr(flashoverlap, f"gemm_{collective}")
-    variants = {"seq": lambda i: comm.collective(ex, a[i % sets] @ w[i % sets].t(), None)}
+    variants = {"seq": lambda i: sequential(a[i % sets], w[i % sets], "nk", ex, None)}
     for choice, j in finalists:
         tuned = {**candidates[j], "partition": list(choice.partition)}
         variants[f"fo{j}"] = lambda i, tuned=tuned: overlapped(a[i % sets], w[i % sets], config=tuned)
@@ -390,8 +381,8 @@ def _brute_force(shape, collective, candidates, preps, max_groups, a, w, rounds,
     of up to ``max_groups`` groups; sequential runs in every batch, so drift cancels in the ratio."""
     import flashoverlap
 
-    from . import comm
     from .bench import time_variants
+    from .overlap import sequential
 
     m, n, k = shape
     sets = len(a)
@@ -405,7 +396,7 @@ def _brute_force(shape, collective, candidates, preps, max_groups, a, w, rounds,
     for start in range(0, len(tried), BRUTE_BATCH):
         batch = tried[start : start + BRUTE_BATCH]
         _progress(f"{m}x{n}x{k}: brute force {start + len(batch)}/{len(tried)}")
-        variants = {"seq": lambda i: comm.collective(ex, a[i % sets] @ w[i % sets].t(), None)}
+        variants = {"seq": lambda i: sequential(a[i % sets], w[i % sets], "nk", ex, None)}
         for b, cfg in enumerate(batch):
             variants[f"b{b}"] = lambda i, cfg=cfg: overlapped(a[i % sets], w[i % sets], config=cfg)
         times = time_variants(variants, rounds, 4, 2)
