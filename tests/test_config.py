@@ -61,6 +61,7 @@ def test_auto_layout_epilogue_kernel_and_tile_k_follow_collective_and_device():
         ({"epilogue": "tma", "layout": "tiles"}, "needs layout 'rows'"),
         ({"kernel": "sm70"}, r"kernel must be one of \['auto', 'sm90', 'sm80'\]"),
         ({"kernel": "sm80", "epilogue": "tma"}, "is a Hopper"),
+        ({"tile_m": 64, "epilogue": "tma"}, r"tile_m 64 not in \(128, 256\).*is a Hopper"),  # no family takes both
         ({"kernel": "sm80", "cluster_m": 2}, r"cluster_m 2 not in \(1,\) \(sm80 kernels\)"),
         ({"kernel": "sm90", "tile_k": 32}, r"tile_k 32 not in \(64,\)"),
         ({"tile_k": "32"}, "tile_k must be an integer"),
