@@ -8,7 +8,7 @@
 #   stress  10,000 random calls checked against the sequential path (STRESS_CALLS)
 #   bench   each collective, NVLink and P2P off, default config (SHAPES, CONFIGS, ROUNDS, TRACE)
 #   sm80    the Ampere/Ada kernels forced on Hopper, P2P off, beside the Hopper ones
-#   swizzle each collective over NVLink with swizzled rasters beside the plain one (kernel time too)
+#   swizzle each collective (COLLECTIVES) over NVLink with swizzled rasters beside the plain one
 #   tune    the tuner on bench/suite.yaml, all-reduce, NVLink and P2P off (TRANSPORTS) ->
 #           $OUT/tuned/h200_x2.yaml (a copy of configs/h200_x2.yaml, updated)
 #   brute   the tuner with --brute-force 4 on two shapes: its pick against the best measured
@@ -40,7 +40,7 @@ for step in $steps; do
       --configs '{}' '{"kernel": "sm80"}' '{"kernel": "sm80", "comm_sms": 8}' '{"kernel": "sm80", "tile_n": 128}' \
       --csv "$OUT/sm80_pcie.csv" ;;
   swizzle)
-    for collective in all_reduce reduce_scatter all_to_all; do
+    for collective in ${COLLECTIVES:-all_reduce reduce_scatter all_to_all}; do
       case $collective in all_reduce) shapes="4096x8192x8192 8192x8192x8192";; reduce_scatter) shapes=16384x8192x4096;;
         all_to_all) shapes=8192x4096x7168;; esac
       bench "swizzle_$collective" -- --collective "$collective" --shapes $shapes --rounds "${ROUNDS:-15}" \

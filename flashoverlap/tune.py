@@ -20,6 +20,7 @@ to decide whether overlap pays.
 
 from __future__ import annotations
 
+import functools
 import itertools
 import json
 import statistics
@@ -245,23 +246,27 @@ def _progress(message: str) -> None:
         print(f"[tune] {message}", file=sys.stderr, flush=True)
 
 
-def _comm_model(collective, group, dtype, sizes_mb, rounds) -> CommModel:
+@functools.cache
+def _comm_model(collective: str, comm_sms: int, dtype, rounds: int) -> CommModel:
+    """The collective's time by size on the whole world with NCCL held to ``comm_sms`` SMs (0: a
+    default communicator). The same for every shape, so measured once per run."""
     import torch
     import torch.distributed as dist
 
     from . import comm
     from .bench import time_variants
 
+    group = comm.budget_group(dist.group.WORLD, comm_sms)
     world, elem = dist.get_world_size(), torch.finfo(dtype).bits // 8
     variants, sizes = {}, []
-    for mb in sizes_mb:
+    for mb in COMM_SIZES_MB:
         rows = max(world, (mb << 20) // (1024 * elem) // world * world)
         data = torch.randn(rows, 1024, device="cuda").to(dtype)
         ex = comm.exchange(collective, rows, world)
         variants[f"{mb}MB"] = lambda i, ex=ex, data=data: comm.collective(ex, data, group)
         sizes.append(rows * 1024 * elem)
     times = time_variants(variants, rounds, 4, 2)
-    return fit_comm(sizes, [times[f"{mb}MB"] for mb in sizes_mb])
+    return fit_comm(sizes, [times[f"{mb}MB"] for mb in COMM_SIZES_MB])
 
 
 def tune_shape(
@@ -291,12 +296,9 @@ def tune_shape(
     variants = {"gemm": lambda i: a[i % sets] @ w[i % sets].t()}
     variants.update({f"kernel{j}": kernel_alone(p, a, w) for j, p in enumerate(preps)})
     times = time_variants(variants, rounds, 4, 3)
-    full = dist.group.WORLD
-    _progress(f"{m}x{n}x{k}: fitting {collective} latency and bandwidth")
-    tail = _comm_model(collective, full, dtype, COMM_SIZES_MB, rounds)
-    during = {}
-    for budget in sorted({c.comm_sms for c in cfgs}):
-        during[budget] = _comm_model(collective, comm.budget_group(full, budget), dtype, COMM_SIZES_MB, rounds)
+    _progress(f"{m}x{n}x{k}: {collective} time by size (measured once per run)")
+    tail = _comm_model(collective, 0, dtype, rounds)
+    during = {c.comm_sms: _comm_model(collective, c.comm_sms, dtype, rounds) for c in cfgs}
     host = _host_model(collective, a, w, candidates[0], preps[0].plan.num_waves)
     _progress(f"{m}x{n}x{k}: host {host.base_ms:.3f} ms per call + {host.per_group_ms:.3f} ms per group")
     elem = torch.finfo(dtype).bits // 8
@@ -471,17 +473,19 @@ def main(argv: Sequence[str] | None = None) -> int:
             )
             entries.append(found)
             rows += summary
+            if dist.get_rank() == 0:  # after every shape, so a run cut short keeps what it found
+                write_registry(args.output, torch.cuda.get_device_name(), dist.get_world_size(), entries)
+                if args.csv:
+                    bench.write_csv(args.csv, [dict(r, transport=args.transport) for r in rows])
         if dist.get_rank() == 0:
             print(format_summary(rows))
             errors = [abs(r["predicted_ms"] / r["measured_ms"] - 1) for r in rows]
             print(f"median |predicted / measured - 1|: {statistics.median(errors):.1%}")
             if args.brute_force:
                 print(brute_summary(entries, rows))
-            write_registry(args.output, torch.cuda.get_device_name(), dist.get_world_size(), entries)
             print(f"wrote {len(entries)} entries to {args.output}")
-            if args.csv:
-                bench.write_csv(args.csv, [dict(r, transport=args.transport) for r in rows])
     finally:
+        _comm_model.cache_clear()  # its communicators die with the process group
         dist.destroy_process_group()
     return 0
 
