@@ -7,6 +7,7 @@ one. Validation names the source, the key and the allowed values.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import os
 from collections.abc import Mapping
 from dataclasses import dataclass
@@ -120,6 +121,7 @@ def _problems(cfg: OverlapConfig) -> list[str]:
     return problems
 
 
+@functools.lru_cache(maxsize=256)  # once per config: replace() re-validates, every call would pay it
 def for_collective(cfg: OverlapConfig, collective: str) -> OverlapConfig:
     """``cfg`` with an ``auto`` layout resolved for ``collective``; raises where the config cannot
     run it."""

@@ -144,11 +144,24 @@ def nearest(
     return min(candidates, key=lambda e: sum(abs(math.log(a / b)) for a, b in zip(e.shape, shape)))
 
 
+def reload() -> None:
+    """Forget the files read so far, for a process that edits them while it runs."""
+    _entries_in.cache_clear()
+    _lookup.cache_clear()
+
+
 def lookup(
     gpu: str, world: int, collective: str, transport: str, dtype: str, shape: tuple[int, int, int]
 ) -> OverlapConfig | None:
     """The tuned config for a call (see the module doc), or None."""
-    entry = nearest(entries(), gpu, world, collective, transport, dtype, shape)
+    return _lookup(tuple(config_dirs()), gpu, world, collective, transport, dtype, tuple(shape))
+
+
+@functools.lru_cache(maxsize=1024)  # every call without config= asks: keep the search off its host time
+def _lookup(
+    dirs: tuple[Path, ...], gpu: str, world: int, collective: str, transport: str, dtype: str, shape: tuple[int, ...]
+) -> OverlapConfig | None:
+    entry = nearest(_entries_in(dirs), gpu, world, collective, transport, dtype, shape)
     if entry is None:
         return None
     if entry.shape != tuple(shape) and entry.config.partition is not None:

@@ -302,13 +302,18 @@ def tune_shape(
     host = _host_model(collective, a, w, candidates[0], preps[0].plan.num_waves)
     _progress(f"{m}x{n}x{k}: host {host.base_ms:.3f} ms per call + {host.per_group_ms:.3f} ms per group")
     elem = torch.finfo(dtype).bits // 8
-    choices = []
+    choices, problems = [], []
     for j, (cfg, prep) in enumerate(zip(cfgs, preps)):
         per_wave_ms = times[f"kernel{j}"] / prep.plan.num_waves
-        problem = Problem(wave_bytes(prep.plan, elem), per_wave_ms, during[cfg.comm_sms], tail, host)
-        choices.append((choose(problem, times["gemm"], margin), j))
+        problems.append(Problem(wave_bytes(prep.plan, elem), per_wave_ms, during[cfg.comm_sms], tail, host))
+        choices.append((choose(problems[-1], times["gemm"], margin), j))
     choices.sort(key=lambda cj: cj[0].overlap_ms)
     finalists = choices[:top]
+    if {} in candidates:  # the built-in defaults run too: nothing written may lose to a call without config
+        j = candidates.index({})
+        part = preps[j].plan.partition
+        if (part, j) not in [(c.partition, cj) for c, cj in finalists]:
+            finalists.append((Choice(part, makespan(problems[j], part), choices[0][0].sequential_ms, margin), j))
     _progress(f"{m}x{n}x{k}: measuring the best {len(finalists)} predicted partitions against sequential")
     overlapped = getattr(flashoverlap, f"gemm_{collective}")
     variants = {"seq": lambda i: sequential(a[i % sets], w[i % sets], "nk", ex, None)}
@@ -348,6 +353,7 @@ def _host_model(collective: str, a, w, candidate: dict, num_waves: int, calls: i
     import time
 
     import torch
+    import torch.distributed as dist
 
     import flashoverlap
 
@@ -371,6 +377,10 @@ def _host_model(collective: str, a, w, candidate: dict, num_waves: int, calls: i
         resolved = for_collective(resolve(cfg), collective)
         counts.append(prepare(m, n, k, a[0].dtype, "nk", a[0].device, resolved).plan.num_groups)
         times.append(statistics.median(spent))
+    # the slowest rank's times, so that every rank predicts (and so plans) the same calls
+    times = torch.tensor(times, dtype=torch.float64, device=a[0].device)
+    dist.all_reduce(times, op=dist.ReduceOp.MAX)
+    times = times.tolist()
     # a single possible group count: its time is all there is to know
     return fit_host(counts, times) if len(set(counts)) > 1 else HostModel(base_ms=times[-1])
 

@@ -99,7 +99,7 @@ def test_lookup_searches_user_dirs_first_and_keeps_partitions_only_for_the_exact
     make_entries(first)  # writes first/r.yaml
     write(second, {"gpu": "NVIDIA H200", "world": 2, "entries": [{**ENTRY, "config": {"comm_sms": 4}}]})
     monkeypatch.setenv("FLASHOVERLAP_CONFIG_DIRS", os.pathsep.join(map(str, (first, second))))
-    registry._entries_in.cache_clear()
+    registry.reload()
     try:
         exact = registry.lookup("NVIDIA H200", 2, "all_reduce", "nvlink", "bfloat16", (4096, 8192, 8192))
         assert exact == OverlapConfig(comm_sms=8, partition=(1, 2, 2, 2, 1, 1))
@@ -110,7 +110,7 @@ def test_lookup_searches_user_dirs_first_and_keeps_partitions_only_for_the_exact
         assert rs is not None and not rs.sequential
         assert registry.lookup("NVIDIA A100", 8, "all_reduce", "nvlink", "bfloat16", (1, 8, 8)) is None
     finally:
-        registry._entries_in.cache_clear()
+        registry.reload()
 
 
 def test_transport_follows_the_nccl_environment(monkeypatch):
