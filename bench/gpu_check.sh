@@ -1,8 +1,8 @@
 #!/usr/bin/env bash
 # On a GPU machine: install, build, then the chosen steps (default: all; ~25 min on 2x H200, so
 # run a few steps per call where calls are time-limited).
-#   bash bench/gpu_check.sh [tests] [stress] [bench] [sm80] [swizzle] [tune] [brute] [suite]
-# Logs and CSVs under $OUT (default /tmp/flashoverlap-check). Wheels the machine lacks
+#   bash bench/gpu_check.sh [tests] [stress] [bench] [sm80] [swizzle] [tune] [brute] [suite] [host]
+# Logs and CSVs in $OUT/flashoverlap-results.tgz ($OUT default /tmp/flashoverlap-check). Wheels the machine lacks
 # (nvidia-cutlass) may sit in .whl/; a prebuilt kernel cache in .kcache/ (python -m flashoverlap.precompile).
 #   tests   GPU and multi-GPU tests (both kernel families)
 #   stress  10,000 random calls checked against the sequential path (STRESS_CALLS)
@@ -13,9 +13,12 @@
 #           $OUT/tuned/h200_x2.yaml (a copy of configs/h200_x2.yaml, updated)
 #   brute   the tuner with --brute-force 4 on two shapes: its pick against the best measured
 #   suite   bench/suite.yaml with the registry's configs beside the defaults ($OUT/tuned first if there)
+#   host    host time per call of each path on a host-bound shape, and where it goes (bench/host_profile.py)
 set -uo pipefail
 source bench/gpu_env.sh
 steps=${*:-tests stress bench sm80 swizzle tune brute suite}
+# Everything under $OUT leaves as one archive (a device call returns few files).
+trap 'tar -C "$OUT" -czf /tmp/flashoverlap-results.tgz . && rm -rf "${OUT:?}"/* && mv /tmp/flashoverlap-results.tgz "$OUT/"' EXIT
 for step in $steps; do
   case $step in
   tests)
@@ -66,6 +69,9 @@ for step in $steps; do
         --shapes-file bench/suite.yaml --rounds "${ROUNDS:-15}" \
         --configs registry '{}' --csv "$OUT/suite_$transport.csv"
     done ;;
-  *) echo "unknown step $step (tests stress bench sm80 swizzle tune brute suite)"; exit 2 ;;
+  host)
+    timeout 120 torchrun --nproc-per-node "$NGPU" bench/host_profile.py > "$OUT/host.log" 2>&1
+    grep "us per call" "$OUT/host.log" ;;
+  *) echo "unknown step $step (tests stress bench sm80 swizzle tune brute suite host)"; exit 2 ;;
   esac
 done

@@ -1,12 +1,12 @@
-"""Where a call's host time goes (torchrun, 2+ GPUs): per-call enqueue time of the sequential
-baseline, the registry's sequential fallback and the overlapped call, then a cProfile of the
-overlapped one.  torchrun --nproc-per-node 2 bench/host_profile.py [MxNxK] [CONFIG_JSON]"""
+"""Where a call's host time goes (torchrun, 2+ GPUs). On a shape small enough that the host is the
+bottleneck, calls back to back run at the host's pace, so ms per call is host time; then a
+cProfile of each flashoverlap path.
+  torchrun --nproc-per-node 2 bench/host_profile.py [MxNxK (default 256x2048x2048)] [CONFIG_JSON]"""
 
 import cProfile
 import json
 import os
 import pstats
-import statistics
 import sys
 import time
 
@@ -17,22 +17,23 @@ import flashoverlap
 from flashoverlap import comm
 from flashoverlap.overlap import sequential
 
+CALLS = 400
 
-def enqueue_ms(fn, calls: int = 200) -> float:
-    for _ in range(5):
+
+def per_call_us(fn) -> float:
+    for _ in range(20):
         fn()
     torch.cuda.synchronize()
-    spent = []
-    for _ in range(calls):
-        start = time.perf_counter()
+    dist.barrier()
+    start = time.perf_counter()
+    for _ in range(CALLS):
         fn()
-        spent.append((time.perf_counter() - start) * 1e3)
-        torch.cuda.synchronize()  # each call from an idle GPU: the host's time alone
-    return statistics.median(spent)
+    torch.cuda.synchronize()
+    return (time.perf_counter() - start) / CALLS * 1e6
 
 
 def main() -> None:
-    m, n, k = (int(x) for x in (sys.argv[1] if len(sys.argv) > 1 else "1024x8192x8192").split("x"))
+    m, n, k = (int(x) for x in (sys.argv[1] if len(sys.argv) > 1 else "256x2048x2048").split("x"))
     config = json.loads(sys.argv[2]) if len(sys.argv) > 2 else {}
     rank = int(os.environ["LOCAL_RANK"])
     torch.cuda.set_device(rank)
@@ -42,23 +43,26 @@ def main() -> None:
     ex = comm.exchange("all_reduce", m, dist.get_world_size())
     cases = {
         "matmul": lambda: a @ w.t(),
+        "all_reduce": lambda: dist.all_reduce(a),
         "sequential": lambda: sequential(a, w, "nk", ex, None),
-        "fallback (config sequential)": lambda: flashoverlap.gemm_all_reduce(a, w, config={"sequential": True}),
-        "registry (no config)": lambda: flashoverlap.gemm_all_reduce(a, w),
-        f"overlapped {config}": lambda: flashoverlap.gemm_all_reduce(a, w, config=config),
+        "fallback": lambda: flashoverlap.gemm_all_reduce(a, w, config={"sequential": True}),
+        "registry": lambda: flashoverlap.gemm_all_reduce(a, w),
+        "overlapped": lambda: flashoverlap.gemm_all_reduce(a, w, config=config),
     }
     for name, fn in cases.items():
-        ms = enqueue_ms(fn)
+        us = per_call_us(fn)
         if rank == 0:
-            print(f"{m}x{n}x{k} {name:>32}: {ms * 1e3:7.1f} us host per call")
-    profile = cProfile.Profile()
-    profile.enable()
-    for _ in range(200):
-        flashoverlap.gemm_all_reduce(a, w, config=config)
-    profile.disable()
-    torch.cuda.synchronize()
-    if rank == 0:
-        pstats.Stats(profile).sort_stats("tottime").print_stats(25)
+            print(f"{m}x{n}x{k} {name:>12}: {us:7.1f} us per call", flush=True)
+    for name in ("fallback", "overlapped"):
+        profile = cProfile.Profile()
+        profile.enable()
+        for _ in range(CALLS):
+            cases[name]()
+        profile.disable()
+        torch.cuda.synchronize()
+        if rank == 0:
+            print(f"--- {name}, {CALLS} calls")
+            pstats.Stats(profile).sort_stats("tottime").print_stats(22)
     dist.destroy_process_group()
 
 
