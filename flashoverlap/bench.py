@@ -24,6 +24,7 @@ import csv
 import json
 import math
 import os
+import random
 import statistics
 import sys
 import time
@@ -157,7 +158,9 @@ def time_variants(
 
     Each round times ``block`` calls of one variant back to back between two CUDA events, the
     host free to run ahead as in a model's forward pass (launch overhead counts only where it
-    stalls the GPU); variants take turns round by round so drift hits all of them alike.
+    stalls the GPU); variants take turns round by round so drift hits all of them alike, in an
+    order shuffled each round so that none always follows the same one (in a fixed order,
+    identical work measured up to 5 % apart).
     """
     torch.cuda.synchronize()
     dist.barrier()
@@ -168,7 +171,8 @@ def time_variants(
     dist.barrier()
     events = []
     for r in range(rounds):
-        for name, fn in variants.items():
+        for name in random.Random(r).sample(list(variants), len(variants)):  # the same order on every rank
+            fn = variants[name]
             start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
             start.record()
             for i in range(block):
