@@ -340,6 +340,11 @@ def config_label(given: dict | None, cfg, collective: str) -> str:
     )
 
 
+def variant(label: str) -> str:
+    """The method a row belongs to: its config, or ``registry`` whatever the registry picked."""
+    return "registry" if label.startswith("registry:") else label
+
+
 def trace_call(shape, config, collective, dtype, path: str) -> None:
     """Profile three overlapped calls (after warm-up); rank 0 writes the trace and prints its kernels."""
     from torch.profiler import ProfilerActivity, profile
@@ -424,16 +429,17 @@ def format_table(rows: list[dict]) -> str:
 
 
 def summarize(rows: list[dict]) -> str:
-    """Per flashoverlap variant over the shapes measured: mean speedup over sequential, mean overlap
-    efficiency and share of the ideal, the worst speedup, and on how many shapes it was at least
-    as fast as the chunked decomposition. Takes rows as measured or as read back from CSVs."""
+    """Per flashoverlap variant (the registry's picks count as one) over the shapes measured: mean
+    speedup over sequential, mean overlap efficiency and share of the ideal, the worst speedup, and
+    on how many shapes it was at least as fast as the chunked decomposition. Takes rows as
+    measured or as read back from CSVs."""
 
     def num(row, key):
         return float(row[key]) if row.get(key) not in (None, "") else float("nan")
 
     variants: dict[str, list[dict]] = {}
     for row in rows:
-        variants.setdefault(row["config"], []).append(row)
+        variants.setdefault(variant(row["config"]), []).append(row)
     lines = [f"{'variant':>28} {'shapes':>6} {'speedup':>8} {'worst':>6} {'eff':>5} {'of_ideal':>8}  >= decomp"]
     for config, group in variants.items():
         speedups = [num(r, "speedup") for r in group]
@@ -478,7 +484,7 @@ def plot(rows: list[dict], path: str) -> None:
         case = cases.setdefault(label, {})
         case["decomposition"] = num(row, "decomp_speedup")
         case["async-TP"] = num(row, "asynctp_speedup")
-        case[f"flashoverlap {row['config']}"] = num(row, "speedup")
+        case[f"flashoverlap {variant(row['config'])}"] = num(row, "speedup")
         case["ideal"] = num(row, "ideal_speedup")
     measured = dict.fromkeys(m for case in cases.values() for m, v in case.items() if not math.isnan(v))
     methods = [m for m in measured if m != "ideal"] + ["ideal"]

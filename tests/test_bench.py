@@ -115,6 +115,9 @@ def test_summary_per_variant(tmp_path, capsys):
     assert lines[0].split()[:4] == ["variant", "shapes", "speedup", "worst"]
     assert lines[1].split() == ["{}", "2", "1.000", "0.900", "0.12", "0.70", "1/2"]
     assert lines[2].split()[-5:] == ["1.200", "1.200", "0.50", "0.90", "1/1"]
+    # whatever the registry picked per shape is one method
+    picks = [row(config='registry:{"sequential": true}', speedup=0.99), row(config="registry:{}", speedup=1.21)]
+    assert bench.summarize(picks).splitlines()[1].split() == ["registry", "2", "1.100", "0.990", "0.33", "0.80", "1/2"]
     # the same from saved CSVs, no GPUs
     path = tmp_path / "r.csv"
     bench.write_csv(str(path), rows)
