@@ -202,6 +202,16 @@ def json_object(text: str) -> dict[str, Any]:
     return value
 
 
+# Dicts passed as config= (per call, as in a training loop) validated once: key -> config
+_from_dicts: dict[tuple, OverlapConfig] = {}
+MAX_DICT_CONFIGS = 256
+
+
+def _typed(value: Any) -> Any:
+    """A hashable stand-in for a config value that keeps its type (1, 1.0 and True must not meet)."""
+    return (type(value), tuple(map(_typed, value)) if isinstance(value, list) else value)
+
+
 def resolve(config: OverlapConfig | Mapping[str, Any] | str | os.PathLike[str] | None) -> OverlapConfig:
     """Turn what a user passed as ``config=`` into an :class:`OverlapConfig`."""
     if config is None:
@@ -209,7 +219,17 @@ def resolve(config: OverlapConfig | Mapping[str, Any] | str | os.PathLike[str] |
     if isinstance(config, OverlapConfig):
         return config
     if isinstance(config, Mapping):
-        return OverlapConfig.from_dict(config)
+        try:
+            key = tuple(sorted((k, _typed(v)) for k, v in config.items()))
+            hash(key)
+        except TypeError:  # unhashable or unsortable: validate as given, which names the problem
+            return OverlapConfig.from_dict(config)
+        cfg = _from_dicts.get(key)
+        if cfg is None:
+            cfg = OverlapConfig.from_dict(config)
+            if len(_from_dicts) < MAX_DICT_CONFIGS:
+                _from_dicts[key] = cfg
+        return cfg
     if isinstance(config, (str, os.PathLike)):
         return OverlapConfig.from_yaml(config)
     raise TypeError(f"config must be an OverlapConfig, a mapping or a YAML path, got {type(config).__name__}")

@@ -179,7 +179,7 @@ def choose(problem: Problem, gemm_full_ms: float, margin: float = 0.02) -> Choic
 
 # --- measuring on GPUs: python -m flashoverlap.tune (under torchrun) -----------------------------
 
-DEFAULT_CANDIDATES = ({}, {"comm_sms": 8}, {"comm_sms": 24}, {"tile_n": 128}, {"swizzle": 4})
+DEFAULT_CANDIDATES = ({}, {"comm_sms": 8}, {"comm_sms": 24}, {"tile_n": 128}, {"swizzle": 4}, {"scheduler": "streamk"})
 COMM_SIZES_MB = (1, 2, 4, 8, 16, 32, 64)
 
 

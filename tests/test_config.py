@@ -10,6 +10,16 @@ def test_defaults_are_valid_and_mappings_resolve():
     assert resolve(cfg) is cfg
 
 
+def test_dict_configs_are_validated_once_but_never_mistaken_for_an_equal_value_of_another_type():
+    first = resolve({"swizzle": 2, "partition": [1, 2]})
+    assert resolve({"partition": [1, 2], "swizzle": 2}) is first  # cached, key order irrelevant
+    for bad in ({"swizzle": 2.0, "partition": [1, 2]}, {"swizzle": 2, "partition": [1, 2.0]}, {"swizzle": True}):
+        with pytest.raises(ValueError, match="must be"):
+            resolve(bad)
+    with pytest.raises(ValueError, match="unknown key"):
+        resolve({"partition": [1, 2], "tile": {"m": 128}})  # unhashable value: validated as given
+
+
 HOPPER, ADA, AMPERE, BLACKWELL = (9, 0), (8, 9), (8, 0), (12, 0)
 
 

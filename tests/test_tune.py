@@ -207,3 +207,18 @@ def test_brute_force_summary_compares_what_was_written(capsys):
     with pytest.raises(SystemExit):  # candidates are configs to measure, not "registry"
         tune.main(["--shapes", "8x8x8", "--output", "x.yaml", "--candidates", "registry"])
     assert "expected a JSON object" in capsys.readouterr().err
+
+
+def test_default_candidates_are_prebuilt_for_hopper():
+    """Every default candidate is a valid config whose H100/H200 kernel bench/kernels.yaml lists,
+    so a tuning run times kernels, not compiles."""
+    from pathlib import Path
+
+    from flashoverlap import precompile
+    from flashoverlap.tune import DEFAULT_CANDIDATES
+
+    items = precompile.load_items(str(Path(__file__).resolve().parent.parent / "bench" / "kernels.yaml"))
+    prebuilt = {precompile.spec_for(*precompile.call_and_config(item), (9, 0)) for item in items}
+    for candidate in DEFAULT_CANDIDATES:
+        call, cfg = precompile.call_and_config(dict(candidate))
+        assert precompile.spec_for(call, cfg, (9, 0)) in prebuilt, candidate
