@@ -6,7 +6,8 @@
 # (nvidia-cutlass) may sit in .whl/; a prebuilt kernel cache in .kcache/ (python -m flashoverlap.precompile).
 #   tests   GPU and multi-GPU tests (both kernel families)
 #   stress  10,000 random calls checked against the sequential path (STRESS_CALLS)
-#   bench   each collective, NVLink and P2P off, default config (SHAPES, CONFIGS, ROUNDS, TRACE)
+#   bench   each collective, NVLink and P2P off: all-reduce with CONFIGS (default: the defaults),
+#           reduce-scatter / all-to-all with the defaults and the rows layout (SHAPES, ROUNDS, TRACE)
 #   sm80    the Ampere/Ada kernels forced on Hopper, P2P off, beside the Hopper ones
 #   swizzle each collective (COLLECTIVES) over NVLink with swizzled rasters beside the plain one
 #   tune    the tuner on bench/suite.yaml, all-reduce, NVLink and P2P off (TRANSPORTS) ->
@@ -34,9 +35,11 @@ for step in $steps; do
         --configs ${CONFIGS:-'{}'} --rounds "${ROUNDS:-15}" --csv "$OUT/all_reduce_$transport.csv" \
         ${TRACE:+--trace "$OUT/trace_$transport.json"}
       bench "reduce_scatter_$transport" -- --transport "$transport" --collective reduce_scatter \
-        --shapes 16384x8192x4096 --rounds "${ROUNDS:-15}" --csv "$OUT/reduce_scatter_$transport.csv"
+        --shapes 16384x8192x4096 --configs '{}' '{"layout": "rows"}' '{"layout": "rows", "comm_sms": 24}' \
+        --rounds "${ROUNDS:-15}" --csv "$OUT/reduce_scatter_$transport.csv"
       bench "all_to_all_$transport" -- --transport "$transport" --collective all_to_all \
-        --shapes 8192x4096x7168 --rounds "${ROUNDS:-15}" --csv "$OUT/all_to_all_$transport.csv"
+        --shapes 8192x4096x7168 --configs '{}' '{"layout": "rows"}' '{"layout": "rows", "comm_sms": 24}' \
+        --rounds "${ROUNDS:-15}" --csv "$OUT/all_to_all_$transport.csv"
     done ;;
   sm80)
     bench sm80_pcie -- --transport pcie --shapes 8192x4096x14336 4096x8192x8192 --rounds "${ROUNDS:-15}" \

@@ -126,9 +126,9 @@ def for_collective(cfg: OverlapConfig, collective: str) -> OverlapConfig:
     """``cfg`` with an ``auto`` layout resolved for ``collective``; raises where the config cannot
     run it."""
     layout = cfg.layout if cfg.layout != "auto" else ("rows" if collective == "all_reduce" else "cols")
-    if collective != "all_reduce" and layout != "cols":
+    if collective != "all_reduce" and layout == "tiles":
         raise ValueError(
-            f"{collective} needs layout 'cols' (every group must split into per-rank row segments), "
+            f"{collective} needs layout 'cols' or 'rows' (groups that split into per-rank row segments), "
             f"got layout {layout!r}"
         )
     if cfg.epilogue == "tma" and layout != "rows":

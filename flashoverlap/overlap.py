@@ -202,10 +202,7 @@ def run_overlapped(
     device = a.device
     caller = torch.cuda.current_stream(device)
     stream = comm_stream(device)
-    out = torch.empty((ex.rows, plan.n), dtype=a.dtype, device=device)
-    buffer = out.view(-1) if plan.in_place else torch.empty(plan.numel, dtype=a.dtype, device=device)
-    staged = ex.collective != "all_reduce"
-    recv = torch.empty(ex.rows * plan.n, dtype=a.dtype, device=device) if staged else None
+    out, buffer, recv = comm.buffers(ex, plan, lambda shape: torch.empty(shape, dtype=a.dtype, device=device))
 
     timeout = signal.debug_timeout()
 
@@ -257,6 +254,7 @@ def _gemm_collective(
         ex = comm.exchange(collective, m, world, splits, output_splits, group, a.device)
         if prep is None:
             return sequential(a, weight, weight_layout, ex, group)
+        comm.check_layout(ex, cfg.layout)
         full = group if group is not None else dist.group.WORLD
         check_agreement(prep, collective, full)
         budget = comm.budget_group(full, cfg.comm_sms)

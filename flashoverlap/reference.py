@@ -33,9 +33,8 @@ def run_plan(
     if (m, n) != (plan.m, plan.n):
         raise ValueError(f"plan is for a {plan.m}x{plan.n} output, operands give {m}x{n}")
     b = (weight.t() if weight_layout == "nk" else weight).float()
-    buffer = torch.full((plan.numel,), float("nan"), dtype=a.dtype)
-    out = buffer.view(m, n) if plan.in_place else torch.full((ex.rows, n), float("nan"), dtype=a.dtype)
-    recv = None if ex.collective == "all_reduce" else torch.full((ex.rows * n,), float("nan"), dtype=a.dtype)
+    comm.check_layout(ex, plan.layout)
+    out, buffer, recv = comm.buffers(ex, plan, lambda shape: torch.full(shape, float("nan"), dtype=a.dtype))
     remaining = np.array(plan.tiles_per_group)
     issued = 0
     for tile in plan.order:

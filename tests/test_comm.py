@@ -8,7 +8,7 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from flashoverlap.comm import agree, exchange
+from flashoverlap.comm import agree, check_layout, exchange, segments
 
 
 def worker(rank: int, world: int, store_path: str):
@@ -53,3 +53,16 @@ def test_exchange_describes_rows_sent_and_received():
 def test_exchange_rejects_bad_splits(args, kwargs, message):
     with pytest.raises(ValueError, match=message):
         exchange(*args, **kwargs)
+
+
+def test_rows_layout_takes_equal_all_to_all_splits_only():
+    check_layout(exchange("all_to_all", 12, 3), "rows")
+    check_layout(exchange("reduce_scatter", 12, 3), "rows")
+    uneven = exchange("all_to_all", 10, 2, splits=[3, 7], output_splits=[3, 4])
+    check_layout(uneven, "cols")
+    with pytest.raises(ValueError, match=r"equal splits only .* got splits \[3, 7\]: use layout 'cols'"):
+        check_layout(uneven, "rows")
+
+
+def test_segments():
+    assert segments([3, 0, 4]) == [(0, 3), (3, 3), (3, 7)]

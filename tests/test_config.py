@@ -38,8 +38,10 @@ def test_auto_layout_epilogue_kernel_and_tile_k_follow_collective_and_device():
     assert resolved("all_reduce", ADA) == ("rows", "direct", "sm80", 32, "sm_89")
     assert resolved("reduce_scatter", AMPERE) == ("cols", "direct", "sm80", 32, "sm_80")
     assert resolved("all_reduce", HOPPER, kernel="sm80") == ("rows", "direct", "sm80", 32, "sm_90")
-    with pytest.raises(ValueError, match="reduce_scatter needs layout 'cols'.*got layout 'rows'"):
-        for_collective(OverlapConfig(layout="rows"), "reduce_scatter")
+    # reduce-scatter / all-to-all take row bands too (the fast raster, in-place TMA stores)
+    assert resolved("reduce_scatter", layout="rows") == ("rows", "tma", "sm90", 64, "sm_90a")
+    with pytest.raises(ValueError, match="reduce_scatter needs layout 'cols' or 'rows'.*got layout 'tiles'"):
+        for_collective(OverlapConfig(layout="tiles"), "reduce_scatter")
     with pytest.raises(ValueError, match="epilogue 'tma' .* needs layout 'rows', got layout 'cols'"):
         for_collective(OverlapConfig(epilogue="tma"), "all_to_all")
     with pytest.raises(ValueError, match="the sm90 kernels need a Hopper GPU"):

@@ -100,6 +100,8 @@ SPLIT_CONFIGS = [
     OverlapConfig(scheduler="streamk", comm_sms=12),
     OverlapConfig(kernel="sm80", tile_n=128),
     OverlapConfig(swizzle=4),
+    OverlapConfig(layout="rows"),  # row bands: NCCL reduce / grouped send-recv per segment
+    OverlapConfig(layout="rows", tile_n=128, epilogue="direct"),
 ]
 
 
@@ -133,7 +135,10 @@ def split_worker(rank, world, store_path):
             calls.append(("all_to_all", {"splits": splits[rank]}, torch.cat(parts)))  # counts exchanged
             for collective, kwargs, expected in calls:
                 fn = getattr(flashoverlap, f"gemm_{collective}")
+                uneven = collective == "all_to_all" and "splits" in kwargs  # the rows layout needs equal ones
                 for cfg in (c for c in SPLIT_CONFIGS if runs_on_this_gpu(c, collective)):
+                    if uneven and cfg.layout == "rows":
+                        continue
                     what = f"{collective} {(m, n, k)} {kwargs} {cfg}"
                     torch.full((2 * m * n,), float("nan"), dtype=torch.bfloat16, device="cuda")  # poison the cache
                     for _ in range(2):

@@ -81,7 +81,7 @@ def test_reference_inputs_must_be_on_cpu():
 @pytest.mark.parametrize(
     "fn, kwargs, message",
     [
-        (flashoverlap.gemm_reduce_scatter, {"config": {"layout": "rows"}}, "reduce_scatter needs layout 'cols'"),
+        (flashoverlap.gemm_reduce_scatter, {"config": {"layout": "tiles"}}, "reduce_scatter needs layout 'cols'"),
         (flashoverlap.gemm_all_to_all, {"config": {"layout": "tiles"}}, "all_to_all needs layout 'cols'"),
         (flashoverlap.gemm_all_to_all, {"config": {"epilogue": "tma"}}, "needs layout 'rows'"),
         (flashoverlap.gemm_reduce_scatter, {}, "a is on cpu"),

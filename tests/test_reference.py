@@ -16,7 +16,7 @@ from flashoverlap.reference import run_plan
 
 from .helpers import random_plan_args
 
-CASES = 18
+CASES = 24
 COLLECTIVE_LAYOUTS = [
     ("all_reduce", "rows"),
     ("all_reduce", "tiles"),
@@ -24,6 +24,8 @@ COLLECTIVE_LAYOUTS = [
     ("reduce_scatter", "cols"),
     ("all_to_all", "cols"),
     ("all_to_all", "cols"),
+    ("reduce_scatter", "rows"),
+    ("all_to_all", "rows"),  # equal splits
 ]
 
 
@@ -38,9 +40,9 @@ def case(index: int, world: int = 1):
     """A random plan (edge tiles, clusters, stream-K, random partitions) for case ``index``."""
     rng = np.random.default_rng(index)
     collective, layout = COLLECTIVE_LAYOUTS[index % len(COLLECTIVE_LAYOUTS)]
-    while True:  # reduce-scatter needs M divisible by the world size
+    while True:  # reduce-scatter and equal splits need M divisible by the world size
         args = random_plan_args(rng, max_tiles=3, ctas_choices=(1, 2, 3, 7), default_share=0.0)
-        if collective != "reduce_scatter" or args["m"] % world == 0:
+        if collective == "all_reduce" or (collective, layout) == ("all_to_all", "cols") or args["m"] % world == 0:
             break
     k = 8 * int(rng.integers(1, 20))
     dtype = [torch.bfloat16, torch.float16][index % 2]
@@ -49,7 +51,10 @@ def case(index: int, world: int = 1):
 
 
 def a2a_splits(index: int, rank: int, m: int, world: int) -> tuple[int, ...]:
-    """Rank ``rank``'s uneven rows per destination (zeros included), known to every rank."""
+    """Rank ``rank``'s rows per destination, known to every rank: uneven (zeros included), or
+    equal for the ``rows`` layout."""
+    if COLLECTIVE_LAYOUTS[index % len(COLLECTIVE_LAYOUTS)][1] == "rows":
+        return (m // world,) * world
     cuts = np.sort(np.random.default_rng([index, rank]).integers(0, m + 1, size=world - 1))
     return tuple(int(v) for v in np.diff([0, *cuts, m]))
 

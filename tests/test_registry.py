@@ -44,9 +44,9 @@ def test_shipped_registry_files_are_valid():
             {
                 "gpu": "H200",
                 "world": 2,
-                "entries": [{**ENTRY, "collective": "reduce_scatter", "config": {"layout": "rows"}}],
+                "entries": [{**ENTRY, "collective": "reduce_scatter", "config": {"layout": "tiles"}}],
             },
-            r"entries\[0\]: config: reduce_scatter needs layout 'cols'",
+            r"entries\[0\]: config: reduce_scatter needs layout 'cols' or 'rows'",
         ),
     ],
 )

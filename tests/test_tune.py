@@ -155,7 +155,7 @@ def test_registry_writing_merges_and_validates(tmp_path):
     assert [(e.shape, e.config.sequential) for e in loaded] == [((1024, 8192, 8192), False), ((4096, 8192, 8192), True)]
     with pytest.raises(ValueError, match="holds configs for 'NVIDIA H200' x2"):
         write_registry(str(path), "NVIDIA H100", 2, again)
-    bad = [entry("reduce_scatter", "nvlink", "bfloat16", (8, 8, 8), {"layout": "rows"}, {})]
+    bad = [entry("reduce_scatter", "nvlink", "bfloat16", (8, 8, 8), {"layout": "tiles"}, {})]
     with pytest.raises(ValueError, match="needs layout 'cols'"):
         write_registry(str(path), "NVIDIA H200", 2, bad)
     assert len(registry.load([path])) == 2  # the rejected write left the file as it was

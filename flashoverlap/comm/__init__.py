@@ -146,6 +146,63 @@ def collective(ex: Exchange, data: torch.Tensor, group: dist.ProcessGroup | None
     return out
 
 
+def check_layout(ex: Exchange, layout: str) -> None:
+    """Raise where ``layout`` cannot carry ``ex`` (before anything is launched)."""
+    if layout == "rows" and ex.collective == "all_to_all" and len(set(ex.send)) > 1:
+        raise ValueError(
+            f"layout 'rows' runs all-to-all with equal splits only (every rank's row segments must "
+            f"line up), got splits {list(ex.send)}: use layout 'cols'"
+        )
+
+
+def buffers(ex: Exchange, plan: Plan, alloc) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+    """(out, buffer, recv) of one call: the [ex.rows, n] result, the flat buffer the GEMM writes
+    (``out`` itself for an all-reduce in the ``rows`` layout) and the flat buffer received rows
+    land in (None for an all-reduce; ``out`` itself in the ``rows`` layout). ``alloc(shape)``
+    makes a tensor."""
+    out = alloc((ex.rows, plan.n))
+    if ex.collective == "all_reduce":
+        return out, out.view(-1) if plan.in_place else alloc((plan.numel,)), None
+    return out, alloc((plan.numel,)), out.view(-1) if plan.layout == "rows" else alloc((ex.rows * plan.n,))
+
+
+def segments(counts: Sequence[int]) -> list[tuple[int, int]]:
+    """Row ranges [start, end) of consecutive blocks of ``counts`` rows."""
+    ends = [sum(counts[: i + 1]) for i in range(len(counts))]
+    return [(end - c, end) for c, end in zip(counts, ends)]
+
+
+def _rows_group(ex: Exchange, plan: Plan, g: int, buffer: torch.Tensor, out: torch.Tensor, group) -> None:
+    """Group ``g`` of the ``rows`` layout (a band of C's rows) for reduce-scatter / all-to-all:
+    each part of the band inside rank d's segment is reduced onto d (NCCL reduce) or sent to d by
+    every rank (grouped send/recv), landing straight in d's result rows."""
+    n, me = plan.n, dist.get_rank(group)
+    r0, r1 = plan.bounds[g] // n, plan.bounds[g + 1] // n
+    ops = []
+    for d, (s0, s1) in enumerate(segments(ex.send)):
+        lo, hi = max(r0, s0), min(r1, s1)
+        if lo >= hi:
+            continue
+        part = buffer[lo * n : hi * n]
+        if ex.collective == "reduce_scatter":
+            dist.reduce(part, group_dst=d, group=group)  # the sum lands in d's part
+            if d == me:
+                out[(lo - s0) * n : (hi - s0) * n].copy_(part)
+            continue
+        if d != me:
+            ops.append(dist.P2POp(dist.isend, part, group=group, group_peer=d))
+            continue
+        for s, (o0, _) in enumerate(segments(ex.recv)):  # from every rank: the same rows of its segment
+            mine = out[(o0 + lo - s0) * n : (o0 + hi - s0) * n]
+            if s == me:
+                mine.copy_(part)
+            else:
+                ops.append(dist.P2POp(dist.irecv, mine, group=group, group_peer=s))
+    if ops:
+        for request in dist.batch_isend_irecv(ops):
+            request.wait()
+
+
 def communicate_group(
     ex: Exchange,
     plan: Plan,
@@ -154,12 +211,15 @@ def communicate_group(
     recv: torch.Tensor | None,
     group: dist.ProcessGroup | None,
 ) -> None:
-    """Group ``g``'s collective on its buffer range; in the ``cols`` layout the received rows
-    land in ``recv`` (one flat [ex.rows * n] buffer, group after group) unless it is None
-    (all-reduce: in place)."""
+    """Group ``g``'s communication: on its buffer range for an all-reduce (in place); in the
+    ``cols`` layout the received rows land in ``recv`` (one flat [ex.rows * n] buffer, group after
+    group); in the ``rows`` layout ``recv`` is the result itself (see :func:`_rows_group`)."""
     chunk = buffer[plan.bounds[g] : plan.bounds[g + 1]]
-    if plan.layout != "cols":
-        collective(ex, chunk.view(1, -1), group)  # all-reduce: any shape, in place
+    if ex.collective == "all_reduce" and plan.layout != "cols":
+        collective(ex, chunk.view(1, -1), group)  # any shape, in place
+        return
+    if plan.layout == "rows":
+        _rows_group(ex, plan, g, buffer, recv, group)
         return
     c0, c1 = plan.columns(g)
     staged = None if recv is None else recv[ex.rows * c0 : ex.rows * c1].view(ex.rows, c1 - c0)
