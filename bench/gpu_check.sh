@@ -10,7 +10,7 @@
 #           reduce-scatter / all-to-all with the defaults and the rows layout (SHAPES, ROUNDS, TRACE)
 #   sm80    the Ampere/Ada kernels forced on Hopper, P2P off, beside the Hopper ones
 #   swizzle each collective (COLLECTIVES) over NVLink with swizzled rasters beside the plain one
-#   tune    the tuner on bench/suite.yaml, all-reduce, NVLink and P2P off (TRANSPORTS) ->
+#   tune    the tuner on bench/suite.yaml, TUNE_COLLECTIVES (all_reduce), NVLink and P2P off (TRANSPORTS) ->
 #           $OUT/tuned/h200_x2.yaml (a copy of configs/h200_x2.yaml, updated)
 #   brute   the tuner with --brute-force 4 on two shapes: its pick against the best measured
 #   suite   bench/suite.yaml with the registry's configs beside the defaults ($OUT/tuned first if there)
@@ -55,11 +55,14 @@ for step in $steps; do
   tune)
     mkdir -p "$OUT/tuned"
     [ -f "$OUT/tuned/h200_x2.yaml" ] || cp configs/h200_x2.yaml "$OUT/tuned/h200_x2.yaml"
-    for transport in ${TRANSPORTS:-nvlink pcie}; do
-      timeout 420 torchrun --nproc-per-node "$NGPU" -m flashoverlap.tune --collective all_reduce \
-        --transport "$transport" --shapes-file bench/suite.yaml --output "$OUT/tuned/h200_x2.yaml" \
-        --csv "$OUT/tune_$transport.csv" > "$OUT/tune_$transport.log" 2>&1
-      tail -12 "$OUT/tune_$transport.log"
+    for collective in ${TUNE_COLLECTIVES:-all_reduce}; do
+      for transport in ${TRANSPORTS:-nvlink pcie}; do
+        name=tune_$transport; [ "$collective" = all_reduce ] || name=tune_${collective}_$transport
+        timeout 420 torchrun --nproc-per-node "$NGPU" -m flashoverlap.tune --collective "$collective" \
+          --transport "$transport" --shapes-file bench/suite.yaml --output "$OUT/tuned/h200_x2.yaml" \
+          --csv "$OUT/$name.csv" > "$OUT/$name.log" 2>&1
+        tail -12 "$OUT/$name.log"
+      done
     done ;;
   brute)
     timeout 420 torchrun --nproc-per-node "$NGPU" -m flashoverlap.tune --collective all_reduce --transport nvlink \

@@ -227,11 +227,17 @@ def run_overlapped(
     return out
 
 
-def tuned_config(a: torch.Tensor, world: int, collective: str, shape: tuple[int, int, int]) -> OverlapConfig:
-    """The registry's config for this call (flashoverlap.registry), else the built-in defaults."""
+def tuned_config(
+    a: torch.Tensor, world: int, collective: str, shape: tuple[int, int, int], splits: Sequence[int] | None = None
+) -> OverlapConfig:
+    """The registry's config for this call (flashoverlap.registry), else the built-in defaults
+    (also where the entry's ``rows`` layout cannot take the call's unequal all-to-all splits:
+    entries are tuned with equal ones)."""
     gpu = torch.cuda.get_device_name(a.device)
     found = registry.lookup(gpu, world, collective, registry.transport(), DTYPES[a.dtype], shape)
-    return found if found is not None else OverlapConfig()
+    if found is None or (found.layout == "rows" and splits is not None and len(set(splits)) > 1):
+        return OverlapConfig()
+    return found
 
 
 def _gemm_collective(
@@ -247,7 +253,7 @@ def _gemm_collective(
     world = world_size(group)
     explicit = for_collective(resolve(config), collective) if config is not None else None
     m, n, k = check_inputs(a, weight, weight_layout)
-    cfg = explicit or for_collective(tuned_config(a, world, collective, (m, n, k)), collective)
+    cfg = explicit or for_collective(tuned_config(a, world, collective, (m, n, k), splits), collective)
     with torch.cuda.device(a.device):  # the kernels launch on the current device
         # prepared before anything is communicated: a config this GPU has no kernel for fails first
         prep = None if world == 1 or cfg.sequential else prepare(m, n, k, a.dtype, weight_layout, a.device, cfg)

@@ -179,7 +179,18 @@ def choose(problem: Problem, gemm_full_ms: float, margin: float = 0.02) -> Choic
 
 # --- measuring on GPUs: python -m flashoverlap.tune (under torchrun) -----------------------------
 
-DEFAULT_CANDIDATES = ({}, {"comm_sms": 8}, {"comm_sms": 24}, {"tile_n": 128}, {"swizzle": 4}, {"scheduler": "streamk"})
+# Per collective; reduce-scatter / all-to-all also try the row-band layout (equal splits)
+DEFAULT_CANDIDATES = {
+    "all_reduce": ({}, {"comm_sms": 8}, {"comm_sms": 24}, {"tile_n": 128}, {"swizzle": 4}, {"scheduler": "streamk"}),
+    "reduce_scatter": (
+        {},
+        {"comm_sms": 24},
+        {"layout": "rows"},
+        {"layout": "rows", "comm_sms": 8},
+        {"layout": "rows", "comm_sms": 24},
+    ),
+}
+DEFAULT_CANDIDATES["all_to_all"] = DEFAULT_CANDIDATES["reduce_scatter"]
 COMM_SIZES_MB = (1, 2, 4, 8, 16, 32, 64)
 
 
@@ -426,7 +437,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     import torch.distributed as dist
 
     from . import bench
-    from .config import json_object
+    from .config import for_collective, json_object, resolve
 
     parser = argparse.ArgumentParser(
         prog="python -m flashoverlap.tune",
@@ -436,7 +447,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--collective", choices=("all_reduce", "reduce_scatter", "all_to_all"), default="all_reduce")
     parser.add_argument("--shapes", nargs="+", type=bench.parse_shape, help="MxNxK ...")
     parser.add_argument("--shapes-file", help="YAML list of shapes (see python -m flashoverlap.bench)")
-    parser.add_argument("--candidates", nargs="+", type=json_object, default=list(DEFAULT_CANDIDATES))
+    parser.add_argument(
+        "--candidates", nargs="+", type=json_object, help="configs to tune from, JSON (default: per collective)"
+    )
     parser.add_argument("--transport", choices=sorted(bench.TRANSPORTS), default="nvlink")
     parser.add_argument("--dtype", choices=["bfloat16", "float16"], default="bfloat16")
     parser.add_argument("--rounds", type=int, default=10)
@@ -458,6 +471,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     shapes = list(args.shapes or []) + (bench.load_shapes(args.shapes_file) if args.shapes_file else [])
     if not shapes:
         parser.error("give --shapes and/or --shapes-file")
+    candidates = args.candidates or list(DEFAULT_CANDIDATES[args.collective])
+    for candidate in candidates:  # before any process group or GPU work
+        try:
+            for_collective(resolve(candidate), args.collective)
+        except ValueError as exc:
+            parser.error(f"candidate {json.dumps(candidate)}: {exc}")
     if "RANK" not in os.environ:
         print("run under torchrun, e.g. torchrun --nproc-per-node 2 -m flashoverlap.tune ...", file=sys.stderr)
         return 2
@@ -473,7 +492,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             found, summary = tune_shape(
                 shape,
                 args.collective,
-                args.candidates,
+                candidates,
                 dtype,
                 args.transport,
                 args.rounds,

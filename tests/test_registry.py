@@ -9,7 +9,6 @@ import yaml
 from flashoverlap import registry
 from flashoverlap.config import OverlapConfig
 
-RS_ROWS = {"layout": "rows"}
 ENTRY = {"collective": "all_reduce", "transport": "nvlink", "dtype": "bfloat16", "shape": [4096, 8192, 8192]}
 
 
@@ -121,3 +120,22 @@ def test_transport_follows_the_nccl_environment(monkeypatch):
     assert registry.transport() == "net"
     monkeypatch.delenv("NCCL_P2P_DISABLE")
     assert registry.transport() == "nvlink"  # no GPUs here to say otherwise
+
+
+def test_a_rows_entry_is_not_used_for_unequal_all_to_all_splits(tmp_path, monkeypatch):
+    """Entries are tuned with equal splits; a call with unequal ones, which the rows layout cannot
+    carry, gets the defaults instead of an error."""
+    import torch
+
+    from flashoverlap.overlap import tuned_config
+
+    a2a = {**ENTRY, "collective": "all_to_all", "config": {"layout": "rows", "comm_sms": 8}}
+    write(tmp_path, {"gpu": "NVIDIA H200", "world": 2, "entries": [a2a]})
+    monkeypatch.setenv("FLASHOVERLAP_CONFIG_DIRS", str(tmp_path))
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda device=None: "NVIDIA H200")
+    monkeypatch.setattr(registry, "transport", lambda: "nvlink")
+    a = torch.empty(4096, 8192, dtype=torch.bfloat16)
+    shape = (4096, 8192, 8192)
+    assert tuned_config(a, 2, "all_to_all", shape) == OverlapConfig(layout="rows", comm_sms=8, partition=None)
+    assert tuned_config(a, 2, "all_to_all", shape, splits=[2048, 2048]).comm_sms == 8
+    assert tuned_config(a, 2, "all_to_all", shape, splits=[1000, 3096]) == OverlapConfig()

@@ -175,6 +175,10 @@ def test_summary_and_cli_errors(capsys, monkeypatch):
     monkeypatch.delenv("RANK", raising=False)
     assert tune.main(["--shapes", "8x8x8", "--output", "x.yaml"]) == 2
     assert "torchrun" in capsys.readouterr().err
+    with pytest.raises(SystemExit):  # a candidate the collective cannot take, before anything runs
+        tune.main(["--collective", "reduce_scatter", "--shapes", "8x8x8", "--output", "x.yaml",
+                   "--candidates", '{"layout": "tiles"}'])  # fmt: skip
+    assert 'candidate {"layout": "tiles"}: reduce_scatter needs layout' in capsys.readouterr().err
 
 
 def test_partitions_enumerate_every_split_once():
@@ -219,6 +223,7 @@ def test_default_candidates_are_prebuilt_for_hopper():
 
     items = precompile.load_items(str(Path(__file__).resolve().parent.parent / "bench" / "kernels.yaml"))
     prebuilt = {precompile.spec_for(*precompile.call_and_config(item), (9, 0)) for item in items}
-    for candidate in DEFAULT_CANDIDATES:
-        call, cfg = precompile.call_and_config(dict(candidate))
-        assert precompile.spec_for(call, cfg, (9, 0)) in prebuilt, candidate
+    for collective, candidates in DEFAULT_CANDIDATES.items():
+        for candidate in candidates:
+            call, cfg = precompile.call_and_config({**candidate, "collective": collective})
+            assert precompile.spec_for(call, cfg, (9, 0)) in prebuilt, (collective, candidate)
