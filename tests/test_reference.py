@@ -136,3 +136,28 @@ def test_a_wrong_group_range_is_caught():
                 assert not torch.isnan(out).any()
         finally:
             dist.destroy_process_group()
+
+
+def subgroup_worker(rank: int, world: int, store_path: str):
+    """Ranks 1 and 2 of 3 run the rows layout on their own group: its ranks are not global ranks."""
+    dist.init_process_group("gloo", store=dist.FileStore(store_path, world), rank=rank, world_size=world)
+    try:
+        sub = dist.new_group([1, 2])
+        if rank == 0:
+            return
+        m, n, k = 4 * 128, 192, 40  # four tile rows, one group per tile row: each segment in two groups
+        plan = make_plan(m, n, tile_m=128, tile_n=64, cluster_m=1, ctas=3, partition=(1, 1, 1, 1))
+        a, w = operands(7, rank, m, n, k, torch.bfloat16, "nk")
+        for collective in ("reduce_scatter", "all_to_all"):
+            ex = comm.exchange(collective, m, 2)
+            out = run_plan(a, w, plan, ex, group=sub)
+            want = sequential(a, w, "nk", ex, sub).double()
+            rel = ((out.double() - want).norm() / want.norm()).item()
+            assert rel < 1e-2, f"{collective} on a subgroup: rel err {rel:.2e}"
+    finally:
+        dist.destroy_process_group()
+
+
+def test_rows_layout_on_a_subgroup():
+    with tempfile.TemporaryDirectory() as tmp:
+        mp.spawn(subgroup_worker, args=(3, os.path.join(tmp, "store")), nprocs=3, join=True)

@@ -177,6 +177,8 @@ def _rows_group(ex: Exchange, plan: Plan, g: int, buffer: torch.Tensor, out: tor
     each part of the band inside rank d's segment is reduced onto d (NCCL reduce) or sent to d by
     every rank (grouped send/recv), landing straight in d's result rows."""
     n, me = plan.n, dist.get_rank(group)
+    pg = group if group is not None else dist.group.WORLD
+    peer = [dist.get_global_rank(pg, r) for r in range(len(ex.send))]  # torch >= 2.4 takes global ranks
     r0, r1 = plan.bounds[g] // n, plan.bounds[g + 1] // n
     ops = []
     for d, (s0, s1) in enumerate(segments(ex.send)):
@@ -185,19 +187,19 @@ def _rows_group(ex: Exchange, plan: Plan, g: int, buffer: torch.Tensor, out: tor
             continue
         part = buffer[lo * n : hi * n]
         if ex.collective == "reduce_scatter":
-            dist.reduce(part, group_dst=d, group=group)  # the sum lands in d's part
+            dist.reduce(part, peer[d], group=group)  # the sum lands in d's part
             if d == me:
                 out[(lo - s0) * n : (hi - s0) * n].copy_(part)
             continue
         if d != me:
-            ops.append(dist.P2POp(dist.isend, part, group=group, group_peer=d))
+            ops.append(dist.P2POp(dist.isend, part, peer[d], group))
             continue
         for s, (o0, _) in enumerate(segments(ex.recv)):  # from every rank: the same rows of its segment
             mine = out[(o0 + lo - s0) * n : (o0 + hi - s0) * n]
             if s == me:
                 mine.copy_(part)
             else:
-                ops.append(dist.P2POp(dist.irecv, mine, group=group, group_peer=s))
+                ops.append(dist.P2POp(dist.irecv, mine, peer[s], group))
     if ops:
         for request in dist.batch_isend_irecv(ops):
             request.wait()
