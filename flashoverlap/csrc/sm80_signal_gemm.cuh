@@ -158,9 +158,18 @@ flashoverlap::Raster raster(int M, int N, int swizzle) {
   return flashoverlap::make_raster((M + Kernel::kM - 1) / Kernel::kM, (N + Kernel::kN - 1) / Kernel::kN, swizzle);
 }
 
+// Under an SM budget (sm_count below the device's SMs) one CTA per SM: the hardware spreads
+// resident blocks over every SM, so two per SM on sm_count SMs' worth would leave none free for NCCL.
 int grid_size(int M, int N, int sm_count, int swizzle) {
   flashoverlap::Raster const r = raster(M, N, swizzle);
-  return int(std::min<long long>((long long)r.padded_m * r.padded_n, (long long)sm_count * blocks_per_sm()));
+  int device = 0, sms = 0;
+  if (cudaGetDevice(&device) != cudaSuccess ||
+      cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device) != cudaSuccess) {
+    return 0;
+  }
+  int const blocks = blocks_per_sm();
+  long long const per_sm = sm_count < sms ? std::min(blocks, 1) : blocks;
+  return int(std::min<long long>((long long)r.padded_m * r.padded_n, (long long)sm_count * per_sm));
 }
 
 }  // namespace
@@ -171,7 +180,7 @@ char const* fo_last_error() { return g_error; }
 
 int fo_signals_per_tile() { return Kernel::kSignalsPerTile; }
 
-// Persistent CTAs: at most sm_count SMs' worth of resident blocks (the SM budget), one per tile.
+// Persistent CTAs: at most one per tile and sm_count SMs' worth (see grid_size).
 int fo_num_ctas(int M, int N, int, int sm_count, int, int, int swizzle) { return grid_size(M, N, sm_count, swizzle); }
 
 int fo_stream_k_tiles(int, int, int, int, int, int, int) { return 0; }
