@@ -4,8 +4,12 @@ mkdir -p "$OUT"
 export PYTHONUNBUFFERED=1 NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
 export FLASHOVERLAP_CACHE_DIR=${FLASHOVERLAP_CACHE_DIR:-$PWD/.kcache}
 if compgen -G ".whl/*.whl" >/dev/null; then
-  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl || exit 1
+  # a fresh target each time: sourcing this a second time on one machine once left cutlass_library
+  # unimportable
+  rm -rf /tmp/site
+  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target /tmp/site .whl/*.whl || exit 1
   export PYTHONPATH=/tmp/site
+  python3 -c 'import cutlass_library' || { echo "cutlass_library not importable from /tmp/site" >&2; exit 1; }
 fi
 export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH}
 NGPU=$(python3 -c 'import torch; print(torch.cuda.device_count())')
