@@ -235,7 +235,7 @@ def tuned_config(
     entries are tuned with equal ones)."""
     gpu = torch.cuda.get_device_name(a.device)
     found = registry.lookup(gpu, world, collective, registry.transport(), DTYPES[a.dtype], shape)
-    if found is None or (found.layout == "rows" and splits is not None and len(set(splits)) > 1):
+    if found is None or (found.layout == "rows" and not comm.rows_carry(collective, splits)):
         return OverlapConfig()
     return found
 

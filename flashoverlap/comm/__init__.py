@@ -7,6 +7,7 @@ one contiguous range per group, so any backend and transport works.
 from __future__ import annotations
 
 import hashlib
+import itertools
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -146,9 +147,15 @@ def collective(ex: Exchange, data: torch.Tensor, group: dist.ProcessGroup | None
     return out
 
 
+def rows_carry(collective: str, send: Sequence[int] | None) -> bool:
+    """Whether the ``rows`` layout can carry a call sending ``send`` rows to each rank (None: equal
+    splits): all-to-all only with equal splits, whose segments line up on every rank."""
+    return collective != "all_to_all" or send is None or len(set(send)) <= 1
+
+
 def check_layout(ex: Exchange, layout: str) -> None:
     """Raise where ``layout`` cannot carry ``ex`` (before anything is launched)."""
-    if layout == "rows" and ex.collective == "all_to_all" and len(set(ex.send)) > 1:
+    if layout == "rows" and not rows_carry(ex.collective, ex.send):
         raise ValueError(
             f"layout 'rows' runs all-to-all with equal splits only (every rank's row segments must "
             f"line up), got splits {list(ex.send)}: use layout 'cols'"
@@ -168,8 +175,7 @@ def buffers(ex: Exchange, plan: Plan, alloc) -> tuple[torch.Tensor, torch.Tensor
 
 def segments(counts: Sequence[int]) -> list[tuple[int, int]]:
     """Row ranges [start, end) of consecutive blocks of ``counts`` rows."""
-    ends = [sum(counts[: i + 1]) for i in range(len(counts))]
-    return [(end - c, end) for c, end in zip(counts, ends)]
+    return [(end - c, end) for c, end in zip(counts, itertools.accumulate(counts))]
 
 
 def _rows_group(ex: Exchange, plan: Plan, g: int, buffer: torch.Tensor, out: torch.Tensor, group) -> None:
