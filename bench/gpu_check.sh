@@ -13,7 +13,8 @@
 #   tune    the tuner on bench/suite.yaml, TUNE_COLLECTIVES (all_reduce), NVLink and P2P off (TRANSPORTS) ->
 #           $OUT/tuned/h200_x2.yaml (a copy of configs/h200_x2.yaml, updated)
 #   brute   the tuner with --brute-force 4 on two shapes: its pick against the best measured
-#   suite   bench/suite.yaml with the registry's configs beside the defaults ($OUT/tuned first if there)
+#   suite   bench/suite.yaml with the registry's configs beside the defaults ($OUT/tuned first if there),
+#           for SUITE_COLLECTIVES (all_reduce), NVLink and P2P off (TRANSPORTS)
 #   host    host time per call of each path on a host-bound shape, and where it goes (bench/host_profile.py)
 set -uo pipefail
 source bench/gpu_env.sh
@@ -35,10 +36,10 @@ for step in $steps; do
         --configs ${CONFIGS:-'{}'} --rounds "${ROUNDS:-15}" --csv "$OUT/all_reduce_$transport.csv" \
         ${TRACE:+--trace "$OUT/trace_$transport.json"}
       bench "reduce_scatter_$transport" -- --transport "$transport" --collective reduce_scatter \
-        --shapes 16384x8192x4096 --configs '{}' '{"layout": "rows"}' '{"layout": "rows", "comm_sms": 24}' \
+        --shapes 16384x8192x4096 --configs '{}' '{"layout": "rows"}' '{"layout": "rows", "comm_sms": 8}' '{"layout": "rows", "comm_sms": 24}' \
         --rounds "${ROUNDS:-15}" --csv "$OUT/reduce_scatter_$transport.csv"
       bench "all_to_all_$transport" -- --transport "$transport" --collective all_to_all \
-        --shapes 8192x4096x7168 --configs '{}' '{"layout": "rows"}' '{"layout": "rows", "comm_sms": 24}' \
+        --shapes 8192x4096x7168 --configs '{}' '{"layout": "rows"}' '{"layout": "rows", "comm_sms": 8}' '{"layout": "rows", "comm_sms": 24}' \
         --rounds "${ROUNDS:-15}" --csv "$OUT/all_to_all_$transport.csv"
     done ;;
   sm80)
@@ -70,10 +71,12 @@ for step in $steps; do
       > "$OUT/brute.log" 2>&1
     tail -6 "$OUT/brute.log" ;;
   suite)
-    for transport in nvlink pcie; do
-      bench "suite_$transport" FLASHOVERLAP_CONFIG_DIRS="$OUT/tuned" -- --transport "$transport" \
-        --shapes-file bench/suite.yaml --rounds "${ROUNDS:-15}" \
-        --configs registry '{}' --csv "$OUT/suite_$transport.csv"
+    for collective in ${SUITE_COLLECTIVES:-all_reduce}; do
+      for transport in ${TRANSPORTS:-nvlink pcie}; do
+        name=suite_$transport; [ "$collective" = all_reduce ] || name=suite_${collective}_$transport
+        bench "$name" FLASHOVERLAP_CONFIG_DIRS="$OUT/tuned" -- --transport "$transport" --collective "$collective" \
+          --shapes-file bench/suite.yaml --rounds "${ROUNDS:-15}" --configs registry '{}' --csv "$OUT/$name.csv"
+      done
     done ;;
   host)
     timeout 120 torchrun --nproc-per-node "$NGPU" bench/host_profile.py > "$OUT/host.log" 2>&1

@@ -160,10 +160,13 @@ def time_variants(
     host free to run ahead as in a model's forward pass (launch overhead counts only where it
     stalls the GPU); variants take turns round by round so drift hits all of them alike, in an
     order shuffled each round so that none always follows the same one (in a fixed order,
-    identical work measured up to 5 % apart).
+    identical work measured up to 5 % apart). Every rank must pass the same variants in the same
+    order: checked first, so that a divergence is an error on every rank instead of a hang.
     """
+    from . import comm
+
     torch.cuda.synchronize()
-    dist.barrier()
+    comm.agree(None, "time_variants: " + ", ".join(variants), torch.device("cuda", torch.cuda.current_device()))
     for i in range(warmup):
         for fn in variants.values():
             fn(i)
@@ -267,7 +270,7 @@ def bench_shape(shape, configs, collective, dtype, rounds, block, warmup, chunks
     if fused is not None:
         variants["asynctp"] = lambda i: fused(a[i % sets], w[i % sets])
     cfgs = [
-        for_collective(resolve(cfg) if cfg is not None else tuned_config(a[0], world, collective, shape), collective)
+        for_collective(resolve(cfg) if cfg is not None else tuned_config(a[0], world, ex, shape), collective)
         for cfg in configs
     ]
     errors = {}

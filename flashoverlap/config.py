@@ -131,6 +131,11 @@ def for_collective(cfg: OverlapConfig, collective: str) -> OverlapConfig:
             f"{collective} needs layout 'cols' or 'rows' (groups that split into per-rank row segments), "
             f"got layout {layout!r}"
         )
+    if collective != "all_reduce" and layout == "rows" and cfg.scheduler != "persistent":
+        raise ValueError(
+            f"{collective} in layout 'rows' rotates the persistent schedule (comm.rows_rotation); "
+            f"scheduler {cfg.scheduler!r} cannot: use scheduler 'persistent' or layout 'cols'"
+        )
     if cfg.epilogue == "tma" and layout != "rows":
         raise ValueError(f"epilogue 'tma' writes C in place and needs layout 'rows', got layout {layout!r}")
     return dataclasses.replace(cfg, layout=layout)

@@ -27,9 +27,9 @@ import torch.distributed as dist
 
 from . import comm, registry, signal
 from .comm import Exchange
-from .config import OverlapConfig, for_collective, kernel_spec, resolve
+from .config import OverlapConfig, for_collective, for_device, kernel_spec, resolve
 from .gemm import SignalGemm, get_kernel
-from .plan import Plan, make_plan
+from .plan import Plan, make_plan, rotation_rows
 
 DTYPES = {torch.bfloat16: "bfloat16", torch.float16: "float16"}
 WEIGHT_LAYOUTS = ("nk", "kn")
@@ -118,6 +118,7 @@ class Prepared:
             self.sm_count,
             self.plan.along_m,
             self.plan.swizzle,
+            self.plan.rotate,
             stream,
         )
 
@@ -129,11 +130,20 @@ _comm_streams: dict[int, torch.cuda.Stream] = {}
 
 
 def prepare(
-    m: int, n: int, k: int, dtype: torch.dtype, weight_layout: str, device: torch.device, cfg: OverlapConfig
+    m: int,
+    n: int,
+    k: int,
+    dtype: torch.dtype,
+    weight_layout: str,
+    device: torch.device,
+    cfg: OverlapConfig,
+    rotate: int = 0,
 ) -> Prepared:
+    """The plan, kernel and device tables of one call; ``rotate``: rows of C the schedule starts
+    at (comm.rows_rotation)."""
     if cfg.layout == "auto":
         raise ValueError("prepare() takes a config resolved for its collective (config.for_collective)")
-    key = (m, n, k, dtype, weight_layout, device.index, cfg)
+    key = (m, n, k, dtype, weight_layout, device.index, cfg, rotate)
     if key in _prepared:
         _prepared.move_to_end(key)
         return _prepared[key]
@@ -156,6 +166,7 @@ def prepare(
         partition=cfg.partition,
         layout=cfg.layout,
         swizzle=cfg.swizzle,
+        rotate=rotate // cfg.tile_m,
     )
     slots = torch.from_numpy(plan.slot_table().view("u1")).to(device)
     counters = torch.zeros(plan.num_groups, dtype=torch.int32, device=device)
@@ -177,6 +188,7 @@ def check_agreement(prep: Prepared, collective: str, group: dist.ProcessGroup) -
     if key in prep.agreed and signal.debug_timeout() is None:
         return
     plan = prep.plan
+    # (the rotation differs by rank on purpose: comm.rows_rotation)
     description = f"{collective} M={plan.m} N={plan.n} {prep.kernel.spec} groups={plan.bounds} ctas={plan.ctas}"
     comm.agree(group, description, prep.counters.device)
     prep.agreed.add(key)
@@ -213,7 +225,7 @@ def run_overlapped(
         for g, target in enumerate(prep.targets):
             signal.wait_geq(stream, prep.counters, g, target, timeout, prep.report)
             on = tail_group if g == last and tail_group is not None else group
-            comm.communicate_group(ex, plan, g, buffer, recv, on)
+            comm.communicate_group(ex, plan, g, buffer, recv, out, on)
         prep.counters.zero_()  # stream-ordered: the next call's GEMM waits for it through `caller`
     # Memory the communication stream still uses must not be reused before it is done (these are
     # freed on return, or when the plan leaves the cache).
@@ -227,17 +239,20 @@ def run_overlapped(
     return out
 
 
-def tuned_config(
-    a: torch.Tensor, world: int, collective: str, shape: tuple[int, int, int], splits: Sequence[int] | None = None
-) -> OverlapConfig:
+def tuned_config(a: torch.Tensor, world: int, ex: Exchange, shape: tuple[int, int, int]) -> OverlapConfig:
     """The registry's config for this call (flashoverlap.registry), else the built-in defaults
-    (also where the entry's ``rows`` layout cannot take the call's unequal all-to-all splits:
-    entries are tuned with equal ones)."""
+    (also where the entry's ``rows`` layout cannot take the call's segments, e.g. unequal
+    all-to-all splits: entries are tuned with equal ones)."""
     gpu = torch.cuda.get_device_name(a.device)
-    found = registry.lookup(gpu, world, collective, registry.transport(), DTYPES[a.dtype], shape)
-    if found is None or (found.layout == "rows" and not comm.rows_carry(collective, splits)):
+    found = registry.lookup(gpu, world, ex.collective, registry.transport(), DTYPES[a.dtype], shape)
+    if found is None or (found.layout == "rows" and not comm.rows_carry(ex, rotation_unit(found, shape))):
         return OverlapConfig()
     return found
+
+
+def rotation_unit(cfg: OverlapConfig, shape: tuple[int, int, int]) -> int:
+    """Rows the ``rows`` layout's schedule rotates by under ``cfg`` (plan.rotation_rows)."""
+    return rotation_rows(shape[0], shape[1], cfg.tile_m, cfg.tile_n, cfg.cluster_m, cfg.swizzle)
 
 
 def _gemm_collective(
@@ -253,14 +268,16 @@ def _gemm_collective(
     world = world_size(group)
     explicit = for_collective(resolve(config), collective) if config is not None else None
     m, n, k = check_inputs(a, weight, weight_layout)
-    cfg = explicit or for_collective(tuned_config(a, world, collective, (m, n, k), splits), collective)
     with torch.cuda.device(a.device):  # the kernels launch on the current device
-        # prepared before anything is communicated: a config this GPU has no kernel for fails first
-        prep = None if world == 1 or cfg.sequential else prepare(m, n, k, a.dtype, weight_layout, a.device, cfg)
+        if explicit is not None and world > 1 and not explicit.sequential:  # no kernel here: fail before communicating
+            for_device(explicit, torch.cuda.get_device_capability(a.device))
         ex = comm.exchange(collective, m, world, splits, output_splits, group, a.device)
-        if prep is None:
+        cfg = explicit or for_collective(tuned_config(a, world, ex, (m, n, k)), collective)
+        if world == 1 or cfg.sequential:
             return sequential(a, weight, weight_layout, ex, group)
-        comm.check_layout(ex, cfg.layout)
+        comm.check_layout(ex, cfg.layout, rotation_unit(cfg, (m, n, k)))
+        rotate = comm.rows_rotation(ex, dist.get_rank(group)) if cfg.layout == "rows" else 0
+        prep = prepare(m, n, k, a.dtype, weight_layout, a.device, cfg, rotate)
         full = group if group is not None else dist.group.WORLD
         check_agreement(prep, collective, full)
         budget = comm.budget_group(full, cfg.comm_sms)

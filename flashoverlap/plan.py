@@ -12,7 +12,9 @@ Layouts of the output buffer:
 * ``rows``: group boundaries are rounded to whole bands of tile rows (a band is the
   ``cluster_m`` tile rows the scheduler walks together). Each band goes to the group in which
   its last tile finishes, so every group is a contiguous row range of row-major C: tiles are
-  stored in place and no restore is needed.
+  stored in place and no restore is needed. With ``rotate`` the scheduler walks the tile rows
+  from row ``rotate`` on, wrapping around: group ranges are then rows of C rotated up by
+  ``rotate`` tile rows (``bounds`` count in that rotated order).
 * ``tiles``: groups are exactly the requested waves. Each group's tiles are packed back to back
   (a tile of r x c valid elements occupies r*c elements with leading dimension c) and C is
   restored afterwards by one gather.
@@ -59,7 +61,9 @@ def scheduler_grid(tiles_m: int, tiles_n: int, cluster_m: int, swizzle: int = 1)
     return -(-tiles_m // (size * cluster_m)) * size * cluster_m, -(-tiles_n // size) * size, size
 
 
-def schedule_order(tiles_m: int, tiles_n: int, cluster_m: int, along_m: bool = False, swizzle: int = 1) -> np.ndarray:
+def schedule_order(
+    tiles_m: int, tiles_n: int, cluster_m: int, along_m: bool = False, swizzle: int = 1, rotate: int = 0
+) -> np.ndarray:
     """Tile id (``mt * tiles_n + nt``) for each linear scheduler index, -1 for padding.
 
     Mirrors CUTLASS's ``PersistentTileSchedulerSm90`` as the generated kernels configure it:
@@ -69,6 +73,7 @@ def schedule_order(tiles_m: int, tiles_n: int, cluster_m: int, along_m: bool = F
     reuses its operands in L2; ``s`` = 1 is a plain raster. The grid is padded to whole clusters
     and panels (:func:`scheduler_grid`); padded indices own no output. CTA ``j`` of a grid of
     ``ctas`` handles indices ``j, j + ctas, ...``, so index ``i`` runs in wave ``i // ctas``.
+    ``rotate``: tile rows are walked from row ``rotate`` on (csrc/rotating_scheduler.cuh).
     """
     padded_m, padded_n, size = scheduler_grid(tiles_m, tiles_n, cluster_m, swizzle)
     cluster, within = np.divmod(np.arange(padded_m * padded_n, dtype=np.int64), cluster_m)
@@ -79,7 +84,14 @@ def schedule_order(tiles_m: int, tiles_n: int, cluster_m: int, along_m: bool = F
     else:
         panel, major = np.divmod(extra, padded_n)
         mt, nt = (panel * size + offset) * cluster_m + within, major
+    mt = (mt + rotate) % padded_m
     return np.where((mt < tiles_m) & (nt < tiles_n), mt * tiles_n + nt, -1)
+
+
+def rotation_rows(m: int, n: int, tile_m: int, tile_n: int, cluster_m: int, swizzle: int = 1) -> int:
+    """Rows a rotated schedule turns by at a time: the tile rows the raster walks as one unit
+    (clusters, swizzle panels), so that rotating keeps each wave's tiles."""
+    return tile_m * cluster_m * scheduler_grid(math.ceil(m / tile_m), math.ceil(n / tile_n), cluster_m, swizzle)[2]
 
 
 def scheduled_tiles(m: int, n: int, tile_m: int, tile_n: int, cluster_m: int, swizzle: int = 1) -> int:
@@ -138,6 +150,7 @@ class Plan:
     stream_k_tiles: int
     swizzle: int  # as applied (see effective_swizzle)
     layout: str
+    rotate: int  # tile rows the schedule starts at (see the module doc)
     partition: tuple[int, ...]  # waves per group, as requested
     tiles_m: int
     tiles_n: int
@@ -146,7 +159,7 @@ class Plan:
     group: np.ndarray  # per tile id
     offset: np.ndarray  # per tile id: element offset in the buffer
     ld: np.ndarray  # per tile id: leading dimension in the buffer
-    bounds: tuple[int, ...]  # group g owns buffer elements [bounds[g], bounds[g + 1])
+    bounds: tuple[int, ...]  # group g owns buffer elements [bounds[g], bounds[g + 1]) (rotated, see above)
     tiles_per_group: tuple[int, ...]
 
     @property
@@ -175,6 +188,11 @@ class Plan:
         if self.layout != "cols":
             raise ValueError(f"group columns exist in the 'cols' layout, this plan is {self.layout!r}")
         return self.bounds[group] // self.m, self.bounds[group + 1] // self.m
+
+    @property
+    def rotation_rows(self) -> int:
+        """Rows its schedule can rotate by at a time (see :func:`rotation_rows`)."""
+        return rotation_rows(self.m, self.n, self.tile_m, self.tile_n, self.cluster_m, self.swizzle)
 
     @property
     def in_place(self) -> bool:
@@ -220,11 +238,14 @@ def make_plan(
     partition: tuple[int, ...] | None = None,
     layout: str = "rows",
     swizzle: int = 1,
+    rotate: int = 0,
 ) -> Plan:
     """Plan C[m, n] computed by a persistent grid of ``ctas`` CTAs; see the module doc.
 
     ``stream_k_tiles``: leading tiles a stream-K schedule splits along K (0: none).
     ``swizzle``: the most the scheduler may swizzle (see :func:`schedule_order`).
+    ``rotate``: tile rows the ``rows`` layout's schedule starts at, a multiple of
+    :func:`rotation_rows` / ``tile_m`` below the tile rows (0: none).
     """
     for name, value in (
         ("m", m),
@@ -242,7 +263,16 @@ def make_plan(
         raise ValueError(f"swizzle must be one of {SWIZZLES}, got {swizzle!r}")
 
     tiles_m, tiles_n = math.ceil(m / tile_m), math.ceil(n / tile_n)
-    order_padded = schedule_order(tiles_m, tiles_n, cluster_m, along_m=layout == "cols", swizzle=swizzle)
+    if rotate:
+        unit = rotation_rows(m, n, tile_m, tile_n, cluster_m, swizzle) // tile_m
+        if layout != "rows" or stream_k_tiles or m % (unit * tile_m):
+            raise ValueError(
+                f"a rotated schedule needs the 'rows' layout, no stream-K tiles and M a multiple of "
+                f"{unit * tile_m} rows (got layout {layout!r}, M={m})"
+            )
+        if not isinstance(rotate, (int, np.integer)) or not 0 <= rotate < tiles_m or rotate % unit:
+            raise ValueError(f"rotate must be a multiple of {unit} tile rows in [0, {tiles_m}), got {rotate!r}")
+    order_padded = schedule_order(tiles_m, tiles_n, cluster_m, along_m=layout == "cols", swizzle=swizzle, rotate=rotate)
     if not isinstance(stream_k_tiles, (int, np.integer)) or not 0 <= stream_k_tiles <= len(order_padded):
         raise ValueError(f"stream_k_tiles must be in [0, {len(order_padded)}], got {stream_k_tiles!r}")
     if stream_k_tiles and swizzle > 1:
@@ -290,6 +320,7 @@ def make_plan(
         stream_k_tiles=int(stream_k_tiles),
         swizzle=scheduler_grid(tiles_m, tiles_n, cluster_m, swizzle)[2],
         layout=layout,
+        rotate=int(rotate),
         partition=partition,
         tiles_m=tiles_m,
         tiles_n=tiles_n,

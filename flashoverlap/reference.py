@@ -33,7 +33,12 @@ def run_plan(
     if (m, n) != (plan.m, plan.n):
         raise ValueError(f"plan is for a {plan.m}x{plan.n} output, operands give {m}x{n}")
     b = (weight.t() if weight_layout == "nk" else weight).float()
-    comm.check_layout(ex, plan.layout)
+    comm.check_layout(ex, plan.layout, plan.rotation_rows)
+    start = comm.rows_rotation(ex, dist.get_rank(group)) if plan.layout == "rows" else 0
+    if plan.rotate * plan.tile_m != start:
+        raise ValueError(
+            f"this rank's plan must start at row {start} (comm.rows_rotation), not {plan.rotate * plan.tile_m}"
+        )
     out, buffer, recv = comm.buffers(ex, plan, lambda shape: torch.full(shape, float("nan"), dtype=a.dtype))
     remaining = np.array(plan.tiles_per_group)
     issued = 0
@@ -42,7 +47,7 @@ def run_plan(
         slot_view(buffer, plan, int(tile)).copy_(a[r0 : r0 + rows].float() @ b[:, c0 : c0 + cols])
         remaining[plan.group[tile]] -= 1
         while issued < plan.num_groups and remaining[issued] == 0:
-            comm.communicate_group(ex, plan, issued, buffer, recv, group)
+            comm.communicate_group(ex, plan, issued, buffer, recv, out, group)
             issued += 1
     if issued != plan.num_groups:
         raise AssertionError(f"plan left groups {list(range(issued, plan.num_groups))} incomplete")

@@ -8,7 +8,7 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from flashoverlap.comm import agree, check_layout, exchange, segments
+from flashoverlap.comm import agree, check_layout, exchange, rows_rotation, segments
 
 
 def worker(rank: int, world: int, store_path: str):
@@ -55,13 +55,25 @@ def test_exchange_rejects_bad_splits(args, kwargs, message):
         exchange(*args, **kwargs)
 
 
-def test_rows_layout_takes_equal_all_to_all_splits_only():
-    check_layout(exchange("all_to_all", 12, 3), "rows")
-    check_layout(exchange("reduce_scatter", 12, 3), "rows")
+def test_rows_layout_takes_equal_segments_of_whole_rotation_steps_only():
+    check_layout(exchange("all_to_all", 12, 3), "rows", 4)
+    check_layout(exchange("reduce_scatter", 12, 3), "rows", 2)
+    check_layout(exchange("all_reduce", 12, 5), "rows", 128)  # not rotated
     uneven = exchange("all_to_all", 10, 2, splits=[3, 7], output_splits=[3, 4])
-    check_layout(uneven, "cols")
-    with pytest.raises(ValueError, match=r"equal splits only .* got splits \[3, 7\]: use layout 'cols'"):
-        check_layout(uneven, "rows")
+    check_layout(uneven, "cols", 1)
+    with pytest.raises(ValueError, match=r"multiple of 1 rows .* got \[3, 7\] rows sent and \[3, 4\] received"):
+        check_layout(uneven, "rows", 1)
+    unequal_in = exchange("all_to_all", 10, 2, output_splits=[5, 6])
+    with pytest.raises(ValueError, match=r"\[5, 5\] rows sent and \[5, 6\] received"):
+        check_layout(unequal_in, "rows", 1)
+    with pytest.raises(ValueError, match="multiple of 8 rows"):
+        check_layout(exchange("reduce_scatter", 24, 2), "rows", 8)  # segments of 12 rows
+
+
+def test_rows_rotation_starts_at_the_next_ranks_segment():
+    ex = exchange("reduce_scatter", 12, 3)
+    assert [rows_rotation(ex, r) for r in range(3)] == [4, 8, 0]
+    assert rows_rotation(exchange("all_reduce", 12, 3), 1) == 0
 
 
 def test_segments():

@@ -42,6 +42,9 @@ def test_auto_layout_epilogue_kernel_and_tile_k_follow_collective_and_device():
     assert resolved("reduce_scatter", layout="rows") == ("rows", "tma", "sm90", 64, "sm_90a")
     with pytest.raises(ValueError, match="reduce_scatter needs layout 'cols' or 'rows'.*got layout 'tiles'"):
         for_collective(OverlapConfig(layout="tiles"), "reduce_scatter")
+    with pytest.raises(ValueError, match="all_to_all in layout 'rows' rotates the persistent schedule"):
+        for_collective(OverlapConfig(layout="rows", scheduler="streamk"), "all_to_all")
+    assert for_collective(OverlapConfig(scheduler="streamk"), "all_reduce").layout == "rows"  # not rotated
     with pytest.raises(ValueError, match="epilogue 'tma' .* needs layout 'rows', got layout 'cols'"):
         for_collective(OverlapConfig(epilogue="tma"), "all_to_all")
     with pytest.raises(ValueError, match="the sm90 kernels need a Hopper GPU"):

@@ -82,6 +82,36 @@ def test_signal_gemm_slots_and_counters(shape, dtype, weight_layout, cfg):
     assert rel_err(out, ref) < 1e-2
 
 
+@pytest.mark.parametrize(
+    "cfg",
+    [
+        OverlapConfig(),
+        OverlapConfig(epilogue="direct", tile_n=128),
+        OverlapConfig(cluster_m=2, swizzle=2, comm_sms=0),
+        OverlapConfig(kernel="sm80"),
+    ],
+    ids=str,
+)
+def test_rotated_schedules_compute_every_tile_in_place(cfg):
+    """The rows layout of reduce-scatter / all-to-all starts each rank's schedule at another tile row
+    (comm.rows_rotation): operands and stores must both follow the rotated tile."""
+    if not runs_on_this_gpu(cfg):
+        pytest.skip(f"no kernel for {cfg} on this GPU")
+    cfg = for_collective(dataclasses.replace(cfg, layout="rows"), "reduce_scatter")
+    m, n, k = 3 * 1024, 1032, 520
+    a, w, ref = operands(m, n, k, torch.bfloat16, "nk")
+    for start in (1024, 2048):
+        prep = prepare(m, n, k, torch.bfloat16, "nk", a.device, cfg, rotate=start)
+        assert prep.plan.rotate * prep.plan.tile_m == start
+        buffer = torch.full((m * n,), float("nan"), dtype=torch.bfloat16, device="cuda")
+        prep.launch(a, w, buffer, torch.cuda.current_stream())
+        torch.cuda.synchronize()
+        assert prep.counters.tolist() == list(prep.targets)
+        prep.counters.zero_()
+        assert not torch.isnan(buffer).any(), "unwritten output elements"
+        assert rel_err(buffer.view(m, n), ref) < 1e-2
+
+
 @pytest.fixture(scope="module")
 def nccl_one_rank():
     with tempfile.TemporaryDirectory() as tmp:

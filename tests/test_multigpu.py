@@ -11,7 +11,7 @@ import torch.multiprocessing as mp
 
 import flashoverlap
 from flashoverlap import OverlapConfig, comm, signal
-from flashoverlap.overlap import sequential
+from flashoverlap.overlap import rotation_unit, sequential
 
 from .helpers import runs_on_this_gpu
 
@@ -100,7 +100,7 @@ SPLIT_CONFIGS = [
     OverlapConfig(scheduler="streamk", comm_sms=12),
     OverlapConfig(kernel="sm80", tile_n=128),
     OverlapConfig(swizzle=4),
-    OverlapConfig(layout="rows"),  # row bands: NCCL reduce / grouped send-recv per segment
+    OverlapConfig(layout="rows"),  # row bands, rotated per rank: grouped send/recv per segment
     OverlapConfig(layout="rows", tile_n=128, epilogue="direct"),
 ]
 
@@ -135,11 +135,14 @@ def split_worker(rank, world, store_path):
             calls.append(("all_to_all", {"splits": splits[rank]}, torch.cat(parts)))  # counts exchanged
             for collective, kwargs, expected in calls:
                 fn = getattr(flashoverlap, f"gemm_{collective}")
-                uneven = collective == "all_to_all" and "splits" in kwargs  # the rows layout needs equal ones
+                ex = comm.exchange(collective, m, world, kwargs.get("splits"), kwargs.get("output_splits"))
                 for cfg in (c for c in SPLIT_CONFIGS if runs_on_this_gpu(c, collective)):
-                    if uneven and cfg.layout == "rows":
-                        continue
                     what = f"{collective} {(m, n, k)} {kwargs} {cfg}"
+                    if cfg.layout == "rows" and not comm.rows_carry(ex, rotation_unit(cfg, (m, n, k))):
+                        # uneven splits, or segments not whole tile rows: refused before any launch
+                        with pytest.raises(ValueError, match="layout 'rows' runs"):
+                            fn(a, w, config=cfg, **kwargs)
+                        continue
                     torch.full((2 * m * n,), float("nan"), dtype=torch.bfloat16, device="cuda")  # poison the cache
                     for _ in range(2):
                         out = fn(a, w, config=cfg, **kwargs)
@@ -148,7 +151,6 @@ def split_worker(rank, world, store_path):
                     if expected.numel():
                         rel = ((out.float() - expected).norm() / expected.norm()).item()
                         assert rel < 1e-2, f"{what}: rel err {rel:.2e}"
-                ex = comm.exchange(collective, m, world, kwargs.get("splits"), kwargs.get("output_splits"))
                 seq = sequential(a, w, "nk", ex, None).float()  # matmul then the torch collective
                 assert seq.shape == out.shape, what
                 if seq.numel():

@@ -12,6 +12,7 @@ from flashoverlap.plan import (
     default_partition,
     effective_swizzle,
     make_plan,
+    rotation_rows,
     schedule_order,
     scheduler_grid,
     slot_view,
@@ -132,6 +133,43 @@ def test_rows_layout_is_row_major_c_and_bands_stay_whole():
             )
 
 
+def test_rotated_rows_plans_walk_rows_from_the_rotation_on_and_group_rotated_row_ranges():
+    rng = np.random.default_rng(3)
+    for _ in range(60):
+        args = random_plan_args(rng, max_tiles=6, ctas_choices=(1, 2, 3, 5, 8), stream_k_share=0.0)
+        args["m"] = args["tile_m"] * args["cluster_m"] * args["swizzle"] * int(rng.integers(1, 4))
+        args["partition"] = None
+        unit = rotation_rows(**{k: args[k] for k in ("m", "n", "tile_m", "tile_n", "cluster_m", "swizzle")})
+        tiles_m = args["m"] // args["tile_m"]
+        rotate = unit // args["tile_m"] * int(rng.integers(0, args["m"] // unit))
+        plain, plan = make_plan(**args), make_plan(**args, rotate=rotate)
+        assert plan.rotate == rotate and plan.rotation_rows == unit
+        # the same walk with every tile row moved down by `rotate`
+        mt, nt = np.divmod(plain.order, plain.tiles_n)
+        assert np.array_equal(plan.order, (mt + rotate) % tiles_m * plan.tiles_n + nt)
+        assert np.array_equal(plan.buffer_index(), np.arange(plan.numel))  # in place, like any rows plan
+        # group g holds rows [bounds[g], bounds[g + 1]) / n of C rotated up by `rotate` tile rows
+        row_of = (np.arange(plan.num_tiles) // plan.tiles_n - rotate) % tiles_m * plan.tile_m
+        for g in range(plan.num_groups):
+            rows = np.unique(row_of[plan.group == g])
+            assert rows.min() == plan.bounds[g] // plan.n and rows.max() + plan.tile_m == plan.bounds[g + 1] // plan.n
+        assert plan.tiles_per_group == plain.tiles_per_group and plan.bounds == plain.bounds
+
+
+def test_rotation_errors_name_the_problem():
+    args = dict(m=1024, n=512, tile_m=128, tile_n=256, cluster_m=2, ctas=3)
+    with pytest.raises(ValueError, match=r"multiple of 2 tile rows in \[0, 8\), got 1"):
+        make_plan(**args, rotate=1)
+    with pytest.raises(ValueError, match=r"in \[0, 8\), got 8"):
+        make_plan(**args, rotate=8)
+    with pytest.raises(ValueError, match="needs the 'rows' layout"):
+        make_plan(**args, rotate=2, layout="cols")
+    with pytest.raises(ValueError, match="no stream-K tiles"):
+        make_plan(**args, rotate=2, stream_k_tiles=3)
+    with pytest.raises(ValueError, match="M a multiple of 256 rows"):
+        make_plan(**dict(args, m=1000), rotate=2)
+
+
 def test_cols_layout_groups_are_column_blocks_with_contiguous_row_segments():
     for plan in random_plans(60):
         if plan.layout != "cols":
@@ -200,9 +238,9 @@ RASTER_MAIN = r"""
 #include <cstdio>
 #include "raster.cuh"
 int main() {
-  int tiles_m, tiles_n, swizzle, along_m;
-  while (std::scanf("%d %d %d %d", &tiles_m, &tiles_n, &swizzle, &along_m) == 4) {
-    flashoverlap::Raster const r = flashoverlap::make_raster(tiles_m, tiles_n, swizzle);
+  int tiles_m, tiles_n, swizzle, along_m, rotate;
+  while (std::scanf("%d %d %d %d %d", &tiles_m, &tiles_n, &swizzle, &along_m, &rotate) == 5) {
+    flashoverlap::Raster const r = flashoverlap::make_raster(tiles_m, tiles_n, swizzle, rotate);
     std::printf("%d", r.swizzle);
     for (int index = 0; index < r.padded_m * r.padded_n; ++index) {
       int mt, nt;
@@ -229,11 +267,16 @@ def test_the_sm80_kernels_walk_tiles_in_the_planned_order(tmp_path):
     cases = [
         tuple(int(v) for v in (*rng.integers(1, 30, 2), rng.choice([1, 2, 4, 8]), rng.integers(2))) for _ in range(60)
     ]
+    # rotated walks (along N): any start row of the walked grid
+    cases = [
+        (*c, int(rng.integers(0, scheduler_grid(c[0], c[1], 1, c[2])[0])) if i % 2 and not c[3] else 0)
+        for i, c in enumerate(cases)
+    ]
     text = "\n".join(" ".join(map(str, c)) for c in cases)
     lines = subprocess.run([str(exe)], input=text, capture_output=True, text=True, check=True).stdout.splitlines()
     assert len(lines) == len(cases)
-    for (tiles_m, tiles_n, swizzle, along_m), line in zip(cases, lines):
+    for (tiles_m, tiles_n, swizzle, along_m, rotate), line in zip(cases, lines):
         applied, *order = map(int, line.split())
         assert applied == scheduler_grid(tiles_m, tiles_n, 1, swizzle)[2]
-        expected = schedule_order(tiles_m, tiles_n, 1, along_m=bool(along_m), swizzle=swizzle).tolist()
-        assert order == expected, (tiles_m, tiles_n, swizzle, along_m)
+        expected = schedule_order(tiles_m, tiles_n, 1, along_m=bool(along_m), swizzle=swizzle, rotate=rotate).tolist()
+        assert order == expected, (tiles_m, tiles_n, swizzle, along_m, rotate)

@@ -11,10 +11,10 @@ import torch.multiprocessing as mp
 
 from flashoverlap import comm
 from flashoverlap.overlap import sequential
-from flashoverlap.plan import make_plan
+from flashoverlap.plan import make_plan, wave_count
 from flashoverlap.reference import run_plan
 
-from .helpers import random_plan_args
+from .helpers import random_partition, random_plan_args
 
 CASES = 24
 COLLECTIVE_LAYOUTS = [
@@ -37,17 +37,40 @@ def operands(seed: int, rank: int, m: int, n: int, k: int, dtype, weight_layout:
 
 
 def case(index: int, world: int = 1):
-    """A random plan (edge tiles, clusters, stream-K, random partitions) for case ``index``."""
+    """make_plan arguments of a random plan (edge tiles, clusters, stream-K, random partitions) for
+    case ``index``, and the call around it; the ``rows`` layout of reduce-scatter / all-to-all gets
+    equal segments of whole rotation steps, and is rotated per rank (:func:`rank_plan`)."""
     rng = np.random.default_rng(index)
     collective, layout = COLLECTIVE_LAYOUTS[index % len(COLLECTIVE_LAYOUTS)]
+    rotated = layout == "rows" and collective != "all_reduce"
     while True:  # reduce-scatter and equal splits need M divisible by the world size
         args = random_plan_args(rng, max_tiles=3, ctas_choices=(1, 2, 3, 7), default_share=0.0)
+        if rotated:
+            args["m"] = world * args["tile_m"] * args["cluster_m"] * args["swizzle"] * int(rng.integers(1, 3))
+            args["stream_k_tiles"] = 0
+            waves = wave_count(
+                args["m"],
+                args["n"],
+                args["tile_m"],
+                args["tile_n"],
+                args["cluster_m"],
+                args["ctas"],
+                0,
+                args["swizzle"],
+            )
+            args["partition"] = random_partition(rng, waves)
         if collective == "all_reduce" or (collective, layout) == ("all_to_all", "cols") or args["m"] % world == 0:
             break
     k = 8 * int(rng.integers(1, 20))
     dtype = [torch.bfloat16, torch.float16][index % 2]
     weight_layout = ["nk", "kn"][(index // 2) % 2]
-    return make_plan(**args, layout=layout), collective, k, dtype, weight_layout
+    return dict(args, layout=layout), collective, k, dtype, weight_layout
+
+
+def rank_plan(args: dict, ex: comm.Exchange, rank: int):
+    """The plan of ``args`` as ``rank`` runs it (rotated: comm.rows_rotation)."""
+    start = comm.rows_rotation(ex, rank) if args["layout"] == "rows" else 0
+    return make_plan(**args, rotate=start // args["tile_m"])
 
 
 def a2a_splits(index: int, rank: int, m: int, world: int) -> tuple[int, ...]:
@@ -82,14 +105,16 @@ def worker(rank: int, world: int, store_path: str):
     dist.init_process_group("gloo", store=dist.FileStore(store_path, world), rank=rank, world_size=world)
     try:
         for index in range(CASES):
-            plan, collective, k, dtype, weight_layout = case(index, world)
-            a, w = operands(index, rank, plan.m, plan.n, k, dtype, weight_layout)
+            args, collective, k, dtype, weight_layout = case(index, world)
+            m = args["m"]
             splits = output_splits = None
             if collective == "all_to_all":
-                splits = a2a_splits(index, rank, plan.m, world)
+                splits = a2a_splits(index, rank, m, world)
                 if index % 4 == 0:  # otherwise exchanged by comm.exchange
-                    output_splits = [a2a_splits(index, s, plan.m, world)[rank] for s in range(world)]
-            ex = comm.exchange(collective, plan.m, world, splits, output_splits)
+                    output_splits = [a2a_splits(index, s, m, world)[rank] for s in range(world)]
+            ex = comm.exchange(collective, m, world, splits, output_splits)
+            plan = rank_plan(args, ex, rank)
+            a, w = operands(index, rank, plan.m, plan.n, k, dtype, weight_layout)
             out = run_plan(a, w, plan, ex, weight_layout=weight_layout)
             expected = expected_result(index, plan, collective, k, dtype, weight_layout, rank, world)
             what = f"case {index} ({collective}, {plan.layout}, {dtype})"
@@ -114,18 +139,8 @@ def test_reference_executor_matches_matmul_then_collective(world):
 
 def test_a_wrong_group_range_is_caught():
     """The check above can fail: a plan whose group ranges skip elements leaves NaNs behind."""
-    plan, _, k, dtype, weight_layout = case(1)
-    broken = make_plan(
-        plan.m,
-        plan.n,
-        tile_m=plan.tile_m,
-        tile_n=plan.tile_n,
-        cluster_m=plan.cluster_m,
-        ctas=plan.ctas,
-        partition=plan.partition,
-        layout="tiles",
-        swizzle=plan.swizzle,
-    )
+    args, _, k, dtype, weight_layout = case(1)
+    broken = make_plan(**dict(args, layout="tiles"))
     object.__setattr__(broken, "offset", broken.offset + 8)  # every slot shifted: the first 8 elements never written
     with tempfile.TemporaryDirectory() as tmp:
         dist.init_process_group("gloo", store=dist.FileStore(os.path.join(tmp, "s"), 1), rank=0, world_size=1)
@@ -146,10 +161,11 @@ def subgroup_worker(rank: int, world: int, store_path: str):
         if rank == 0:
             return
         m, n, k = 4 * 128, 192, 40  # four tile rows, one group per tile row: each segment in two groups
-        plan = make_plan(m, n, tile_m=128, tile_n=64, cluster_m=1, ctas=3, partition=(1, 1, 1, 1))
+        args = dict(m=m, n=n, tile_m=128, tile_n=64, cluster_m=1, ctas=3, partition=(1, 1, 1, 1))
         a, w = operands(7, rank, m, n, k, torch.bfloat16, "nk")
         for collective in ("reduce_scatter", "all_to_all"):
             ex = comm.exchange(collective, m, 2)
+            plan = rank_plan(dict(args, layout="rows"), ex, dist.get_rank(sub))
             out = run_plan(a, w, plan, ex, group=sub)
             want = sequential(a, w, "nk", ex, sub).double()
             rel = ((out.double() - want).norm() / want.norm()).item()

@@ -7,6 +7,7 @@ import pytest
 import yaml
 
 from flashoverlap import registry
+from flashoverlap.comm import exchange
 from flashoverlap.config import OverlapConfig
 
 ENTRY = {"collective": "all_reduce", "transport": "nvlink", "dtype": "bfloat16", "shape": [4096, 8192, 8192]}
@@ -136,6 +137,7 @@ def test_a_rows_entry_is_not_used_for_unequal_all_to_all_splits(tmp_path, monkey
     monkeypatch.setattr(registry, "transport", lambda: "nvlink")
     a = torch.empty(4096, 8192, dtype=torch.bfloat16)
     shape = (4096, 8192, 8192)
-    assert tuned_config(a, 2, "all_to_all", shape) == OverlapConfig(layout="rows", comm_sms=8, partition=None)
-    assert tuned_config(a, 2, "all_to_all", shape, splits=[2048, 2048]).comm_sms == 8
-    assert tuned_config(a, 2, "all_to_all", shape, splits=[1000, 3096]) == OverlapConfig()
+    even = exchange("all_to_all", 4096, 2)
+    assert tuned_config(a, 2, even, shape) == OverlapConfig(layout="rows", comm_sms=8, partition=None)
+    uneven = exchange("all_to_all", 4096, 2, splits=[1000, 3096], output_splits=[1000, 1000])
+    assert tuned_config(a, 2, uneven, shape) == OverlapConfig()

@@ -147,30 +147,50 @@ def collective(ex: Exchange, data: torch.Tensor, group: dist.ProcessGroup | None
     return out
 
 
-def rows_carry(collective: str, send: Sequence[int] | None) -> bool:
-    """Whether the ``rows`` layout can carry a call sending ``send`` rows to each rank (None: equal
-    splits): all-to-all only with equal splits, whose segments line up on every rank."""
-    return collective != "all_to_all" or send is None or len(set(send)) <= 1
+def rows_carry(ex: Exchange, unit: int) -> bool:
+    """Whether the ``rows`` layout can carry ``ex``: an all-reduce, or equal row segments to and
+    from every rank, each a whole number of ``unit`` rows (plan.rotation_rows: the steps the
+    rotated schedule of :func:`rows_rotation` turns by)."""
+    if ex.collective == "all_reduce":
+        return True
+    return len(set(ex.send + ex.recv)) == 1 and ex.send[0] % unit == 0
 
 
-def check_layout(ex: Exchange, layout: str) -> None:
-    """Raise where ``layout`` cannot carry ``ex`` (before anything is launched)."""
-    if layout == "rows" and not rows_carry(ex.collective, ex.send):
+def check_layout(ex: Exchange, layout: str, unit: int) -> None:
+    """Raise where ``layout`` cannot carry ``ex`` (before anything is launched); ``unit``: see
+    :func:`rows_carry`."""
+    if layout == "rows" and not rows_carry(ex, unit):
         raise ValueError(
-            f"layout 'rows' runs all-to-all with equal splits only (every rank's row segments must "
-            f"line up), got splits {list(ex.send)}: use layout 'cols'"
+            f"layout 'rows' runs {ex.collective} with equal row segments to and from every rank, each a "
+            f"multiple of {unit} rows (the tile rows its schedule rotates by), got {list(ex.send)} rows sent "
+            f"and {list(ex.recv)} received: use layout 'cols'"
         )
+
+
+def rows_rotation(ex: Exchange, rank: int) -> int:
+    """Rows of C at which the ``rows`` layout's schedule starts on ``rank`` (see
+    csrc/rotating_scheduler.cuh): for reduce-scatter / all-to-all the segment of rank + 1, so that
+    each rank computes the rows it sends to rank + 1, rank + 2, ... first and its own rows last.
+    At every step each rank then sends to one rank while receiving from another, and the last
+    groups need no communication at all. 0 for an all-reduce."""
+    if ex.collective == "all_reduce":
+        return 0
+    return (rank + 1) % len(ex.send) * ex.send[0]
 
 
 def buffers(ex: Exchange, plan: Plan, alloc) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
     """(out, buffer, recv) of one call: the [ex.rows, n] result, the flat buffer the GEMM writes
     (``out`` itself for an all-reduce in the ``rows`` layout) and the flat buffer received rows
-    land in (None for an all-reduce; ``out`` itself in the ``rows`` layout). ``alloc(shape)``
-    makes a tensor."""
+    land in: None for an all-reduce; in the ``rows`` layout, the partial sums a reduce-scatter
+    receives beyond the first (which lands in ``out``): world - 2 segments, else None.
+    ``alloc(shape)`` makes a tensor."""
     out = alloc((ex.rows, plan.n))
     if ex.collective == "all_reduce":
         return out, out.view(-1) if plan.in_place else alloc((plan.numel,)), None
-    return out, alloc((plan.numel,)), out.view(-1) if plan.layout == "rows" else alloc((ex.rows * plan.n,))
+    if plan.layout == "rows":
+        extra = len(ex.send) - 2 if ex.collective == "reduce_scatter" else 0
+        return out, alloc((plan.numel,)), alloc((extra * ex.rows * plan.n,)) if extra > 0 else None
+    return out, alloc((plan.numel,)), alloc((ex.rows * plan.n,))
 
 
 def segments(counts: Sequence[int]) -> list[tuple[int, int]]:
@@ -178,37 +198,51 @@ def segments(counts: Sequence[int]) -> list[tuple[int, int]]:
     return [(end - c, end) for c, end in zip(counts, itertools.accumulate(counts))]
 
 
-def _rows_group(ex: Exchange, plan: Plan, g: int, buffer: torch.Tensor, out: torch.Tensor, group) -> None:
-    """Group ``g`` of the ``rows`` layout (a band of C's rows) for reduce-scatter / all-to-all:
-    each part of the band inside rank d's segment is reduced onto d (NCCL reduce) or sent to d by
-    every rank (grouped send/recv), landing straight in d's result rows."""
-    n, me = plan.n, dist.get_rank(group)
+def _rows_group(
+    ex: Exchange, plan: Plan, g: int, buffer: torch.Tensor, stage: torch.Tensor | None, out: torch.Tensor, group
+) -> None:
+    """Group ``g`` of the ``rows`` layout for reduce-scatter / all-to-all: rows [bounds[g],
+    bounds[g + 1]) of the rotated order (:func:`rows_rotation`), which walks the equal segments
+    from this rank's + 1 on. Each part inside another rank's segment is sent to it while the same
+    rows of this rank's segment arrive from the rank as far behind (grouped send/recv): into the
+    result (all-to-all: at the sender's rows; reduce-scatter: the first partial sum, the others in
+    ``stage``). Parts of the own segment, which comes last, are then copied (all-to-all) or added
+    (reduce-scatter) to the result: every partial sum of those rows arrived in an earlier step."""
+    n, me, world, seg = plan.n, dist.get_rank(group), len(ex.send), ex.send[0]
     pg = group if group is not None else dist.group.WORLD
-    peer = [dist.get_global_rank(pg, r) for r in range(len(ex.send))]  # torch >= 2.4 takes global ranks
-    r0, r1 = plan.bounds[g] // n, plan.bounds[g + 1] // n
-    ops = []
-    for d, (s0, s1) in enumerate(segments(ex.send)):
-        lo, hi = max(r0, s0), min(r1, s1)
-        if lo >= hi:
+    peer = [dist.get_global_rank(pg, r) for r in range(world)]  # torch >= 2.4 takes global ranks
+    first = plan.rotate * plan.tile_m // seg
+    v0, v1 = plan.bounds[g] // n, plan.bounds[g + 1] // n
+    ops, own = [], []
+    for step in range(v0 // seg, -(-v1 // seg)):
+        lo, hi = max(v0 - step * seg, 0), min(v1 - step * seg, seg)  # rows within the segment
+        dest = (first + step) % world
+        part = buffer[(dest * seg + lo) * n : (dest * seg + hi) * n]
+        if dest == me:
+            own.append((lo, hi, part))
             continue
-        part = buffer[lo * n : hi * n]
-        if ex.collective == "reduce_scatter":
-            dist.reduce(part, peer[d], group=group)  # the sum lands in d's part
-            if d == me:
-                out[(lo - s0) * n : (hi - s0) * n].copy_(part)
-            continue
-        if d != me:
-            ops.append(dist.P2POp(dist.isend, part, peer[d], group))
-            continue
-        for s, (o0, _) in enumerate(segments(ex.recv)):  # from every rank: the same rows of its segment
-            mine = out[(o0 + lo - s0) * n : (o0 + hi - s0) * n]
-            if s == me:
-                mine.copy_(part)
-            else:
-                ops.append(dist.P2POp(dist.irecv, mine, peer[s], group))
+        src = (2 * me - dest) % world  # the rank whose step `step` is this rank's segment
+        if ex.collective == "all_to_all":
+            into = out.view(-1)[(src * seg + lo) * n : (src * seg + hi) * n]
+        elif step == 0:
+            into = out.view(-1)[lo * n : hi * n]
+        else:
+            into = stage[((step - 1) * seg + lo) * n : ((step - 1) * seg + hi) * n]
+        ops += [dist.P2POp(dist.isend, part, peer[dest], group), dist.P2POp(dist.irecv, into, peer[src], group)]
     if ops:
         for request in dist.batch_isend_irecv(ops):
             request.wait()
+    for lo, hi, part in own:
+        if ex.collective == "all_to_all":
+            out.view(-1)[(me * seg + lo) * n : (me * seg + hi) * n].copy_(part)
+            continue
+        result = out.view(-1)[lo * n : hi * n]
+        if world == 1:  # nothing arrived first
+            result.copy_(part)
+            continue
+        result.add_(part)
+        for step in range(1, world - 1):
+            result.add_(stage[((step - 1) * seg + lo) * n : ((step - 1) * seg + hi) * n])
 
 
 def communicate_group(
@@ -217,17 +251,19 @@ def communicate_group(
     g: int,
     buffer: torch.Tensor,
     recv: torch.Tensor | None,
+    out: torch.Tensor,
     group: dist.ProcessGroup | None,
 ) -> None:
     """Group ``g``'s communication: on its buffer range for an all-reduce (in place); in the
     ``cols`` layout the received rows land in ``recv`` (one flat [ex.rows * n] buffer, group after
-    group); in the ``rows`` layout ``recv`` is the result itself (see :func:`_rows_group`)."""
+    group); in the ``rows`` layout in ``out`` (see :func:`_rows_group`). ``recv``, ``out``: from
+    :func:`buffers`."""
     chunk = buffer[plan.bounds[g] : plan.bounds[g + 1]]
     if ex.collective == "all_reduce" and plan.layout != "cols":
         collective(ex, chunk.view(1, -1), group)  # any shape, in place
         return
     if plan.layout == "rows":
-        _rows_group(ex, plan, g, buffer, recv, group)
+        _rows_group(ex, plan, g, buffer, recv, out, group)
         return
     c0, c1 = plan.columns(g)
     staged = None if recv is None else recv[ex.rows * c0 : ex.rows * c1].view(ex.rows, c1 - c0)

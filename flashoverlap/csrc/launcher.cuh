@@ -37,12 +37,21 @@ int stream_k_tiles(P const&, long) {
   return 0;
 }
 
-typename Kernel::TileSchedulerArguments scheduler_arguments(int along_m, int swizzle) {
+// Tile rows rotated (rotating_scheduler.cuh); stream-K schedulers take none (the planner refuses).
+template <class A>
+auto set_rotation(A& args, int rotate_m, int) -> decltype(void(args.rotate_m = rotate_m)) {
+  args.rotate_m = rotate_m;
+}
+template <class A>
+void set_rotation(A&, int, long) {}
+
+typename Kernel::TileSchedulerArguments scheduler_arguments(int along_m, int swizzle, int rotate_m = 0) {
   typename Kernel::TileSchedulerArguments sched{};
   // The raster the planner was told (flashoverlap.plan.schedule_order): along N (or M), swizzle.
   using Raster = cutlass::gemm::kernel::detail::RasterOrderOptions;
   sched.max_swizzle_size = swizzle;
   sched.raster_order = along_m ? Raster::AlongM : Raster::AlongN;
+  set_rotation(sched, rotate_m, 0);
   return sched;
 }
 
@@ -56,7 +65,7 @@ int fo_signals_per_tile() { return Epilogue::kSignalsPerTile; }
 
 typename Gemm::Arguments gemm_arguments(void const* a, void const* b, void* out, void const* tiles,
                                         unsigned* counters, int M, int N, int K, int tiles_m, int tiles_n,
-                                        int sm_count, int device, int along_m, int swizzle) {
+                                        int sm_count, int device, int along_m, int swizzle, int rotate_m) {
   auto stride_a = cutlass::make_cute_packed_stride(typename Kernel::StrideA{}, cute::make_shape(M, K, 1));
   auto stride_b = cutlass::make_cute_packed_stride(typename Kernel::StrideB{}, cute::make_shape(N, K, 1));
   return typename Gemm::Arguments{
@@ -66,7 +75,7 @@ typename Gemm::Arguments gemm_arguments(void const* a, void const* b, void* out,
       Epilogue::make_arguments(static_cast<Element*>(out), static_cast<flashoverlap::TileSlot const*>(tiles),
                                counters, M, N, tiles_m, tiles_n),
       hardware(device, sm_count),
-      scheduler_arguments(along_m, swizzle)};
+      scheduler_arguments(along_m, swizzle, rotate_m)};
 }
 
 typename Kernel::Params schedule(int M, int N, int K, int sm_count, int device, int along_m, int swizzle) {
@@ -95,15 +104,15 @@ int fo_stream_k_tiles(int M, int N, int K, int sm_count, int device, int along_m
 // Bytes of scratch the schedule needs (stream-K partial sums); 0 for plain persistent kernels.
 long long fo_workspace_size(int M, int N, int K, int sm_count, int device, int along_m, int swizzle) {
   auto args =
-      gemm_arguments(nullptr, nullptr, nullptr, nullptr, nullptr, M, N, K, 1, 1, sm_count, device, along_m, swizzle);
+      gemm_arguments(nullptr, nullptr, nullptr, nullptr, nullptr, M, N, K, 1, 1, sm_count, device, along_m, swizzle, 0);
   return static_cast<long long>(Gemm::get_workspace_size(args));
 }
 
 int fo_run(void const* a, void const* b, void* out, void const* tiles, unsigned* counters, void* workspace, int M,
            int N, int K, int tiles_m, int tiles_n, int sm_count, int device, int along_m, int swizzle,
-           void* stream) {
-  auto args =
-      gemm_arguments(a, b, out, tiles, counters, M, N, K, tiles_m, tiles_n, sm_count, device, along_m, swizzle);
+           int rotate_m, void* stream) {
+  auto args = gemm_arguments(a, b, out, tiles, counters, M, N, K, tiles_m, tiles_n, sm_count, device, along_m,
+                             swizzle, rotate_m);
   Gemm gemm;
   if (gemm.can_implement(args) != cutlass::Status::kSuccess) {
     return fail("can_implement", "CUTLASS rejected the problem (alignment or shape)");

@@ -9,15 +9,16 @@ struct Raster {
   int swizzle;   // as applied: plan.effective_swizzle
   int padded_m;  // tile rows and columns walked: plan.scheduler_grid
   int padded_n;
+  int rotate_m;  // tile rows walked from this one on, wrapping (see rotating_scheduler.cuh)
 };
 
-inline __host__ __device__ Raster make_raster(int tiles_m, int tiles_n, int max_swizzle) {
+inline __host__ __device__ Raster make_raster(int tiles_m, int tiles_n, int max_swizzle, int rotate_m = 0) {
   int const smaller = tiles_m < tiles_n ? tiles_m : tiles_n;
   int const size = max_swizzle >= 8 && smaller >= 6   ? 8
                    : max_swizzle >= 4 && smaller >= 3 ? 4
                    : max_swizzle >= 2 && smaller >= 2 ? 2
                                                       : 1;
-  return {size, (tiles_m + size - 1) / size * size, (tiles_n + size - 1) / size * size};
+  return {size, (tiles_m + size - 1) / size * size, (tiles_n + size - 1) / size * size, rotate_m};
 }
 
 // Panels `swizzle` tiles wide: along N, consecutive indices cycle over the panel's tile rows before
@@ -28,6 +29,8 @@ inline __host__ __device__ void tile_of(int index, Raster const& r, int along_m,
   int const major = extra % major_count, panel = extra / major_count;
   mt = along_m ? major : panel * r.swizzle + offset;
   nt = along_m ? panel * r.swizzle + offset : major;
+  mt += r.rotate_m;
+  mt -= mt >= r.padded_m ? r.padded_m : 0;
 }
 
 }  // namespace flashoverlap

@@ -45,8 +45,9 @@ WEIGHT_LAYOUTS = {
 }
 MMA_THREADS = 256  # cooperative kernel: two consumer warpgroups per tile
 SCHEDULERS = {
-    # fixed waves of whole tiles
-    "persistent": "cutlass::gemm::PersistentScheduler",
+    # fixed waves of whole tiles; CUTLASS's, with the tile rows optionally walked from a given row
+    # on (csrc/rotating_scheduler.cuh)
+    "persistent": "flashoverlap::RotatingScheduler",
     # stream-K: the tiles left over after whole waves are split along K over all CTAs, so a
     # grid that does not divide the tile count (an SM budget) loses no partial wave
     "streamk": "cutlass::gemm::StreamKScheduler",
@@ -162,6 +163,7 @@ using CollectiveEpilogue = cutlass::epilogue::collective::detail::Sm90TmaWarpSpe
 #include "cutlass/gemm/dispatch_policy.hpp"
 #include "cutlass/gemm/kernel/gemm_universal.hpp"
 #include "cutlass/gemm/kernel/tile_scheduler.hpp"
+#include "rotating_scheduler.cuh"
 
 namespace {{
 using namespace cute;

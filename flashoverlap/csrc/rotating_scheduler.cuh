@@ -1,0 +1,81 @@
+// CUTLASS's sm90 persistent tile scheduler, with its tile rows walked from row `rotate_m` on
+// (wrapping around). With rows split into per-rank segments (reduce-scatter, all-to-all), rank r
+// starts at segment r + 1: every rank computes the rows it sends first and the rows it keeps last,
+// so at each step all ranks send and receive at once and the last groups need no communication.
+// rotate_m = 0 is CUTLASS's schedule. Planned by flashoverlap.plan.schedule_order(rotate=...).
+#pragma once
+
+#include "cutlass/gemm/kernel/sm90_tile_scheduler.hpp"
+#include "cutlass/gemm/kernel/tile_scheduler.hpp"
+
+namespace flashoverlap {
+
+struct RotatingScheduler {};  // the tag the generated kernels name
+
+class RotatingTileScheduler : public cutlass::gemm::kernel::detail::PersistentTileSchedulerSm90 {
+  using Base = cutlass::gemm::kernel::detail::PersistentTileSchedulerSm90;
+
+ public:
+  struct Arguments : Base::Arguments {
+    int rotate_m = 0;  // tile rows; a multiple of the cluster and swizzle rows, with no padded rows
+  };
+  struct Params : Base::Params {
+    int rotate_m = 0;
+    int tiles_m = 1;
+  };
+
+  template <class ProblemShapeMNKL, class TileShape, class ClusterShape>
+  static Params to_underlying_arguments(ProblemShapeMNKL problem, TileShape tile, ClusterShape cluster,
+                                        cutlass::KernelHardwareInfo const& hw, Arguments const& args,
+                                        void* workspace = nullptr, uint32_t epilogue_subtile = 1,
+                                        uint32_t ktile_start_alignment_count = 1u) {
+    Params params;
+    static_cast<Base::Params&>(params) = Base::to_underlying_arguments(
+        problem, tile, cluster, hw, args, workspace, epilogue_subtile, ktile_start_alignment_count);
+    params.rotate_m = args.rotate_m;
+    params.tiles_m = int(cute::ceil_div(cute::get<0>(problem), cute::get<0>(TileShape{})));
+    return params;
+  }
+
+  CUTLASS_HOST_DEVICE RotatingTileScheduler() {}
+  CUTLASS_DEVICE explicit RotatingTileScheduler(Params const& params)
+      : Base(params), rotate_m_(params.rotate_m), tiles_m_(params.tiles_m) {}
+
+  // Every way the kernel obtains a work tile, rotated.
+  template <class ClusterShape>
+  CUTLASS_DEVICE WorkTileInfo initial_work_tile_info(ClusterShape cluster) {
+    return rotated(Base::initial_work_tile_info(cluster));
+  }
+  CUTLASS_DEVICE WorkTileInfo get_current_work() const { return rotated(Base::get_current_work()); }
+  CUTLASS_DEVICE auto fetch_next_work(WorkTileInfo info) {
+    advance_to_next_work();  // static schedule: no tile continues (PersistentTileSchedulerSm90)
+    return cute::make_tuple(get_current_work(), true);
+  }
+  template <class Pipeline, class PipelineState>
+  CUTLASS_DEVICE auto fetch_next_work(WorkTileInfo info, Pipeline&, PipelineState) {
+    return fetch_next_work(info);
+  }
+
+ private:
+  // Only rotated schedules wrap: others may walk padded tile rows (clusters, swizzle panels) past
+  // tiles_m, which must stay padding; rotated ones have none (the planner makes sure).
+  CUTLASS_DEVICE WorkTileInfo rotated(WorkTileInfo info) const {
+    if (rotate_m_ != 0 && info.is_valid()) {
+      info.M_idx += rotate_m_;
+      info.M_idx -= info.M_idx >= tiles_m_ ? tiles_m_ : 0;
+    }
+    return info;
+  }
+
+  int rotate_m_ = 0;
+  int tiles_m_ = 1;
+};
+
+}  // namespace flashoverlap
+
+namespace cutlass::gemm::kernel::detail {
+template <class ArchTag, class TileShape, class ClusterShape, uint32_t Stages>
+struct TileSchedulerSelector<flashoverlap::RotatingScheduler, ArchTag, TileShape, ClusterShape, Stages> {
+  using Scheduler = flashoverlap::RotatingTileScheduler;
+};
+}  // namespace cutlass::gemm::kernel::detail
