@@ -7,7 +7,9 @@ The model (see ../shared/DESIGN.md, "Configs and tuning"):
 * a collective on ``b`` bytes takes ``latency_ms + b / bandwidth`` (:class:`CommModel`, fitted
   from a few NCCL sizes by :func:`fit_comm`, interpolated between them), on the budget
   communicator while the GEMM runs and on the full one for the last group;
-* collectives run one after another on the communication stream;
+* collectives run one after another on the communication stream; in the ``rows`` layout of
+  reduce-scatter / all-to-all, a group's rows of the rank's own segment are added / copied into
+  the result there instead (``local``, a model of that memory operation by size);
 * the host needs ``base_ms + groups * per_group_ms`` (:class:`HostModel`) to enqueue one call,
   and calls run back to back, so a call never takes less than that: small GEMMs are host-bound,
   and every group costs host time (a wait and a collective to enqueue).
@@ -86,10 +88,12 @@ def fit_host(groups: Sequence[int], times_ms: Sequence[float]) -> HostModel:
 class Problem:
     """One overlapped call as the model sees it.
 
-    wave_bytes[w]: output bytes the GEMM completes in wave w (the last wave may be partial);
+    wave_bytes[w]: bytes of collective the GEMM completes in wave w (see :func:`wave_bytes`);
     wave_ms: GEMM time per wave with the SM budget; during / tail: the collective's model on the
     budget communicator while the GEMM runs, and on the full one afterwards (the last group);
-    host: the host's enqueue time per call (zero: not host-bound).
+    host: the host's enqueue time per call (zero: not host-bound); local_bytes[w] / local: bytes
+    wave w completes that stay on the rank (added or copied into the result) and that
+    operation's model (empty / None: none).
     """
 
     wave_bytes: tuple[float, ...]
@@ -97,10 +101,26 @@ class Problem:
     during: CommModel
     tail: CommModel
     host: HostModel = HostModel()
+    local_bytes: tuple[float, ...] = ()
+    local: CommModel | None = None
 
     @property
     def num_waves(self) -> int:
         return len(self.wave_bytes)
+
+    def group_ms(self, model: CommModel, nbytes, local_bytes):
+        """Communication time of groups of ``nbytes`` of collective and ``local_bytes`` kept: the
+        collective, then the local operation; a part without bytes is not issued."""
+        nbytes, local_bytes = np.asarray(nbytes, dtype=float), np.asarray(local_bytes, dtype=float)
+        t = np.where(nbytes > 0, model.time_ms(np.maximum(nbytes, 1.0)), 0.0)
+        if self.local is not None:
+            t = t + np.where(local_bytes > 0, self.local.time_ms(np.maximum(local_bytes, 1.0)), 0.0)
+        return float(t) if t.ndim == 0 else t
+
+    def local_prefix(self) -> np.ndarray:
+        """Cumulative local bytes by wave (zeros where none)."""
+        local = self.local_bytes or (0.0,) * self.num_waves
+        return np.concatenate([[0.0], np.cumsum(local)])
 
 
 def makespan(problem: Problem, partition: Sequence[int]) -> float:
@@ -108,12 +128,13 @@ def makespan(problem: Problem, partition: Sequence[int]) -> float:
     collective, or the host's enqueue time where that is longer."""
     if sum(partition) != problem.num_waves or any(w < 1 for w in partition):
         raise ValueError(f"partition {list(partition)} must be positive and sum to {problem.num_waves} waves")
-    done, end = 0, 0.0
+    done, end, local = 0, 0.0, problem.local_prefix()
     for g, waves in enumerate(partition):
         nbytes = sum(problem.wave_bytes[done : done + waves])
+        kept = local[done + waves] - local[done]
         done += waves
         model = problem.tail if g == len(partition) - 1 else problem.during
-        end = max(end, done * problem.wave_ms) + model.time_ms(nbytes)
+        end = max(end, done * problem.wave_ms) + problem.group_ms(model, nbytes, kept)
     return max(end, problem.host.time_ms(len(partition)))
 
 
@@ -128,7 +149,7 @@ def best_partition(problem: Problem) -> tuple[tuple[int, ...], float]:
     O(waves^3), vectorised over the split point.
     """
     total = problem.num_waves
-    prefix = np.concatenate([[0.0], np.cumsum(problem.wave_bytes)])
+    prefix, local = np.concatenate([[0.0], np.cumsum(problem.wave_bytes)]), problem.local_prefix()
     finish = np.full((total + 1, total + 1), np.inf)  # [groups, waves]
     finish[0, 0] = 0.0
     came_from = np.zeros((total + 1, total + 1), dtype=int)
@@ -136,7 +157,9 @@ def best_partition(problem: Problem) -> tuple[tuple[int, ...], float]:
         for j in range(g, total + 1):
             model = problem.tail if j == total else problem.during
             i = np.arange(g - 1, j)
-            t = np.maximum(finish[g - 1, i], j * problem.wave_ms) + model.time_ms(prefix[j] - prefix[i])
+            t = np.maximum(finish[g - 1, i], j * problem.wave_ms) + problem.group_ms(
+                model, prefix[j] - prefix[i], local[j] - local[i]
+            )
             best = int(np.argmin(t))
             finish[g, j], came_from[g, j] = t[best], i[best]
     ends = [max(finish[g, total], problem.host.time_ms(g)) for g in range(1, total + 1)]
@@ -169,11 +192,11 @@ class Choice:
         return self.overlap_ms < self.sequential_ms * (1.0 - self.margin)
 
 
-def choose(problem: Problem, gemm_full_ms: float, margin: float = 0.02) -> Choice:
-    """The best partition, and whether it beats sequential (GEMM on every SM, then one
-    collective) by more than ``margin``; where it does not, the config to write is sequential."""
+def choose(problem: Problem, sequential_ms: float, margin: float = 0.02) -> Choice:
+    """The best partition, and whether it beats ``sequential_ms`` (predicted: the GEMM on every SM,
+    then one collective) by more than ``margin``; where it does not, the config to write is
+    sequential."""
     partition, overlap_ms = best_partition(problem)
-    sequential_ms = gemm_full_ms + problem.tail.time_ms(sum(problem.wave_bytes))
     return Choice(partition, overlap_ms, sequential_ms, margin)
 
 
@@ -194,10 +217,21 @@ DEFAULT_CANDIDATES["all_to_all"] = DEFAULT_CANDIDATES["reduce_scatter"]
 COMM_SIZES_MB = (1, 2, 4, 8, 16, 32, 64)
 
 
-def wave_bytes(plan, elem_bytes: int) -> tuple[float, ...]:
-    """Output bytes the GEMM completes in each wave of ``plan``."""
+def wave_bytes(plan, elem_bytes: int, world: int = 1, own: bool = False) -> tuple[float, ...]:
+    """Bytes of communication each wave of ``plan`` feeds: its output bytes, except in the ``rows``
+    layout of reduce-scatter / all-to-all on ``world`` > 1 ranks (comm.rows_rotation): the bytes
+    this rank sends to one rank while receiving as many from another (the other ranks' segments;
+    see :func:`comm_pattern`), its own segment, computed last, staying here; ``own``: the bytes
+    of that segment instead. ``plan``: unrotated (the plan of the last rank, whose own segment
+    is the last)."""
     mt, nt = np.divmod(np.arange(plan.num_tiles), plan.tiles_n)
     elems = np.minimum(plan.tile_m, plan.m - mt * plan.tile_m) * np.minimum(plan.tile_n, plan.n - nt * plan.tile_n)
+    kept = plan.layout == "rows" and world > 1
+    if kept:
+        mine = mt * plan.tile_m >= plan.m - plan.m // world
+        elems = np.where(mine, elems, 0.0) if own else np.where(mine, 0.0, elems)
+    elif own:
+        elems = np.zeros(len(elems))
     per_wave = np.bincount(plan.wave, weights=elems, minlength=plan.num_waves) * elem_bytes
     return tuple(float(b) for b in per_wave)
 
@@ -258,9 +292,35 @@ def _progress(message: str) -> None:
 
 
 @functools.cache
-def _comm_model(collective: str, comm_sms: int, dtype, rounds: int) -> CommModel:
-    """The collective's time by size on the whole world with NCCL held to ``comm_sms`` SMs (0: a
-    default communicator). The same for every shape, so measured once per run."""
+def _local_model(collective: str, dtype, rounds: int) -> CommModel:
+    """Time by size of what the ``rows`` layout does with the rank's own rows: added into the
+    result (reduce-scatter) or copied there (all-to-all)."""
+    import torch
+
+    from .bench import time_variants
+
+    elem = torch.finfo(dtype).bits // 8
+    variants, sizes = {}, []
+    for mb in COMM_SIZES_MB:
+        x, y = (torch.randn((mb << 20) // elem, device="cuda").to(dtype) for _ in range(2))
+        op = x.add_ if collective == "reduce_scatter" else x.copy_
+        variants[f"{mb}MB"] = lambda i, op=op, y=y: op(y)
+        sizes.append(x.numel() * elem)
+    times = time_variants(variants, rounds, 4, 2)
+    return fit_comm(sizes, [times[f"{mb}MB"] for mb in COMM_SIZES_MB])
+
+
+def comm_pattern(collective: str, layout: str) -> str:
+    """What a group's communication is, for the model: the collective itself, or ``exchange`` (the
+    ``rows`` layout of reduce-scatter / all-to-all: grouped send to rank + k / receive from rank - k)."""
+    return "exchange" if layout == "rows" and collective != "all_reduce" else collective
+
+
+@functools.cache
+def _comm_model(pattern: str, comm_sms: int, dtype, rounds: int) -> CommModel:
+    """Time by size of a collective (or ``exchange``, see :func:`comm_pattern`) on the whole world
+    with NCCL held to ``comm_sms`` SMs (0: a default communicator). The same for every shape, so
+    measured once per run."""
     import torch
     import torch.distributed as dist
 
@@ -268,16 +328,30 @@ def _comm_model(collective: str, comm_sms: int, dtype, rounds: int) -> CommModel
     from .bench import time_variants
 
     group = comm.budget_group(dist.group.WORLD, comm_sms)
-    world, elem = dist.get_world_size(), torch.finfo(dtype).bits // 8
+    world, me, elem = dist.get_world_size(), dist.get_rank(), torch.finfo(dtype).bits // 8
+
+    def exchange(data, into):
+        ops = [
+            dist.P2POp(dist.isend, data, (me + 1) % world, group),
+            dist.P2POp(dist.irecv, into, (me - 1) % world, group),
+        ]
+        for request in dist.batch_isend_irecv(ops):
+            request.wait()
+
     variants, sizes = {}, []
     for mb in COMM_SIZES_MB:
         rows = max(world, (mb << 20) // (1024 * elem) // world * world)
         data = torch.randn(rows, 1024, device="cuda").to(dtype)
-        ex = comm.exchange(collective, rows, world)
-        variants[f"{mb}MB"] = lambda i, ex=ex, data=data: comm.collective(ex, data, group)
+        name = f"{pattern} {mb}MB"  # named by pattern: ranks that diverge fail in time_variants
+        if pattern == "exchange":
+            into = torch.empty_like(data)
+            variants[name] = lambda i, data=data, into=into: exchange(data, into)
+        else:
+            ex = comm.exchange(pattern, rows, world)
+            variants[name] = lambda i, ex=ex, data=data: comm.collective(ex, data, group)
         sizes.append(rows * 1024 * elem)
     times = time_variants(variants, rounds, 4, 2)
-    return fit_comm(sizes, [times[f"{mb}MB"] for mb in COMM_SIZES_MB])
+    return fit_comm(sizes, [times[f"{pattern} {mb}MB"] for mb in COMM_SIZES_MB])
 
 
 def tune_shape(
@@ -308,23 +382,36 @@ def tune_shape(
     variants.update({f"kernel{j}": kernel_alone(p, a, w) for j, p in enumerate(preps)})
     times = time_variants(variants, rounds, 4, 3)
     _progress(f"{m}x{n}x{k}: {collective} time by size (measured once per run)")
-    tail = _comm_model(collective, 0, dtype, rounds)
-    during = {c.comm_sms: _comm_model(collective, c.comm_sms, dtype, rounds) for c in cfgs}
+    patterns = [comm_pattern(collective, c.layout) for c in cfgs]
+    # in a fixed order: every rank must measure the same collectives in the same order (a set's
+    # order of strings differs between processes, and deadlocked the first run of this)
+    tails = {p: _comm_model(p, 0, dtype, rounds) for p in dict.fromkeys([collective, *patterns])}
+    during = {(c.comm_sms, p): _comm_model(p, c.comm_sms, dtype, rounds) for c, p in zip(cfgs, patterns)}
     host = _host_model(collective, a, w, candidates[0], preps[0].plan.num_waves)
     _progress(f"{m}x{n}x{k}: host {host.base_ms:.3f} ms per call + {host.per_group_ms:.3f} ms per group")
     elem = torch.finfo(dtype).bits // 8
     choices, problems = [], []
-    for j, (cfg, prep) in enumerate(zip(cfgs, preps)):
+    sequential_ms = times["gemm"] + tails[collective].time_ms(m * n * elem)  # predicted
+    for j, (cfg, prep, pattern) in enumerate(zip(cfgs, preps, patterns)):
         per_wave_ms = times[f"kernel{j}"] / prep.plan.num_waves
-        problems.append(Problem(wave_bytes(prep.plan, elem), per_wave_ms, during[cfg.comm_sms], tail, host))
-        choices.append((choose(problems[-1], times["gemm"], margin), j))
+        ranks = world if collective != "all_reduce" else 1
+        kept = wave_bytes(prep.plan, elem, ranks, own=True)
+        local = _local_model(collective, dtype, rounds) if any(kept) else None
+        sent = wave_bytes(prep.plan, elem, ranks)
+        problems.append(Problem(sent, per_wave_ms, during[cfg.comm_sms, pattern], tails[pattern], host, kept, local))
+        choices.append((choose(problems[-1], sequential_ms, margin), j))
     choices.sort(key=lambda cj: cj[0].overlap_ms)
     finalists = choices[:top]
+    # a hedge against the model: the best predicted candidate with its default partition too
+    j = choices[0][1]
+    part = preps[j].plan.partition
+    if (part, j) not in [(c.partition, cj) for c, cj in finalists]:
+        finalists.append((Choice(part, makespan(problems[j], part), sequential_ms, margin), j))
     if {} in candidates:  # the built-in defaults run too: nothing written may lose to a call without config
         j = candidates.index({})
         part = preps[j].plan.partition
         if (part, j) not in [(c.partition, cj) for c, cj in finalists]:
-            finalists.append((Choice(part, makespan(problems[j], part), choices[0][0].sequential_ms, margin), j))
+            finalists.append((Choice(part, makespan(problems[j], part), sequential_ms, margin), j))
     _progress(f"{m}x{n}x{k}: measuring {len(finalists)} finalists (best predicted, defaults) against sequential")
     overlapped = getattr(flashoverlap, f"gemm_{collective}")
     variants = {"seq": lambda i: sequential(a[i % sets], w[i % sets], "nk", ex, None)}

@@ -48,6 +48,31 @@ def test_the_search_stays_exact_with_host_time_per_group():
         assert best == pytest.approx(brute) and makespan(hosted, partition) == pytest.approx(best)
 
 
+def test_the_search_stays_exact_with_rows_kept_locally():
+    """The rows layout of reduce-scatter / all-to-all: the last waves are the rank's own rows, added
+    or copied locally instead of communicated."""
+    rng = np.random.default_rng(4)
+    for _ in range(40):
+        p = problem(rng)
+        own = int(rng.integers(0, p.num_waves + 1))
+        sent = tuple(0.0 if w >= p.num_waves - own else b for w, b in enumerate(p.wave_bytes))
+        kept = tuple(b if w >= p.num_waves - own else 0.0 for w, b in enumerate(p.wave_bytes))
+        local = CommModel(float(rng.uniform(0.001, 0.01)), float(rng.uniform(2e8, 2e9)))
+        rows = Problem(sent, p.wave_ms, p.during, p.tail, p.host, kept, local)
+        partition, best = best_partition(rows)
+        brute = min(makespan(rows, c) for c in partitions(p.num_waves))
+        assert best == pytest.approx(brute) and makespan(rows, partition) == pytest.approx(best)
+
+
+def test_kept_rows_cost_their_local_operation_and_a_group_of_only_kept_rows_no_collective():
+    during = CommModel(0.05, 1e7)
+    local = CommModel(0.0, 4e6)
+    # three waves sent, one kept: the kept wave costs 1e6 / 4e6 = 0.25 ms after the GEMM, no latency
+    p = Problem((1e6, 1e6, 1e6, 0.0), 1.0, during, during, HostModel(), (0.0, 0.0, 0.0, 1e6), local)
+    assert makespan(p, (1, 1, 1, 1)) == pytest.approx(4.0 + 0.25)
+    assert makespan(p, (4,)) == pytest.approx(4.0 + 0.05 + 0.3 + 0.25)
+
+
 def test_host_bound_calls_take_fewer_groups():
     # the paced problem below wants a group per wave; at 0.2 ms of host time per group, fewer pay
     paced = Problem((1.0,) * 5, 0.1, CommModel(0.0, 10.0), CommModel(0.0, 10.0))
@@ -92,11 +117,11 @@ def test_more_bandwidth_never_predicts_a_slower_call():
 def test_choose_falls_back_to_sequential_where_overlap_cannot_pay():
     # communication a fraction of the GEMM: overlap hides it
     p = Problem((8e6,) * 8, 0.1, CommModel(0.01, 1e8), CommModel(0.01, 2.5e8))
-    pays = choose(p, gemm_full_ms=0.75)
+    pays = choose(p, 0.75 + p.tail.time_ms(64e6))
     assert pays.overlap_pays and pays.overlap_ms < pays.sequential_ms
     # the SM budget slows the GEMM more than the communication it could hide
     small = Problem((8e6,) * 8, 0.1, CommModel(0.01, 1e8), CommModel(0.01, 1e10))
-    assert not choose(small, gemm_full_ms=0.5).overlap_pays
+    assert not choose(small, 0.5 + small.tail.time_ms(64e6)).overlap_pays
 
 
 def test_comm_model_fit_recovers_latency_and_bandwidth():
@@ -138,6 +163,19 @@ def test_wave_bytes_cover_the_output_once():
     # raster along N: the first wave is row 0 (four whole tiles and the 8-column edge tile), then
     # two whole tiles of row 1
     assert per_wave[0] == (6 * 128 * 256 + 128 * 8) * 2
+
+
+def test_wave_bytes_of_rotated_rows_count_what_each_rank_sends():
+    """Reduce-scatter / all-to-all in the rows layout: the other ranks' segments go whole to one
+    rank (the bytes this rank sends), the own segment, last, stays (counted apart)."""
+    from flashoverlap.plan import make_plan
+
+    plan = make_plan(3 * 256, 512, tile_m=128, tile_n=256, cluster_m=1, ctas=2)  # a wave per tile row
+    assert wave_bytes(plan, 2, world=3) == (128 * 512 * 2,) * 4 + (0.0,) * 2
+    assert wave_bytes(plan, 2, world=3, own=True) == (0.0,) * 4 + (128 * 512 * 2,) * 2
+    assert wave_bytes(plan, 2) == (128 * 512 * 2,) * 6
+    cols = make_plan(3 * 256, 512, tile_m=128, tile_n=256, cluster_m=1, ctas=2, layout="cols")
+    assert wave_bytes(cols, 2, world=3) == (2 * 128 * 256 * 2,) * 6  # a collective over all ranks' rows
 
 
 def test_registry_writing_merges_and_validates(tmp_path):
