@@ -240,14 +240,15 @@ def run_overlapped(
 
 
 def tuned_config(a: torch.Tensor, world: int, ex: Exchange, shape: tuple[int, int, int]) -> OverlapConfig:
-    """The registry's config for this call (flashoverlap.registry), else the built-in defaults
-    (also where the entry's ``rows`` layout cannot take the call's segments, e.g. unequal
-    all-to-all splits: entries are tuned with equal ones)."""
-    gpu = torch.cuda.get_device_name(a.device)
-    found = registry.lookup(gpu, world, ex.collective, registry.transport(), DTYPES[a.dtype], shape)
-    if found is None or (found.layout == "rows" and not comm.rows_carry(ex, rotation_unit(found, shape))):
-        return OverlapConfig()
-    return found
+    """The registry's config for this call (flashoverlap.registry), else the built-in defaults.
+    Where the entry's ``rows`` layout cannot take the call's segments (entries are tuned with
+    equal splits; unequal all-to-all splits, say), the entry's measured ``fallback``, else the
+    defaults."""
+    key = (torch.cuda.get_device_name(a.device), world, ex.collective, registry.transport(), DTYPES[a.dtype], shape)
+    found = registry.lookup(*key)
+    if found is not None and found.layout == "rows" and not comm.rows_carry(ex, rotation_unit(found, shape)):
+        found = registry.lookup(*key, fallback=True)
+    return OverlapConfig() if found is None else found
 
 
 def rotation_unit(cfg: OverlapConfig, shape: tuple[int, int, int]) -> int:

@@ -10,8 +10,10 @@ A registry file (``configs/*.yaml``)::
       - {collective: all_reduce, transport: nvlink, dtype: bfloat16, shape: [1024, 8192, 8192],
          config: {sequential: true}}
 
-``config`` holds :class:`~flashoverlap.config.OverlapConfig` fields; ``measured`` is free-form
-information. A call with ``config=None`` takes the entry of its GPU, world size, collective,
+``config`` holds :class:`~flashoverlap.config.OverlapConfig` fields; ``fallback`` (optional, the
+tuner writes it next to a reduce-scatter / all-to-all ``rows`` config) the same, for the calls
+that layout cannot carry (unequal splits, segments not whole tile rows); ``measured`` is
+free-form information. A call with ``config=None`` takes the entry of its GPU, world size, collective,
 transport and dtype whose shape is nearest (log-distance over M, N, K); a ``partition`` (waves per
 group) is kept only for the exact shape. No matching entry: the built-in defaults.
 
@@ -38,7 +40,7 @@ from .config import OverlapConfig, for_collective
 TRANSPORTS = ("nvlink", "pcie", "net")
 DTYPES = ("bfloat16", "float16")
 FILE_KEYS = {"gpu", "world", "entries"}
-ENTRY_KEYS = {"collective", "transport", "dtype", "shape", "config", "measured"}
+ENTRY_KEYS = {"collective", "transport", "dtype", "shape", "config", "fallback", "measured"}
 REPO_CONFIGS = Path(__file__).resolve().parent.parent / "configs"
 
 
@@ -52,6 +54,7 @@ class Entry:
     shape: tuple[int, int, int]
     config: OverlapConfig
     source: str  # file and entry index, for messages
+    fallback: OverlapConfig | None = None  # for calls a ``rows`` config cannot carry
 
 
 def parse(data: Any, source: str) -> list[Entry]:
@@ -87,12 +90,28 @@ def _entry(item: Any, gpu: str, world: int, where: str) -> Entry:
         and all(isinstance(v, int) and not isinstance(v, bool) and v > 0 for v in shape)
     ):
         raise ValueError(f"{where}: shape must be [M, N, K] of positive integers, got {shape!r}")
-    config = OverlapConfig.from_dict(item.get("config", {}), source=f"{where}: config")
-    try:
-        for_collective(config, item["collective"])
-    except ValueError as exc:
-        raise ValueError(f"{where}: config: {exc}") from None
-    return Entry(gpu, world, item["collective"], item["transport"], item["dtype"], tuple(shape), config, where)
+    configs = {}
+    for key in ("config", "fallback"):
+        if key == "fallback" and key not in item:
+            continue
+        configs[key] = OverlapConfig.from_dict(item.get(key, {}), source=f"{where}: {key}")
+        try:
+            layout = for_collective(configs[key], item["collective"]).layout
+        except ValueError as exc:
+            raise ValueError(f"{where}: {key}: {exc}") from None
+        if key == "fallback" and layout == "rows":
+            raise ValueError(f"{where}: fallback is for calls the rows layout cannot carry: it must not use it")
+    return Entry(
+        gpu,
+        world,
+        item["collective"],
+        item["transport"],
+        item["dtype"],
+        tuple(shape),
+        configs["config"],
+        where,
+        configs.get("fallback"),
+    )
 
 
 def load(paths: Iterable[Path]) -> list[Entry]:
@@ -151,22 +170,37 @@ def reload() -> None:
 
 
 def lookup(
-    gpu: str, world: int, collective: str, transport: str, dtype: str, shape: tuple[int, int, int]
+    gpu: str,
+    world: int,
+    collective: str,
+    transport: str,
+    dtype: str,
+    shape: tuple[int, int, int],
+    fallback: bool = False,
 ) -> OverlapConfig | None:
-    """The tuned config for a call (see the module doc), or None."""
-    return _lookup(tuple(config_dirs()), gpu, world, collective, transport, dtype, tuple(shape))
+    """The tuned config for a call (see the module doc), or None; ``fallback``: the entry's config
+    for calls its ``rows`` config cannot carry instead (None where it has none)."""
+    return _lookup(tuple(config_dirs()), gpu, world, collective, transport, dtype, tuple(shape), fallback)
 
 
 @functools.lru_cache(maxsize=1024)  # every call without config= asks: keep the search off its host time
 def _lookup(
-    dirs: tuple[Path, ...], gpu: str, world: int, collective: str, transport: str, dtype: str, shape: tuple[int, ...]
+    dirs: tuple[Path, ...],
+    gpu: str,
+    world: int,
+    collective: str,
+    transport: str,
+    dtype: str,
+    shape: tuple[int, ...],
+    fallback: bool,
 ) -> OverlapConfig | None:
     entry = nearest(_entries_in(dirs), gpu, world, collective, transport, dtype, shape)
-    if entry is None:
+    config = None if entry is None else entry.fallback if fallback else entry.config
+    if config is None:
         return None
-    if entry.shape != tuple(shape) and entry.config.partition is not None:
-        return dataclasses.replace(entry.config, partition=None)  # waves differ between shapes
-    return entry.config
+    if entry.shape != tuple(shape) and config.partition is not None:
+        return dataclasses.replace(config, partition=None)  # waves differ between shapes
+    return config
 
 
 def transport() -> str:

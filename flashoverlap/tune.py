@@ -202,13 +202,16 @@ def choose(problem: Problem, sequential_ms: float, margin: float = 0.02) -> Choi
 
 # --- measuring on GPUs: python -m flashoverlap.tune (under torchrun) -----------------------------
 
-# Per collective; reduce-scatter / all-to-all also try the row-band layout (equal splits)
+# Per collective; reduce-scatter / all-to-all also try the row-band layout (equal splits), with
+# 4 SMs too: 128 CTAs make whole waves of the 1024-, 2048- and 4096-tile grids of the suite
+# (the kernel then runs at cuBLAS speed; all-reduce rings on 4 CTAs were too slow, 0.82x)
 DEFAULT_CANDIDATES = {
     "all_reduce": ({}, {"comm_sms": 8}, {"comm_sms": 24}, {"tile_n": 128}, {"swizzle": 4}, {"scheduler": "streamk"}),
     "reduce_scatter": (
         {},
         {"comm_sms": 24},
         {"layout": "rows"},
+        {"layout": "rows", "comm_sms": 4},
         {"layout": "rows", "comm_sms": 8},
         {"layout": "rows", "comm_sms": 24},
     ),
@@ -430,19 +433,34 @@ def tune_shape(
         }
         for f, (choice, j) in enumerate(finalists)
     ]
-    best = min(rows, key=lambda r: r["measured_ms"])
     if brute_force:
         brute_ms, brute_config = _brute_force(shape, collective, candidates, preps, brute_force, a, w, rounds, ex)
         for r in rows:
             r["brute_ms"] = brute_ms * r["seq_ms"]  # measured as a ratio to sequential: same scale
             r["brute_config"] = brute_config
+    return measured_entry(collective, transport, DTYPES[dtype], shape, rows, margin), rows
+
+
+def measured_entry(collective: str, transport: str, dtype: str, shape, rows: list[dict], margin: float) -> dict:
+    """The registry entry for one shape's measured finalists (summary rows of :func:`tune_shape`):
+    :func:`decide`'s config, and next to a reduce-scatter / all-to-all ``rows`` config the best of
+    the other finalists as ``fallback``, for the calls that layout cannot carry."""
+    config, speedup = decide(rows, margin)
+    result = entry(collective, transport, dtype, shape, config, {"speedup": round(speedup, 3)})
+    if config.get("layout") == "rows" and collective != "all_reduce":
+        others = [r for r in rows if json.loads(r["config"]).get("layout") != "rows"]
+        result["fallback"] = decide(others, margin)[0] if others else {"sequential": True}
+    return result
+
+
+def decide(rows: list[dict], margin: float) -> tuple[dict, float]:
+    """The config to write from measured finalists (summary rows of :func:`tune_shape`) and its
+    speedup over sequential: the fastest, or sequential where it does not win by ``margin``."""
+    best = min(rows, key=lambda r: r["measured_ms"])
     speedup = best["seq_ms"] / best["measured_ms"]
     if speedup > 1.0 + margin:
-        config = {**json.loads(best["config"]), "partition": best["partition"]}
-    else:  # overlap does not pay here: never write a config slower than sequential
-        config = {"sequential": True}
-    result = entry(collective, transport, DTYPES[dtype], shape, config, {"speedup": round(speedup, 3)})
-    return result, rows
+        return {**json.loads(best["config"]), "partition": best["partition"]}, speedup
+    return {"sequential": True}, speedup  # overlap does not pay here: never slower than sequential
 
 
 def _host_model(collective: str, a, w, candidate: dict, num_waves: int, calls: int = 10) -> HostModel:

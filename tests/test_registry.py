@@ -48,6 +48,18 @@ def test_shipped_registry_files_are_valid():
             },
             r"entries\[0\]: config: reduce_scatter needs layout 'cols' or 'rows'",
         ),
+        (
+            {
+                "gpu": "H200",
+                "world": 2,
+                "entries": [{**ENTRY, "collective": "all_to_all", "fallback": {"layout": "rows"}}],
+            },
+            r"entries\[0\]: fallback is for calls the rows layout cannot carry",
+        ),
+        (
+            {"gpu": "H200", "world": 2, "entries": [{**ENTRY, "fallback": {"comm_sms": -1}}]},
+            r"entries\[0\]: fallback: .*comm_sms must be >= 0",
+        ),
     ],
 )
 def test_invalid_files_name_file_entry_and_key(tmp_path, data, message):
@@ -141,3 +153,8 @@ def test_a_rows_entry_is_not_used_for_unequal_all_to_all_splits(tmp_path, monkey
     assert tuned_config(a, 2, even, shape) == OverlapConfig(layout="rows", comm_sms=8, partition=None)
     uneven = exchange("all_to_all", 4096, 2, splits=[1000, 3096], output_splits=[1000, 1000])
     assert tuned_config(a, 2, uneven, shape) == OverlapConfig()
+    # with the fallback the tuner measured for such calls
+    write(tmp_path, {"gpu": "NVIDIA H200", "world": 2, "entries": [{**a2a, "fallback": {"sequential": True}}]})
+    registry.reload()
+    assert tuned_config(a, 2, even, shape).layout == "rows"
+    assert tuned_config(a, 2, uneven, shape) == OverlapConfig(sequential=True)

@@ -199,6 +199,29 @@ def test_registry_writing_merges_and_validates(tmp_path):
     assert len(registry.load([path])) == 2  # the rejected write left the file as it was
 
 
+def test_a_rows_entry_carries_the_best_other_finalist_as_its_fallback():
+    from flashoverlap.tune import measured_entry
+
+    def row(config, measured_ms, partition=(1, 2)):
+        return {"config": config, "partition": list(partition), "measured_ms": measured_ms, "seq_ms": 1.0}
+
+    rows = [row('{"layout": "rows"}', 0.85), row("{}", 0.95, (2, 1)), row('{"comm_sms": 24}', 0.9)]
+    written = measured_entry("all_to_all", "nvlink", "bfloat16", (8, 8, 8), rows, 0.02)
+    assert written["config"] == {"layout": "rows", "partition": [1, 2]}
+    assert written["fallback"] == {"comm_sms": 24, "partition": [1, 2]}
+    assert written["measured"] == {"speedup": round(1 / 0.85, 3)}
+    # the others lose to sequential: so does the fallback
+    slow = [row('{"layout": "rows"}', 0.85), row("{}", 1.05)]
+    assert measured_entry("reduce_scatter", "pcie", "bfloat16", (8, 8, 8), slow, 0.02)["fallback"] == {
+        "sequential": True
+    }
+    # nothing to fall back from
+    assert "fallback" not in measured_entry("reduce_scatter", "pcie", "bfloat16", (8, 8, 8), rows[1:], 0.02)
+    assert measured_entry("all_to_all", "pcie", "bfloat16", (8, 8, 8), [row("{}", 0.99)], 0.02)["config"] == {
+        "sequential": True
+    }
+
+
 def test_summary_and_cli_errors(capsys, monkeypatch):
     from flashoverlap import tune
 
