@@ -131,7 +131,7 @@ def worker(rank: int, world: int, store_path: str):
         dist.destroy_process_group()
 
 
-@pytest.mark.parametrize("world", [1, 2, 3])
+@pytest.mark.parametrize("world", [1, 2, 3, 4])
 def test_reference_executor_matches_matmul_then_collective(world):
     with tempfile.TemporaryDirectory() as tmp:
         mp.spawn(worker, args=(world, os.path.join(tmp, "store")), nprocs=world, join=True)
