@@ -372,6 +372,7 @@ def tune_shape(
     from .bench import kernel_alone, operand_sets, time_variants
     from .config import for_collective, resolve
     from .overlap import DTYPES, prepare, sequential
+    from .plan import widest_budget
 
     m, n, k = shape
     world = dist.get_world_size()
@@ -380,6 +381,16 @@ def tune_shape(
     ex = comm.exchange(collective, m, world)
     cfgs = [for_collective(resolve(c), collective) for c in candidates]
     preps = [prepare(m, n, k, dtype, "nk", a[0].device, cfg) for cfg in cfgs]
+    # each persistent candidate also with the widest SM budget at the same wave count: NCCL gets
+    # more SMs for free (16 -> 18 for the suite's grids on 132 SMs)
+    candidates, total = list(candidates), torch.cuda.get_device_properties(a[0].device).multi_processor_count
+    for candidate, cfg, prep in list(zip(candidates, cfgs, preps)):
+        wider = {**candidate, "comm_sms": widest_budget(prep.plan, total)}
+        if cfg.scheduler != "persistent" or wider["comm_sms"] <= cfg.comm_sms or wider in candidates:
+            continue
+        cfgs.append(for_collective(resolve(wider), collective))
+        preps.append(prepare(m, n, k, dtype, "nk", a[0].device, cfgs[-1]))
+        candidates.append(wider)
     _progress(f"{m}x{n}x{k}: GEMM per wave for {len(cfgs)} candidates")
     variants = {"gemm": lambda i: a[i % sets] @ w[i % sets].t()}
     variants.update({f"kernel{j}": kernel_alone(p, a, w) for j, p in enumerate(preps)})

@@ -1,3 +1,4 @@
+import functools
 import shutil
 import subprocess
 
@@ -18,6 +19,7 @@ from flashoverlap.plan import (
     slot_view,
     wave_count,
     wave_of_index,
+    widest_budget,
 )
 
 from .helpers import random_plan_args
@@ -154,6 +156,25 @@ def test_rotated_rows_plans_walk_rows_from_the_rotation_on_and_group_rotated_row
             rows = np.unique(row_of[plan.group == g])
             assert rows.min() == plan.bounds[g] // plan.n and rows.max() + plan.tile_m == plan.bounds[g + 1] // plan.n
         assert plan.tiles_per_group == plain.tiles_per_group and plan.bounds == plain.bounds
+
+
+def test_widest_budget_keeps_the_wave_count_and_no_wider_one_does():
+    rng = np.random.default_rng(8)
+    for _ in range(200):
+        args = random_plan_args(rng, max_tiles=8, ctas_choices=(8, 30, 64, 116), stream_k_share=0.0)
+        plan = make_plan(**args)
+        total = args["ctas"] + int(rng.integers(0, 40)) // args["cluster_m"] * args["cluster_m"]
+        free = widest_budget(plan, total)
+        assert 0 <= free <= total
+        ctas = total - free
+        assert ctas % args["cluster_m"] == 0 or free == 0
+
+        grid = {k: args[k] for k in ("m", "n", "tile_m", "tile_n", "cluster_m", "swizzle")}
+        waves = functools.partial(wave_count, **grid)
+
+        assert waves(ctas=ctas) == waves(ctas=args["ctas"])
+        if ctas > args["cluster_m"]:  # a cluster fewer takes more waves
+            assert waves(ctas=ctas - args["cluster_m"]) > waves(ctas=args["ctas"])
 
 
 def test_rotation_errors_name_the_problem():
