@@ -277,7 +277,7 @@ def _gemm_collective(
         if world == 1 or cfg.sequential:
             return sequential(a, weight, weight_layout, ex, group)
         comm.check_layout(ex, cfg.layout, rotation_unit(cfg, (m, n, k)))
-        rotate = comm.rows_rotation(ex, dist.get_rank(group)) if cfg.layout == "rows" else 0
+        rotate = comm.rows_rotation(ex, cfg.layout, dist.get_rank(group))
         prep = prepare(m, n, k, a.dtype, weight_layout, a.device, cfg, rotate)
         full = group if group is not None else dist.group.WORLD
         check_agreement(prep, collective, full)

@@ -34,7 +34,7 @@ def run_plan(
         raise ValueError(f"plan is for a {plan.m}x{plan.n} output, operands give {m}x{n}")
     b = (weight.t() if weight_layout == "nk" else weight).float()
     comm.check_layout(ex, plan.layout, plan.rotation_rows)
-    start = comm.rows_rotation(ex, dist.get_rank(group)) if plan.layout == "rows" else 0
+    start = comm.rows_rotation(ex, plan.layout, dist.get_rank(group))
     if plan.rotate * plan.tile_m != start:
         raise ValueError(
             f"this rank's plan must start at row {start} (comm.rows_rotation), not {plan.rotate * plan.tile_m}"

@@ -72,8 +72,9 @@ def test_rows_layout_takes_equal_segments_of_whole_rotation_steps_only():
 
 def test_rows_rotation_starts_at_the_next_ranks_segment():
     ex = exchange("reduce_scatter", 12, 3)
-    assert [rows_rotation(ex, r) for r in range(3)] == [4, 8, 0]
-    assert rows_rotation(exchange("all_reduce", 12, 3), 1) == 0
+    assert [rows_rotation(ex, "rows", r) for r in range(3)] == [4, 8, 0]
+    assert rows_rotation(ex, "cols", 1) == 0
+    assert rows_rotation(exchange("all_reduce", 12, 3), "rows", 1) == 0
 
 
 def test_segments():

@@ -69,7 +69,7 @@ def case(index: int, world: int = 1):
 
 def rank_plan(args: dict, ex: comm.Exchange, rank: int):
     """The plan of ``args`` as ``rank`` runs it (rotated: comm.rows_rotation)."""
-    start = comm.rows_rotation(ex, rank) if args["layout"] == "rows" else 0
+    start = comm.rows_rotation(ex, args["layout"], rank)
     return make_plan(**args, rotate=start // args["tile_m"])
 
 

@@ -167,13 +167,13 @@ def check_layout(ex: Exchange, layout: str, unit: int) -> None:
         )
 
 
-def rows_rotation(ex: Exchange, rank: int) -> int:
-    """Rows of C at which the ``rows`` layout's schedule starts on ``rank`` (see
-    csrc/rotating_scheduler.cuh): for reduce-scatter / all-to-all the segment of rank + 1, so that
-    each rank computes the rows it sends to rank + 1, rank + 2, ... first and its own rows last.
-    At every step each rank then sends to one rank while receiving from another, and the last
-    groups need no communication at all. 0 for an all-reduce."""
-    if ex.collective == "all_reduce":
+def rows_rotation(ex: Exchange, layout: str, rank: int) -> int:
+    """Rows of C at which the schedule starts on ``rank`` (see csrc/rotating_scheduler.cuh): in
+    the ``rows`` layout of reduce-scatter / all-to-all the segment of rank + 1, so that each rank
+    computes the rows it sends to rank + 1, rank + 2, ... first and its own rows last. At every
+    step each rank then sends to one rank while receiving from another, and the last groups need
+    no communication at all. 0 for any other call (not rotated)."""
+    if ex.collective == "all_reduce" or layout != "rows":
         return 0
     return (rank + 1) % len(ex.send) * ex.send[0]
 
@@ -213,36 +213,39 @@ def _rows_group(
     peer = [dist.get_global_rank(pg, r) for r in range(world)]  # torch >= 2.4 takes global ranks
     first = plan.rotate * plan.tile_m // seg
     v0, v1 = plan.bounds[g] // n, plan.bounds[g + 1] // n
+    flat = out.view(-1)
+
+    def rows(t: torch.Tensor, segment: int, lo: int, hi: int) -> torch.Tensor:  # rows [lo, hi) of a segment
+        return t[(segment * seg + lo) * n : (segment * seg + hi) * n]
+
     ops, own = [], []
     for step in range(v0 // seg, -(-v1 // seg)):
         lo, hi = max(v0 - step * seg, 0), min(v1 - step * seg, seg)  # rows within the segment
         dest = (first + step) % world
-        part = buffer[(dest * seg + lo) * n : (dest * seg + hi) * n]
+        part = rows(buffer, dest, lo, hi)
         if dest == me:
             own.append((lo, hi, part))
             continue
         src = (2 * me - dest) % world  # the rank whose step `step` is this rank's segment
         if ex.collective == "all_to_all":
-            into = out.view(-1)[(src * seg + lo) * n : (src * seg + hi) * n]
-        elif step == 0:
-            into = out.view(-1)[lo * n : hi * n]
-        else:
-            into = stage[((step - 1) * seg + lo) * n : ((step - 1) * seg + hi) * n]
+            into = rows(flat, src, lo, hi)
+        else:  # the first partial sum straight into the result, later ones staged
+            into = rows(flat, 0, lo, hi) if step == 0 else rows(stage, step - 1, lo, hi)
         ops += [dist.P2POp(dist.isend, part, peer[dest], group), dist.P2POp(dist.irecv, into, peer[src], group)]
     if ops:
         for request in dist.batch_isend_irecv(ops):
             request.wait()
     for lo, hi, part in own:
         if ex.collective == "all_to_all":
-            out.view(-1)[(me * seg + lo) * n : (me * seg + hi) * n].copy_(part)
+            rows(flat, me, lo, hi).copy_(part)
             continue
-        result = out.view(-1)[lo * n : hi * n]
+        result = rows(flat, 0, lo, hi)
         if world == 1:  # nothing arrived first
             result.copy_(part)
             continue
         result.add_(part)
         for step in range(1, world - 1):
-            result.add_(stage[((step - 1) * seg + lo) * n : ((step - 1) * seg + hi) * n])
+            result.add_(rows(stage, step - 1, lo, hi))
 
 
 def communicate_group(
