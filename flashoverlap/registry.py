@@ -90,28 +90,23 @@ def _entry(item: Any, gpu: str, world: int, where: str) -> Entry:
         and all(isinstance(v, int) and not isinstance(v, bool) and v > 0 for v in shape)
     ):
         raise ValueError(f"{where}: shape must be [M, N, K] of positive integers, got {shape!r}")
-    configs = {}
-    for key in ("config", "fallback"):
-        if key == "fallback" and key not in item:
-            continue
-        configs[key] = OverlapConfig.from_dict(item.get(key, {}), source=f"{where}: {key}")
-        try:
-            layout = for_collective(configs[key], item["collective"]).layout
-        except ValueError as exc:
-            raise ValueError(f"{where}: {key}: {exc}") from None
-        if key == "fallback" and layout == "rows":
-            raise ValueError(f"{where}: fallback is for calls the rows layout cannot carry: it must not use it")
+    config = _config(item.get("config", {}), item["collective"], f"{where}: config")
+    fallback = _config(item["fallback"], item["collective"], f"{where}: fallback") if "fallback" in item else None
+    if fallback is not None and for_collective(fallback, item["collective"]).layout == "rows":
+        raise ValueError(f"{where}: fallback is for calls the rows layout cannot carry: it must not use it")
     return Entry(
-        gpu,
-        world,
-        item["collective"],
-        item["transport"],
-        item["dtype"],
-        tuple(shape),
-        configs["config"],
-        where,
-        configs.get("fallback"),
+        gpu, world, item["collective"], item["transport"], item["dtype"], tuple(shape), config, where, fallback
     )
+
+
+def _config(data: Any, collective: str, where: str) -> OverlapConfig:
+    """An entry's config (or fallback), valid for its collective."""
+    config = OverlapConfig.from_dict(data, source=where)
+    try:
+        for_collective(config, collective)
+    except ValueError as exc:
+        raise ValueError(f"{where}: {exc}") from None
+    return config
 
 
 def load(paths: Iterable[Path]) -> list[Entry]:

@@ -300,17 +300,28 @@ def _local_model(collective: str, dtype, rounds: int) -> CommModel:
     result (reduce-scatter) or copied there (all-to-all)."""
     import torch
 
-    from .bench import time_variants
-
     elem = torch.finfo(dtype).bits // 8
-    variants, sizes = {}, []
-    for mb in COMM_SIZES_MB:
+
+    def make(mb: int):
         x, y = (torch.randn((mb << 20) // elem, device="cuda").to(dtype) for _ in range(2))
         op = x.add_ if collective == "reduce_scatter" else x.copy_
-        variants[f"{mb}MB"] = lambda i, op=op, y=y: op(y)
-        sizes.append(x.numel() * elem)
+        return (lambda i: op(y)), x.numel() * elem
+
+    return _fit_sizes(f"local {collective}", make, rounds)
+
+
+def _fit_sizes(label: str, make, rounds: int) -> CommModel:
+    """:func:`fit_comm` of what ``make(mb)`` returns, a (timing variant, bytes) pair for each of
+    COMM_SIZES_MB, measured together; named by ``label``, so that ranks measuring different
+    things fail in time_variants instead of deadlocking."""
+    from .bench import time_variants
+
+    variants, sizes = {}, []
+    for mb in COMM_SIZES_MB:
+        variants[f"{label} {mb}MB"], nbytes = make(mb)
+        sizes.append(nbytes)
     times = time_variants(variants, rounds, 4, 2)
-    return fit_comm(sizes, [times[f"{mb}MB"] for mb in COMM_SIZES_MB])
+    return fit_comm(sizes, [times[name] for name in variants])
 
 
 def comm_pattern(collective: str, layout: str) -> str:
@@ -328,7 +339,6 @@ def _comm_model(pattern: str, comm_sms: int, dtype, rounds: int) -> CommModel:
     import torch.distributed as dist
 
     from . import comm
-    from .bench import time_variants
 
     group = comm.budget_group(dist.group.WORLD, comm_sms)
     world, me, elem = dist.get_world_size(), dist.get_rank(), torch.finfo(dtype).bits // 8
@@ -341,20 +351,16 @@ def _comm_model(pattern: str, comm_sms: int, dtype, rounds: int) -> CommModel:
         for request in dist.batch_isend_irecv(ops):
             request.wait()
 
-    variants, sizes = {}, []
-    for mb in COMM_SIZES_MB:
+    def make(mb: int):
         rows = max(world, (mb << 20) // (1024 * elem) // world * world)
         data = torch.randn(rows, 1024, device="cuda").to(dtype)
-        name = f"{pattern} {mb}MB"  # named by pattern: ranks that diverge fail in time_variants
         if pattern == "exchange":
             into = torch.empty_like(data)
-            variants[name] = lambda i, data=data, into=into: exchange(data, into)
-        else:
-            ex = comm.exchange(pattern, rows, world)
-            variants[name] = lambda i, ex=ex, data=data: comm.collective(ex, data, group)
-        sizes.append(rows * 1024 * elem)
-    times = time_variants(variants, rounds, 4, 2)
-    return fit_comm(sizes, [times[f"{pattern} {mb}MB"] for mb in COMM_SIZES_MB])
+            return (lambda i: exchange(data, into)), rows * 1024 * elem
+        ex = comm.exchange(pattern, rows, world)
+        return (lambda i: comm.collective(ex, data, group)), rows * 1024 * elem
+
+    return _fit_sizes(pattern, make, rounds)
 
 
 def tune_shape(

@@ -124,6 +124,24 @@ def test_choose_falls_back_to_sequential_where_overlap_cannot_pay():
     assert not choose(small, 0.5 + small.tail.time_ms(64e6)).overlap_pays
 
 
+def test_size_models_name_their_variants_and_fit_what_was_timed(monkeypatch):
+    """The measured models' common part, with time_variants stubbed: one variant per size, named by
+    the label (what the ranks' agreement check compares), fitted to the times it returns."""
+    from flashoverlap import bench, tune
+
+    seen = []
+
+    def timed(variants, rounds, block, warmup):
+        seen.append(list(variants))
+        return {name: 0.01 + nbytes / 1e8 for name, nbytes in zip(variants, sizes)}
+
+    sizes = [mb << 20 for mb in tune.COMM_SIZES_MB]
+    monkeypatch.setattr(bench, "time_variants", timed)
+    model = tune._fit_sizes("exchange", lambda mb: (lambda i: None, mb << 20), 3)
+    assert seen == [[f"exchange {mb}MB" for mb in tune.COMM_SIZES_MB]]
+    assert model.latency_ms == pytest.approx(0.01) and model.bytes_per_ms == pytest.approx(1e8)
+
+
 def test_comm_model_fit_recovers_latency_and_bandwidth():
     sizes = [1e6, 4e6, 16e6, 64e6]
     model = fit_comm(sizes, [0.02 + s / 2e8 for s in sizes])
