@@ -16,6 +16,8 @@
 #   suite   bench/suite.yaml with the registry's configs beside the defaults ($OUT/tuned first if there),
 #           for SUITE_COLLECTIVES (all_reduce), NVLink and P2P off (TRANSPORTS)
 #   host    host time per call of each path on a host-bound shape, and where it goes (bench/host_profile.py)
+#   symm    NCCL ring vs symmetric-memory vs copy-engine kernels on a few CTAs beside the GEMM
+#           (bench/symmetric_probe.py; NCCL's kernel choices in symm.log)
 set -uo pipefail
 source bench/gpu_env.sh
 steps=${*:-tests stress bench sm80 swizzle tune brute suite}
@@ -33,13 +35,15 @@ for step in $steps; do
   bench)
     for transport in ${TRANSPORTS:-nvlink pcie}; do
       bench "all_reduce_$transport" -- --transport "$transport" --shapes ${SHAPES:-4096x8192x8192 8192x8192x8192} \
-        --configs ${CONFIGS:-'{}'} --rounds "${ROUNDS:-15}" --csv "$OUT/all_reduce_$transport.csv" \
+        --configs ${CONFIGS:-'{}' '{"symmetric": true}' '{"symmetric": true, "comm_sms": 4}'} --rounds "${ROUNDS:-15}" --csv "$OUT/all_reduce_$transport.csv" \
         ${TRACE:+--trace "$OUT/trace_$transport.json"}
       bench "reduce_scatter_$transport" -- --transport "$transport" --collective reduce_scatter \
         --shapes 16384x8192x4096 --configs '{}' '{"layout": "rows"}' '{"layout": "rows", "comm_sms": 4}' '{"layout": "rows", "comm_sms": 24}' \
+        '{"symmetric": true}' '{"symmetric": true, "comm_sms": 4}' \
         --rounds "${ROUNDS:-15}" --csv "$OUT/reduce_scatter_$transport.csv"
       bench "all_to_all_$transport" -- --transport "$transport" --collective all_to_all \
         --shapes 8192x4096x7168 --configs '{}' '{"layout": "rows"}' '{"layout": "rows", "comm_sms": 4}' '{"layout": "rows", "comm_sms": 24}' \
+        '{"symmetric": true}' '{"symmetric": true, "comm_sms": 0}' \
         --rounds "${ROUNDS:-15}" --csv "$OUT/all_to_all_$transport.csv"
     done ;;
   sm80)
@@ -81,6 +85,10 @@ for step in $steps; do
   host)
     timeout 120 torchrun --nproc-per-node "$NGPU" bench/host_profile.py > "$OUT/host.log" 2>&1
     grep "us per call" "$OUT/host.log" ;;
-  *) echo "unknown step $step (tests stress bench sm80 swizzle tune brute suite host)"; exit 2 ;;
+  symm)
+    NCCL_DEBUG=INFO NCCL_DEBUG_SUBSYS=INIT,TUNING timeout 300 torchrun --nproc-per-node "$NGPU" \
+      bench/symmetric_probe.py > "$OUT/symm.log" 2>&1
+    grep -E "of cublas|Error|error" "$OUT/symm.log" | head -60; grep -m 8 -E "Symmetric|CE" "$OUT/symm.log" ;;
+  *) echo "unknown step $step (tests stress bench sm80 swizzle tune brute suite host symm)"; exit 2 ;;
   esac
 done

@@ -37,6 +37,10 @@ class OverlapConfig:
     epilogue: ``tma`` (bulk tensor stores overlapped with the next tile; needs ``rows``),
       ``direct`` (register stores into any slot), or ``auto``: ``tma`` for ``rows``, else ``direct``.
     sequential: run the plain GEMM then the collective (where overlap cannot pay).
+    symmetric: the group buffers live in an NCCL symmetric-memory window (NCCL >= 2.27, ranks with
+      peer access; elsewhere NCCL runs its usual kernels): all-reduce / reduce-scatter take NCCL's
+      symmetric kernels (NVLink loads and stores instead of a ring), all-to-all the copy engines (no
+      SM). The window is allocated per plan and kept for the process's life; the result is copied out.
     """
 
     tile_m: int = 128
@@ -51,6 +55,7 @@ class OverlapConfig:
     epilogue: str = "auto"
     kernel: str = "auto"
     sequential: bool = False
+    symmetric: bool = False
 
     def __post_init__(self) -> None:
         if self.partition is not None:
@@ -116,8 +121,9 @@ def _problems(cfg: OverlapConfig) -> list[str]:
         problems.append(f"epilogue must be one of {['auto', *EPILOGUES]}, got {cfg.epilogue!r}")
     elif cfg.epilogue == "tma" and cfg.layout not in ("rows", "auto"):
         problems.append(f"epilogue 'tma' writes C in place and needs layout 'rows', got layout {cfg.layout!r}")
-    if not isinstance(cfg.sequential, bool):
-        problems.append(f"sequential must be true or false, got {cfg.sequential!r}")
+    for name in ("sequential", "symmetric"):
+        if not isinstance(getattr(cfg, name), bool):
+            problems.append(f"{name} must be true or false, got {getattr(cfg, name)!r}")
     return problems
 
 

@@ -103,7 +103,9 @@ class Prepared:
     targets: tuple[int, ...]
     sm_count: int
     report: torch.Tensor  # int32[4]: a debug-mode wait that timed out (see flashoverlap.signal)
+    symmetric: bool = False  # buffers in NCCL symmetric windows (OverlapConfig.symmetric)
     agreed: set = field(default_factory=set)  # (collective, group) pairs whose ranks agreed on this plan
+    windows: dict = field(default_factory=dict)  # (exchange, groups) -> (out, buffer, recv) in a window
 
     def launch(self, a: torch.Tensor, weight: torch.Tensor, buffer: torch.Tensor, stream: torch.cuda.Stream) -> None:
         """Enqueue the signal GEMM on ``stream``, writing the plan's slots of ``buffer``."""
@@ -174,7 +176,7 @@ def prepare(
     workspace = torch.empty(workspace_bytes, dtype=torch.uint8, device=device) if workspace_bytes else None
     report = torch.zeros(4, dtype=torch.int32, device=device)
     targets = plan.counter_targets(kernel.signals_per_tile)
-    prepared = Prepared(plan, kernel, slots, counters, workspace, targets, sm_count, report)
+    prepared = Prepared(plan, kernel, slots, counters, workspace, targets, sm_count, report, cfg.symmetric)
     _prepared[key] = prepared
     while len(_prepared) > MAX_PREPARED:
         _prepared.popitem(last=False)
@@ -214,7 +216,19 @@ def run_overlapped(
     device = a.device
     caller = torch.cuda.current_stream(device)
     stream = comm_stream(device)
-    out, buffer, recv = comm.buffers(ex, plan, lambda shape: torch.empty(shape, dtype=a.dtype, device=device))
+
+    def alloc(shape):
+        return torch.empty(shape, dtype=a.dtype, device=device)
+
+    if prep.symmetric:  # communicate in the plan's window, copy the result out at the end
+        groups = tuple(g if g is not None else dist.group.WORLD for g in (group, tail_group or group))
+        if (ex, groups) not in prep.windows:
+            prep.windows[ex, groups] = comm.window(groups, a.dtype, device, lambda alloc: comm.buffers(ex, plan, alloc))
+        out, buffer, recv = prep.windows[ex, groups]
+        result = alloc((ex.rows, plan.n))
+    else:
+        out, buffer, recv = comm.buffers(ex, plan, alloc)
+        result = out
 
     timeout = signal.debug_timeout()
 
@@ -233,10 +247,12 @@ def run_overlapped(
         if used is not None:
             used.record_stream(stream)
     caller.wait_stream(stream)
-    comm.into_place(ex, plan, buffer, recv, out, prep.slots)
+    comm.into_place(ex, plan, buffer, recv, result, prep.slots)
+    if plan.layout == "rows" and result is not out:  # the rows layout left the result in the window
+        result.copy_(out)
     if timeout is not None:
         signal.raise_on_timeout(prep.report, plan.num_groups, timeout)
-    return out
+    return result
 
 
 def tuned_config(a: torch.Tensor, world: int, ex: Exchange, shape: tuple[int, int, int]) -> OverlapConfig:
@@ -277,11 +293,16 @@ def _gemm_collective(
         if world == 1 or cfg.sequential:
             return sequential(a, weight, weight_layout, ex, group)
         comm.check_layout(ex, cfg.layout, rotation_unit(cfg, (m, n, k)))
+        if cfg.symmetric and len(set(ex.send + ex.recv)) > 1:
+            raise ValueError(
+                "symmetric windows need the same buffer sizes on every rank: equal splits, got "
+                f"splits {list(ex.send)} and output_splits {list(ex.recv)}"
+            )
         rotate = comm.rows_rotation(ex, cfg.layout, dist.get_rank(group))
         prep = prepare(m, n, k, a.dtype, weight_layout, a.device, cfg, rotate)
         full = group if group is not None else dist.group.WORLD
         check_agreement(prep, collective, full)
-        budget = comm.budget_group(full, cfg.comm_sms)
+        budget = comm.budget_group(full, cfg.comm_sms, copy_engine=cfg.symmetric and collective == "all_to_all")
         return run_overlapped(prep, a, weight, ex, budget, tail_group=full)
 
 

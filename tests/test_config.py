@@ -71,6 +71,7 @@ def test_auto_layout_epilogue_kernel_and_tile_k_follow_collective_and_device():
         ({"partition": []}, "non-empty"),
         ({"layout": "diagonal"}, "layout must be one of"),
         ({"sequential": "yes"}, "sequential must be true or false"),
+        ({"symmetric": 1}, "symmetric must be true or false"),
         ({"epilogue": "smem"}, "epilogue must be one of"),
         ({"scheduler": "static"}, r"scheduler 'static' not in"),
         ({"epilogue": "tma", "layout": "tiles"}, "needs layout 'rows'"),

@@ -126,24 +126,26 @@ def nccl_one_rank():
         dist.destroy_process_group()
 
 
-@pytest.mark.parametrize("mode", ["stream", "spin"])
+@pytest.mark.parametrize("mode, symmetric", [("stream", False), ("spin", False), ("stream", True)])
 @pytest.mark.parametrize(
     "collective, layout",
     [("all_reduce", "rows"), ("all_reduce", "tiles"), ("reduce_scatter", "cols"), ("all_to_all", "cols")],
 )
-def test_pipeline_on_one_gpu(nccl_one_rank, monkeypatch, mode, collective, layout):
-    """The whole overlapped call (waits, NCCL per group, reset, restore) on a group of one rank."""
+def test_pipeline_on_one_gpu(nccl_one_rank, monkeypatch, mode, symmetric, collective, layout):
+    """The whole overlapped call (waits, NCCL per group, reset, restore) on a group of one rank;
+    ``symmetric``: in a registered NCCL window, the result copied out."""
     monkeypatch.setenv("FLASHOVERLAP_WAIT", mode)
     signal.uses_stream_wait.cache_clear()
     try:
-        cfg = for_collective(OverlapConfig(layout=layout), collective)
+        cfg = for_collective(OverlapConfig(layout=layout, symmetric=symmetric), collective)
         for m, n, k in [(2048, 4096, 1024), (777, 1032, 264)]:
             a, w, ref = operands(m, n, k, torch.bfloat16, "nk", seed=m)
             prep = prepare(m, n, k, torch.bfloat16, "nk", a.device, cfg)
             ex = comm.exchange(collective, m, 1)
-            for _ in range(3):  # back to back: counters must be reset between calls
-                out = run_overlapped(prep, a, w, ex, None)
+            outs = [run_overlapped(prep, a, w, ex, None) for _ in range(3)]  # back to back: counters reset
             torch.cuda.synchronize()
+            assert len({o.data_ptr() for o in outs}) == 3  # each result its own tensor (none is the window)
+            out = outs[0]
             assert prep.counters.tolist() == [0] * prep.plan.num_groups
             assert not torch.isnan(out).any()
             assert rel_err(out, ref) < 1e-2
@@ -172,13 +174,19 @@ def test_debug_mode_reports_a_group_that_never_completes(nccl_one_rank, monkeypa
 
 
 @pytest.mark.parametrize(
-    "collective, layout", [("all_reduce", "rows"), ("all_reduce", "tiles"), ("all_to_all", "cols")]
+    "collective, layout, symmetric",
+    [
+        ("all_reduce", "rows", False),
+        ("all_reduce", "tiles", False),
+        ("all_to_all", "cols", False),
+        ("all_reduce", "rows", True),
+    ],
 )
-def test_cuda_graph_capture_and_replay(nccl_one_rank, collective, layout):
+def test_cuda_graph_capture_and_replay(nccl_one_rank, collective, layout, symmetric):
     """The whole call -- GEMM, waits, per-group NCCL, counter reset, restore -- in a CUDA graph,
     replayed on new inputs."""
     m, n, k = 1000, 2056, 512
-    cfg = for_collective(OverlapConfig(layout=layout), collective)
+    cfg = for_collective(OverlapConfig(layout=layout, symmetric=symmetric), collective)
     a, w, _ = operands(m, n, k, torch.bfloat16, "nk", seed=3)
     prep = prepare(m, n, k, torch.bfloat16, "nk", a.device, cfg)
     ex = comm.exchange(collective, m, 1)

@@ -28,6 +28,8 @@ CONFIGS = [
     OverlapConfig(scheduler="streamk", comm_sms=12),
     OverlapConfig(kernel="sm80"),
     OverlapConfig(swizzle=4),
+    OverlapConfig(symmetric=True),  # NCCL symmetric-memory kernels
+    OverlapConfig(layout="tiles", symmetric=True),
 ]
 
 
@@ -102,6 +104,8 @@ SPLIT_CONFIGS = [
     OverlapConfig(swizzle=4),
     OverlapConfig(layout="rows"),  # row bands, rotated per rank: grouped send/recv per segment
     OverlapConfig(layout="rows", tile_n=128, epilogue="direct"),
+    OverlapConfig(symmetric=True),  # reduce-scatter: symmetric kernels; all-to-all: copy engines
+    OverlapConfig(layout="rows", symmetric=True),
 ]
 
 
@@ -141,6 +145,10 @@ def split_worker(rank, world, store_path):
                     if cfg.layout == "rows" and not comm.rows_carry(ex, rotation_unit(cfg, (m, n, k))):
                         # uneven splits, or segments not whole tile rows: refused before any launch
                         with pytest.raises(ValueError, match="layout 'rows' runs"):
+                            fn(a, w, config=cfg, **kwargs)
+                        continue
+                    if cfg.symmetric and len(set(ex.send + ex.recv)) > 1:
+                        with pytest.raises(ValueError, match="symmetric windows need"):
                             fn(a, w, config=cfg, **kwargs)
                         continue
                     torch.full((2 * m * n,), float("nan"), dtype=torch.bfloat16, device="cuda")  # poison the cache

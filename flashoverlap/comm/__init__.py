@@ -6,8 +6,11 @@ one contiguous range per group, so any backend and transport works.
 
 from __future__ import annotations
 
+import ctypes
+import functools
 import hashlib
 import itertools
+import math
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -18,6 +21,10 @@ from .. import jit
 from ..plan import Plan, slot_view
 
 COLLECTIVES = ("all_reduce", "reduce_scatter", "all_to_all")
+
+CTA_POLICY_ZERO = 2  # ncclConfig_t.CTAPolicy: NCCL_CTA_POLICY_ZERO (nccl.h, 2.27+)
+WIN_SYMMETRIC = 1  # ncclCommWindowRegister flags: NCCL_WIN_COLL_SYMMETRIC
+WIN_ALIGNMENT = 4096  # NCCL_WIN_REQUIRED_ALIGNMENT
 
 _budget_groups: dict[tuple, dist.ProcessGroup] = {}
 
@@ -51,26 +58,92 @@ def _device_for(group: dist.ProcessGroup | None, device: torch.device | None) ->
     return device if device is not None else torch.device("cuda", torch.cuda.current_device())
 
 
-def budget_group(group: dist.ProcessGroup, comm_sms: int) -> dist.ProcessGroup:
+def budget_group(group: dist.ProcessGroup, comm_sms: int, copy_engine: bool = False) -> dist.ProcessGroup:
     """An NCCL communicator over ``group``'s ranks whose kernels fit in ``comm_sms`` SMs.
 
     While the GEMM holds the other SMs, NCCL kernels get only the ``comm_sms`` left free. A
     default communicator launches more CTAs than that, in clusters of 4 on Hopper (which need 4
     free SMs in one GPC), and crawls until the GEMM ends. This one is capped at ``comm_sms``
-    single CTAs. Created once per (group, comm_sms) by every member rank, on first use;
-    ``comm_sms == 0`` or a non-NCCL group keeps ``group`` itself.
+    single CTAs; with ``copy_engine`` its CTA policy is ZERO, under which NCCL moves all-to-all
+    data in symmetric windows (:func:`window`) on the copy engines. Created once per (group,
+    comm_sms, copy_engine) by every member rank, on first use; ``comm_sms == 0`` without
+    ``copy_engine``, or a non-NCCL group, keeps ``group`` itself.
     """
-    if comm_sms == 0 or dist.get_backend(group) != "nccl":
+    if (comm_sms == 0 and not copy_engine) or dist.get_backend(group) != "nccl":
         return group
-    key = (group, comm_sms)
+    key = (group, comm_sms, copy_engine)
     if key not in _budget_groups:
         options = dist.ProcessGroupNCCL.Options()
         options.config.cga_cluster_size = 1
-        options.config.min_ctas = comm_sms
-        options.config.max_ctas = comm_sms
+        if comm_sms:
+            options.config.min_ctas = comm_sms
+            options.config.max_ctas = comm_sms
+        if copy_engine:
+            options.config.cta_policy = CTA_POLICY_ZERO
         ranks = dist.get_process_group_ranks(group)
         _budget_groups[key] = dist.new_group(ranks, backend="nccl", pg_options=options, use_local_synchronization=True)
     return _budget_groups[key]
+
+
+def window(groups: Sequence[dist.ProcessGroup], dtype: torch.dtype, device: torch.device, make):
+    """``make(alloc)`` with ``alloc(shape)`` allocating NCCL memory (``ncclMemAlloc``: cuMem) that
+    is registered as a symmetric window (``ncclCommWindowRegister``) with the communicator of each
+    NCCL group in ``groups``: collectives whose send and receive buffers both lie in such windows
+    run NCCL's symmetric-memory kernels, or its copy engines. Registration is collective: every
+    rank calls this at the same point of the same calls. The memory is kept for the process's life
+    (freeing it would need another collective); returns ``make``'s result."""
+    nccl = [g for g in dict.fromkeys(groups) if dist.get_backend(g) == "nccl"]
+    if not nccl:
+        return make(lambda shape: torch.empty(shape, dtype=dtype, device=device))
+    lib = _libnccl()
+    comms = []
+    for group in nccl:
+        dist.barrier(group=group, device_ids=[device.index])  # creates the communicator
+        comms.append(ctypes.c_void_p(group._get_backend(device)._comm_ptr()))
+
+    def alloc(shape) -> torch.Tensor:
+        size = math.prod(shape) * dtype.itemsize
+        nbytes = -(-max(size, 1) // WIN_ALIGNMENT) * WIN_ALIGNMENT
+        ptr = ctypes.c_void_p()
+        _nccl_check(lib, lib.ncclMemAlloc(ctypes.byref(ptr), ctypes.c_size_t(nbytes)), "ncclMemAlloc")
+        for c in comms:
+            handle = ctypes.c_void_p()
+            status = lib.ncclCommWindowRegister(c, ptr, ctypes.c_size_t(nbytes), ctypes.byref(handle), WIN_SYMMETRIC)
+            _nccl_check(lib, status, "ncclCommWindowRegister (symmetric windows need peer access between all ranks)")
+        raw = torch.as_tensor(_DeviceBytes(ptr.value, nbytes), device=device)
+        return raw.view(dtype)[: math.prod(shape)].view(shape)
+
+    return make(alloc)
+
+
+class _DeviceBytes:
+    """Device memory seen by torch.as_tensor as a uint8 vector (CUDA array interface)."""
+
+    def __init__(self, ptr: int, nbytes: int):
+        self.__cuda_array_interface__ = {"data": (ptr, False), "shape": (nbytes,), "typestr": "|u1", "version": 3}
+
+
+@functools.cache
+def _libnccl() -> ctypes.CDLL:
+    """The NCCL library torch loaded (a second copy could not use torch's communicators)."""
+    with open("/proc/self/maps") as maps:
+        paths = {line.split()[-1] for line in maps if "libnccl.so" in line}
+    if len(paths) != 1:
+        raise RuntimeError(
+            f"symmetric windows need torch's NCCL as a shared library (libnccl.so); found {sorted(paths) or 'none'}"
+        )
+    lib = ctypes.CDLL(paths.pop())
+    lib.ncclGetErrorString.restype = ctypes.c_char_p
+    version = ctypes.c_int()
+    _nccl_check(lib, lib.ncclGetVersion(ctypes.byref(version)), "ncclGetVersion")
+    if version.value < 22700:
+        raise RuntimeError(f"symmetric windows need NCCL >= 2.27, torch loaded {version.value}")
+    return lib
+
+
+def _nccl_check(lib: ctypes.CDLL, status: int, what: str) -> None:
+    if status != 0:
+        raise RuntimeError(f"{what} failed: {lib.ncclGetErrorString(status).decode()} (NCCL error {status})")
 
 
 @dataclass(frozen=True)

@@ -1,0 +1,123 @@
+"""How fast NCCL moves a GEMM's output on a few SMs while the GEMM holds the rest, per kernel kind.
+
+The question behind the SM budget: NCCL's ring kernels on 4-16 CTAs cannot carry 64 MB within a
+4096x8192x8192 GEMM, and every SM they need costs the GEMM part of a wave. NCCL 2.27+ has
+symmetric-memory kernels (buffers in a window registered with NCCL_WIN_COLL_SYMMETRIC; all-reduce
+and reduce-scatter by NVLink loads/stores, no ring) and, with CTA policy ZERO, copy-engine
+all-to-all (no SM at all). For each collective this times, side by side in one run:
+  gemm{C}        the signal GEMM alone on the SMs a budget of C leaves
+  {mode}{C}      the output's collective alone, in 8 chunks, on a communicator capped at C CTAs
+  both_{mode}{C} both at once (the chunks issued on a second stream as the GEMM starts)
+mode: ring (plain buffers), symm (buffers registered as a symmetric window), ce (symmetric window,
+CTA policy ZERO: all-to-all / all-gather on the copy engines, the GEMM on every SM). All-gather is
+there because on two ranks it moves as many bytes as an all-reduce (each rank receives the other's
+whole partial sum), so an all-reduce could be an all-gather on the copy engines plus one add.
+
+    torchrun --nproc-per-node 2 bench/symmetric_probe.py [--shape 4096x8192x8192] [--budgets 4 8 16]
+NCCL_DEBUG=INFO NCCL_DEBUG_SUBSYS=TUNING shows which kernel NCCL picked ("[Symmetric]: ... Kernel").
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+
+import torch
+import torch.distributed as dist
+
+from flashoverlap import comm
+from flashoverlap.bench import kernel_alone, parse_shape, time_variants
+from flashoverlap.config import OverlapConfig, for_collective
+from flashoverlap.overlap import prepare
+
+CHUNKS = 8
+
+
+def buffers(numel: int, dtype: torch.dtype, group, symmetric: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """Send (random) and receive buffers, in a symmetric window of ``group`` or plain."""
+    world = dist.get_world_size(group)
+
+    def make(alloc):
+        return alloc((numel,)), alloc((numel * world,))
+
+    if symmetric:
+        send, recv = comm.window([group], dtype, torch.device("cuda", torch.cuda.current_device()), make)
+    else:
+        send, recv = make(lambda shape: torch.empty(shape, dtype=dtype, device="cuda"))
+    send.copy_(torch.randn(numel, device="cuda"))
+    return send, recv
+
+
+def chunked(collective: str, send: torch.Tensor, recv: torch.Tensor, group) -> None:
+    world = dist.get_world_size(group)
+    for s, r in zip(send.chunk(CHUNKS), recv.chunk(CHUNKS)):
+        if collective == "all_reduce":
+            dist.all_reduce(s, group=group)
+        elif collective == "reduce_scatter":
+            dist.reduce_scatter_tensor(r[: s.numel() // world], s, group=group)
+        elif collective == "all_gather":
+            dist.all_gather_into_tensor(r, s, group=group)
+        else:
+            dist.all_to_all_single(r[: s.numel()], s, group=group)
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--shape", type=parse_shape, default=(4096, 8192, 8192))
+    parser.add_argument(
+        "--collectives", nargs="+", default=["all_reduce", "reduce_scatter", "all_to_all", "all_gather"]
+    )
+    parser.add_argument("--budgets", nargs="+", type=int, default=[4, 8, 16])
+    parser.add_argument("--rounds", type=int, default=15)
+    parser.add_argument("--block", type=int, default=10)
+    args = parser.parse_args()
+    local = int(os.environ.get("LOCAL_RANK", 0))
+    torch.cuda.set_device(local)
+    dist.init_process_group("nccl", device_id=torch.device("cuda", local))
+    m, n, k = args.shape
+    dtype = torch.bfloat16
+    a = [torch.randn(m, k, device="cuda").to(dtype) for _ in range(2)]
+    w = [torch.randn(n, k, device="cuda").to(dtype) for _ in range(2)]
+    side = torch.cuda.Stream()
+    variants = {"cublas": lambda i: a[i % 2] @ w[i % 2].t()}
+    for budget in [0, *args.budgets]:
+        cfg = for_collective(OverlapConfig(comm_sms=budget), "all_reduce")
+        variants[f"gemm{budget}"] = kernel_alone(prepare(m, n, k, dtype, "nk", a[0].device, cfg), a, w)
+    for collective in args.collectives:
+        runs = [(mode, c) for c in args.budgets for mode in ("ring", "symm")]
+        if collective in ("all_to_all", "all_gather"):
+            runs.append(("ce", 0))
+        for mode, ctas in runs:
+            group = comm.budget_group(dist.group.WORLD, ctas, copy_engine=mode == "ce")
+            send, recv = buffers(m * n, dtype, group, mode != "ring")
+            gemm = variants[f"gemm{ctas}"]
+
+            def alone(i, send=send, recv=recv, group=group, collective=collective):
+                chunked(collective, send, recv, group)
+
+            def both(i, send=send, recv=recv, group=group, collective=collective, gemm=gemm):
+                caller = torch.cuda.current_stream()
+                side.wait_stream(caller)
+                gemm(i)
+                with torch.cuda.stream(side):
+                    chunked(collective, send, recv, group)
+                caller.wait_stream(side)
+
+            variants[f"{collective}:{mode}{ctas}"] = alone
+            variants[f"{collective}:both_{mode}{ctas}"] = both
+    times = time_variants(variants, args.rounds, args.block, warmup=3)
+    if dist.get_rank() == 0:
+        print(
+            f"{torch.cuda.get_device_name()} x{dist.get_world_size()}, {m}x{n}x{k} bf16, "
+            f"{2 * m * n / 2**20:.0f} MiB in {CHUNKS} chunks, ms per call (median, max over ranks)"
+        )
+        for name, t in times.items():
+            print(f"{name:32s} {t:8.3f}  {times['cublas'] / t:5.2f}x of cublas")
+    comm.agree(None, "done", torch.device("cuda", local))
+    dist.destroy_process_group()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
