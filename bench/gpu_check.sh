@@ -34,16 +34,18 @@ for step in $steps; do
       > "$OUT/stress.log" 2>&1; tail -2 "$OUT/stress.log" ;;
   bench)
     for transport in ${TRANSPORTS:-nvlink pcie}; do
+      sym=()  # symmetric windows need peer access: NVLink only
+      [ "$transport" = nvlink ] && sym=('{"symmetric": true}' '{"symmetric": true, "comm_sms": 4}')
       bench "all_reduce_$transport" -- --transport "$transport" --shapes ${SHAPES:-4096x8192x8192 8192x8192x8192} \
-        --configs ${CONFIGS:-'{}' '{"symmetric": true}' '{"symmetric": true, "comm_sms": 4}'} --rounds "${ROUNDS:-15}" --csv "$OUT/all_reduce_$transport.csv" \
+        --configs ${CONFIGS:-'{}'} "${sym[@]}" --nccl c10d direct \
+        --rounds "${ROUNDS:-15}" --csv "$OUT/all_reduce_$transport.csv" \
         ${TRACE:+--trace "$OUT/trace_$transport.json"}
       bench "reduce_scatter_$transport" -- --transport "$transport" --collective reduce_scatter \
         --shapes 16384x8192x4096 --configs '{}' '{"layout": "rows"}' '{"layout": "rows", "comm_sms": 4}' '{"layout": "rows", "comm_sms": 24}' \
-        '{"symmetric": true}' '{"symmetric": true, "comm_sms": 4}' \
-        --rounds "${ROUNDS:-15}" --csv "$OUT/reduce_scatter_$transport.csv"
+        "${sym[@]}" --rounds "${ROUNDS:-15}" --csv "$OUT/reduce_scatter_$transport.csv"
       bench "all_to_all_$transport" -- --transport "$transport" --collective all_to_all \
         --shapes 8192x4096x7168 --configs '{}' '{"layout": "rows"}' '{"layout": "rows", "comm_sms": 4}' '{"layout": "rows", "comm_sms": 24}' \
-        '{"symmetric": true}' '{"symmetric": true, "comm_sms": 0}' \
+        "${sym[@]}" ${sym:+'{"symmetric": true, "comm_sms": 0}'} \
         --rounds "${ROUNDS:-15}" --csv "$OUT/all_to_all_$transport.csv"
     done ;;
   sm80)

@@ -1,6 +1,6 @@
 """Where a call's host time goes (torchrun, 2+ GPUs). On a shape small enough that the host is the
 bottleneck, calls back to back run at the host's pace, so ms per call is host time; then a
-cProfile of each flashoverlap path.
+cProfile of each flashoverlap path ("direct": NCCL through its C API, FLASHOVERLAP_NCCL=direct).
   torchrun --nproc-per-node 2 bench/host_profile.py [MxNxK (default 256x2048x2048)] [CONFIG_JSON]"""
 
 import cProfile
@@ -48,12 +48,15 @@ def main() -> None:
         "fallback": lambda: flashoverlap.gemm_all_reduce(a, w, config={"sequential": True}),
         "registry": lambda: flashoverlap.gemm_all_reduce(a, w),
         "overlapped": lambda: flashoverlap.gemm_all_reduce(a, w, config=config),
+        "direct": lambda: flashoverlap.gemm_all_reduce(a, w, config=config),  # FLASHOVERLAP_NCCL=direct
     }
     for name, fn in cases.items():
+        os.environ["FLASHOVERLAP_NCCL"] = "direct" if name == "direct" else "c10d"
         us = per_call_us(fn)
         if rank == 0:
             print(f"{m}x{n}x{k} {name:>12}: {us:7.1f} us per call", flush=True)
-    for name in ("fallback", "overlapped"):
+    for name in ("fallback", "overlapped", "direct"):
+        os.environ["FLASHOVERLAP_NCCL"] = "direct" if name == "direct" else "c10d"
         profile = cProfile.Profile()
         profile.enable()
         for _ in range(CALLS):

@@ -42,7 +42,7 @@ def buffers(numel: int, dtype: torch.dtype, group, symmetric: bool) -> tuple[tor
         return alloc((numel,)), alloc((numel * world,))
 
     if symmetric:
-        send, recv = comm.window([group], dtype, torch.device("cuda", torch.cuda.current_device()), make)
+        send, recv = comm.nccl.window([group], dtype, torch.device("cuda", torch.cuda.current_device()), make)
     else:
         send, recv = make(lambda shape: torch.empty(shape, dtype=dtype, device="cuda"))
     send.copy_(torch.randn(numel, device="cuda"))

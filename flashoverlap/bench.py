@@ -87,6 +87,13 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--warmup", type=int, default=5)
     parser.add_argument("--csv", help="write one row per shape and variant here (rank 0)")
     parser.add_argument("--chunks", nargs="+", type=int, default=[2, 4, 8], help="decomposition chunk counts to try")
+    parser.add_argument(
+        "--nccl",
+        nargs="+",
+        choices=["c10d", "direct"],
+        default=[os.environ.get("FLASHOVERLAP_NCCL", "c10d")],
+        help="how flashoverlap calls NCCL (FLASHOVERLAP_NCCL): each config is measured with each path",
+    )
     parser.add_argument("--plot", help="write a PNG of speedup per shape and method here (needs matplotlib)")
     parser.add_argument(
         "--from-csv", nargs="+", help="summarise these CSVs (and plot them with --plot) instead of measuring"
@@ -240,7 +247,9 @@ def async_tp(a: torch.Tensor, w: torch.Tensor) -> Callable[[torch.Tensor, torch.
     return fused if flag.item() else None
 
 
-def bench_shape(shape, configs, collective, dtype, rounds, block, warmup, chunks=(2, 4, 8)) -> list[dict]:
+def bench_shape(
+    shape, configs, collective, dtype, rounds, block, warmup, chunks=(2, 4, 8), nccl=("c10d",)
+) -> list[dict]:
     import flashoverlap
 
     from . import comm
@@ -274,14 +283,20 @@ def bench_shape(shape, configs, collective, dtype, rounds, block, warmup, chunks
         for cfg in configs
     ]
     errors = {}
-    for j, cfg in enumerate(cfgs):
+    runs = [(j, path) for j in range(len(cfgs)) for path in nccl]
+    for j, path in runs:
         # "registry" variants call without config=, as a user would (the lookup is part of the call)
-        given = cfg if configs[j] is not None else None
-        variants[f"fo{j}"] = lambda i, cfg=given: overlapped(a[i % sets], w[i % sets], config=cfg)
-        if not cfg.sequential:
-            variants[f"kernel{j}"] = kernel_alone(prepare(m, n, k, dtype, "nk", a[0].device, cfg), a, w)
-        got, want = overlapped(a[0], w[0], config=given).float(), seq(0).float()
-        errors[j] = ((got - want).norm() / want.norm()).item()
+        given = cfgs[j] if configs[j] is not None else None
+
+        def call(i, cfg=given, path=path):
+            os.environ["FLASHOVERLAP_NCCL"] = path  # read per call (comm.direct)
+            return overlapped(a[i % sets], w[i % sets], config=cfg)
+
+        variants[f"fo{j}{path}"] = call
+        if not cfgs[j].sequential:
+            variants[f"kernel{j}"] = kernel_alone(prepare(m, n, k, dtype, "nk", a[0].device, cfgs[j]), a, w)
+        got, want = call(0).float(), seq(0).float()
+        errors[j, path] = ((got - want).norm() / want.norm()).item()
     times = time_variants(variants, rounds, block, warmup)
 
     rows = []
@@ -289,8 +304,8 @@ def bench_shape(shape, configs, collective, dtype, rounds, block, warmup, chunks
     best_chunks = min(chunks, key=lambda ch: times[f"decomp{ch}"])
     t_decomp = times[f"decomp{best_chunks}"]
     t_async = times.get("asynctp", float("nan"))
-    for j, cfg in enumerate(cfgs):
-        t_fo = times[f"fo{j}"]
+    for j, path in runs:
+        cfg, t_fo = cfgs[j], times[f"fo{j}{path}"]
         plan = None if cfg.sequential else prepare(m, n, k, dtype, "nk", a[0].device, cfg).plan
         rows.append(
             {
@@ -300,7 +315,7 @@ def bench_shape(shape, configs, collective, dtype, rounds, block, warmup, chunks
                 "world": world,
                 "collective": collective,
                 "dtype": str(dtype).removeprefix("torch."),
-                "config": config_label(configs[j], cfg, collective),
+                "config": config_label(configs[j], cfg, collective) + ("" if path == "c10d" else f" nccl={path}"),
                 "waves": plan.num_waves if plan else "",
                 "groups": plan.num_groups if plan else "",
                 "t_gemm_ms": t_gemm,
@@ -318,7 +333,7 @@ def bench_shape(shape, configs, collective, dtype, rounds, block, warmup, chunks
                 "of_ideal": max(t_gemm, t_comm) / t_fo,
                 "efficiency": overlap_efficiency(t_seq, t_fo, t_gemm, t_comm),
                 "kernel_vs_cublas": t_gemm / times.get(f"kernel{j}", float("nan")),
-                "rel_err": errors[j],
+                "rel_err": errors[j, path],
             }
         )
     return rows
@@ -344,8 +359,11 @@ def config_label(given: dict | None, cfg, collective: str) -> str:
 
 
 def variant(label: str) -> str:
-    """The method a row belongs to: its config, or ``registry`` whatever the registry picked."""
-    return "registry" if label.startswith("registry:") else label
+    """The method a row belongs to: its config, or ``registry`` whatever the registry picked (with
+    the NCCL path, where not c10d)."""
+    if not label.startswith("registry:"):
+        return label
+    return "registry" + (label[label.rindex(" nccl=") :] if " nccl=" in label else "")
 
 
 def trace_call(shape, config, collective, dtype, path: str) -> None:
@@ -530,7 +548,15 @@ def main(argv: Sequence[str] | None = None) -> int:
         rows = []
         for shape in args.shapes:
             rows += bench_shape(
-                shape, args.configs, args.collective, dtype, args.rounds, args.block, args.warmup, args.chunks
+                shape,
+                args.configs,
+                args.collective,
+                dtype,
+                args.rounds,
+                args.block,
+                args.warmup,
+                args.chunks,
+                args.nccl,
             )
         if args.trace:
             trace_call(args.shapes[0], args.configs[0], args.collective, dtype, args.trace)

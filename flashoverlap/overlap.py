@@ -221,9 +221,10 @@ def run_overlapped(
         return torch.empty(shape, dtype=a.dtype, device=device)
 
     if prep.symmetric:  # communicate in the plan's window, copy the result out at the end
-        groups = tuple(g if g is not None else dist.group.WORLD for g in (group, tail_group or group))
+        groups = tuple(comm.process_group(g) for g in (group, tail_group or group))
         if (ex, groups) not in prep.windows:
-            prep.windows[ex, groups] = comm.window(groups, a.dtype, device, lambda alloc: comm.buffers(ex, plan, alloc))
+            make = lambda alloc: comm.buffers(ex, plan, alloc)  # noqa: E731
+            prep.windows[ex, groups] = comm.nccl.window(groups, a.dtype, device, make)
         out, buffer, recv = prep.windows[ex, groups]
         result = alloc((ex.rows, plan.n))
     else:
@@ -303,7 +304,7 @@ def _gemm_collective(
         full = group if group is not None else dist.group.WORLD
         check_agreement(prep, collective, full)
         budget = comm.budget_group(full, cfg.comm_sms, copy_engine=cfg.symmetric and collective == "all_to_all")
-        return run_overlapped(prep, a, weight, ex, budget, tail_group=full)
+        return run_overlapped(prep, a, weight, ex, comm.direct(budget, a.device), comm.direct(full, a.device))
 
 
 def gemm_all_reduce(

@@ -30,12 +30,19 @@ def test_config_labels_name_what_ran():
     assert bench.config_label(None, picked, "reduce_scatter") == 'registry:{"comm_sms": 8, "partition": [2, 3]}'
     tiles = for_collective(OverlapConfig(layout="tiles"), "all_reduce")
     assert bench.config_label(None, tiles, "all_reduce") == 'registry:{"layout": "tiles"}'
+    # a method per config, whatever the registry picked, and per NCCL path
+    assert bench.variant('registry:{"comm_sms": 8}') == "registry"
+    assert bench.variant('registry:{"comm_sms": 8} nccl=direct') == "registry nccl=direct"
+    assert bench.variant('{"comm_sms": 8} nccl=direct') == '{"comm_sms": 8} nccl=direct'
 
 
 def test_cli_defaults_and_choices(capsys):
     args = bench.build_parser().parse_args(["--collective", "all_to_all", "--transport", "pcie"])
     assert args.collective == "all_to_all" and args.transport == "pcie" and args.configs == [{}]
     assert args.chunks == [2, 4, 8] and args.rounds == 15
+    assert bench.build_parser().parse_args(["--nccl", "c10d", "direct"]).nccl == ["c10d", "direct"]
+    with pytest.raises(SystemExit):
+        bench.build_parser().parse_args(["--nccl", "cupy"])
     with pytest.raises(SystemExit):
         bench.build_parser().parse_args(["--collective", "broadcast"])
     assert "invalid choice" in capsys.readouterr().err

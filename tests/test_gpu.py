@@ -126,23 +126,45 @@ def nccl_one_rank():
         dist.destroy_process_group()
 
 
-@pytest.mark.parametrize("mode, symmetric", [("stream", False), ("spin", False), ("stream", True)])
+@pytest.mark.parametrize(
+    "mode, symmetric, nccl",
+    [
+        ("stream", False, "c10d"),
+        ("spin", False, "c10d"),
+        ("stream", True, "c10d"),
+        ("stream", False, "direct"),
+        ("stream", True, "direct"),
+    ],
+)
 @pytest.mark.parametrize(
     "collective, layout",
-    [("all_reduce", "rows"), ("all_reduce", "tiles"), ("reduce_scatter", "cols"), ("all_to_all", "cols")],
+    [
+        ("all_reduce", "rows"),
+        ("all_reduce", "tiles"),
+        ("reduce_scatter", "cols"),
+        ("all_to_all", "cols"),
+        ("reduce_scatter", "rows"),
+        ("all_to_all", "rows"),
+    ],
 )
-def test_pipeline_on_one_gpu(nccl_one_rank, monkeypatch, mode, symmetric, collective, layout):
+def test_pipeline_on_one_gpu(nccl_one_rank, monkeypatch, mode, symmetric, nccl, collective, layout):
     """The whole overlapped call (waits, NCCL per group, reset, restore) on a group of one rank;
-    ``symmetric``: in a registered NCCL window, the result copied out."""
+    ``symmetric``: in a registered NCCL window, the result copied out; ``nccl``: the collectives
+    through c10d or NCCL's C API (comm.direct)."""
     monkeypatch.setenv("FLASHOVERLAP_WAIT", mode)
+    monkeypatch.setenv("FLASHOVERLAP_NCCL", nccl)
     signal.uses_stream_wait.cache_clear()
+    group = comm.direct(comm.budget_group(dist.group.WORLD, 16), torch.device("cuda", 0))
+    assert isinstance(group, comm.Direct) == (nccl == "direct")
     try:
         cfg = for_collective(OverlapConfig(layout=layout, symmetric=symmetric), collective)
         for m, n, k in [(2048, 4096, 1024), (777, 1032, 264)]:
+            if collective != "all_reduce" and layout == "rows" and m % cfg.tile_m:
+                continue  # rows of reduce-scatter / all-to-all: segments of whole tile rows
             a, w, ref = operands(m, n, k, torch.bfloat16, "nk", seed=m)
             prep = prepare(m, n, k, torch.bfloat16, "nk", a.device, cfg)
             ex = comm.exchange(collective, m, 1)
-            outs = [run_overlapped(prep, a, w, ex, None) for _ in range(3)]  # back to back: counters reset
+            outs = [run_overlapped(prep, a, w, ex, group) for _ in range(3)]  # back to back: counters reset
             torch.cuda.synchronize()
             assert len({o.data_ptr() for o in outs}) == 3  # each result its own tensor (none is the window)
             out = outs[0]

@@ -66,8 +66,9 @@ def spawn(fn, *args, timeout=300):
                 pytest.fail(f"{fn.__name__}{args} did not finish within {timeout} s on {world} GPUs")
 
 
-def worker(rank, world, store_path, mode):
+def worker(rank, world, store_path, mode, nccl):
     os.environ["FLASHOVERLAP_WAIT"] = mode
+    os.environ["FLASHOVERLAP_NCCL"] = nccl
     init_rank(rank, world, store_path)
     try:
         for seed, (m, n, k) in enumerate(SHAPES):
@@ -91,9 +92,9 @@ def worker(rank, world, store_path, mode):
         signal.uses_stream_wait.cache_clear()
 
 
-@pytest.mark.parametrize("mode", ["stream", "spin"])
-def test_gemm_all_reduce_on_all_gpus(mode):
-    spawn(worker, mode)
+@pytest.mark.parametrize("mode, nccl", [("stream", "c10d"), ("spin", "c10d"), ("stream", "direct")])
+def test_gemm_all_reduce_on_all_gpus(mode, nccl):
+    spawn(worker, mode, nccl)
 
 
 SPLIT_CONFIGS = [
@@ -116,8 +117,9 @@ def uneven_splits(seed, rank, m, world):
     return [b - a for a, b in zip([0, *cuts], [*cuts, m])]
 
 
-def split_worker(rank, world, store_path):
+def split_worker(rank, world, store_path, nccl):
     """gemm_reduce_scatter and gemm_all_to_all (even, uneven, exchanged counts) vs fp32 and torch."""
+    os.environ["FLASHOVERLAP_NCCL"] = nccl
     init_rank(rank, world, store_path)
     try:
         for seed, (m, n, k) in enumerate(SHAPES):
@@ -168,8 +170,9 @@ def split_worker(rank, world, store_path):
         dist.destroy_process_group()
 
 
-def test_gemm_reduce_scatter_and_all_to_all_on_all_gpus():
-    spawn(split_worker)
+@pytest.mark.parametrize("nccl", ["c10d", "direct"])
+def test_gemm_reduce_scatter_and_all_to_all_on_all_gpus(nccl):
+    spawn(split_worker, nccl)
 
 
 def nn_worker(rank, world, store_path, part):

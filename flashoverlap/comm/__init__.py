@@ -6,11 +6,9 @@ one contiguous range per group, so any backend and transport works.
 
 from __future__ import annotations
 
-import ctypes
-import functools
 import hashlib
 import itertools
-import math
+import os
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -19,14 +17,12 @@ import torch.distributed as dist
 
 from .. import jit
 from ..plan import Plan, slot_view
+from .nccl import CTA_POLICY_ZERO, Direct
 
 COLLECTIVES = ("all_reduce", "reduce_scatter", "all_to_all")
 
-CTA_POLICY_ZERO = 2  # ncclConfig_t.CTAPolicy: NCCL_CTA_POLICY_ZERO (nccl.h, 2.27+)
-WIN_SYMMETRIC = 1  # ncclCommWindowRegister flags: NCCL_WIN_COLL_SYMMETRIC
-WIN_ALIGNMENT = 4096  # NCCL_WIN_REQUIRED_ALIGNMENT
-
 _budget_groups: dict[tuple, dist.ProcessGroup] = {}
+_direct: dict[tuple, Direct] = {}
 
 
 def agree(group: dist.ProcessGroup | None, description: str, device: torch.device) -> None:
@@ -65,7 +61,7 @@ def budget_group(group: dist.ProcessGroup, comm_sms: int, copy_engine: bool = Fa
     default communicator launches more CTAs than that, in clusters of 4 on Hopper (which need 4
     free SMs in one GPC), and crawls until the GEMM ends. This one is capped at ``comm_sms``
     single CTAs; with ``copy_engine`` its CTA policy is ZERO, under which NCCL moves all-to-all
-    data in symmetric windows (:func:`window`) on the copy engines. Created once per (group,
+    data in symmetric windows (:func:`comm.nccl.window`) on the copy engines. Created once per (group,
     comm_sms, copy_engine) by every member rank, on first use; ``comm_sms == 0`` without
     ``copy_engine``, or a non-NCCL group, keeps ``group`` itself.
     """
@@ -85,65 +81,25 @@ def budget_group(group: dist.ProcessGroup, comm_sms: int, copy_engine: bool = Fa
     return _budget_groups[key]
 
 
-def window(groups: Sequence[dist.ProcessGroup], dtype: torch.dtype, device: torch.device, make):
-    """``make(alloc)`` with ``alloc(shape)`` allocating NCCL memory (``ncclMemAlloc``: cuMem) that
-    is registered as a symmetric window (``ncclCommWindowRegister``) with the communicator of each
-    NCCL group in ``groups``: collectives whose send and receive buffers both lie in such windows
-    run NCCL's symmetric-memory kernels, or its copy engines. Registration is collective: every
-    rank calls this at the same point of the same calls. The memory is kept for the process's life
-    (freeing it would need another collective); returns ``make``'s result."""
-    nccl = [g for g in dict.fromkeys(groups) if dist.get_backend(g) == "nccl"]
-    if not nccl:
-        return make(lambda shape: torch.empty(shape, dtype=dtype, device=device))
-    lib = _libnccl()
-    comms = []
-    for group in nccl:
-        dist.barrier(group=group, device_ids=[device.index])  # creates the communicator
-        comms.append(ctypes.c_void_p(group._get_backend(device)._comm_ptr()))
-
-    def alloc(shape) -> torch.Tensor:
-        size = math.prod(shape) * dtype.itemsize
-        nbytes = -(-max(size, 1) // WIN_ALIGNMENT) * WIN_ALIGNMENT
-        ptr = ctypes.c_void_p()
-        _nccl_check(lib, lib.ncclMemAlloc(ctypes.byref(ptr), ctypes.c_size_t(nbytes)), "ncclMemAlloc")
-        for c in comms:
-            handle = ctypes.c_void_p()
-            status = lib.ncclCommWindowRegister(c, ptr, ctypes.c_size_t(nbytes), ctypes.byref(handle), WIN_SYMMETRIC)
-            _nccl_check(lib, status, "ncclCommWindowRegister (symmetric windows need peer access between all ranks)")
-        raw = torch.as_tensor(_DeviceBytes(ptr.value, nbytes), device=device)
-        return raw.view(dtype)[: math.prod(shape)].view(shape)
-
-    return make(alloc)
+def process_group(group: dist.ProcessGroup | Direct | None) -> dist.ProcessGroup:
+    """The process group behind ``group`` (None: the default group)."""
+    if isinstance(group, Direct):
+        return group.group
+    return group if group is not None else dist.group.WORLD
 
 
-class _DeviceBytes:
-    """Device memory seen by torch.as_tensor as a uint8 vector (CUDA array interface)."""
-
-    def __init__(self, ptr: int, nbytes: int):
-        self.__cuda_array_interface__ = {"data": (ptr, False), "shape": (nbytes,), "typestr": "|u1", "version": 3}
-
-
-@functools.cache
-def _libnccl() -> ctypes.CDLL:
-    """The NCCL library torch loaded (a second copy could not use torch's communicators)."""
-    with open("/proc/self/maps") as maps:
-        paths = {line.split()[-1] for line in maps if "libnccl.so" in line}
-    if len(paths) != 1:
-        raise RuntimeError(
-            f"symmetric windows need torch's NCCL as a shared library (libnccl.so); found {sorted(paths) or 'none'}"
-        )
-    lib = ctypes.CDLL(paths.pop())
-    lib.ncclGetErrorString.restype = ctypes.c_char_p
-    version = ctypes.c_int()
-    _nccl_check(lib, lib.ncclGetVersion(ctypes.byref(version)), "ncclGetVersion")
-    if version.value < 22700:
-        raise RuntimeError(f"symmetric windows need NCCL >= 2.27, torch loaded {version.value}")
-    return lib
-
-
-def _nccl_check(lib: ctypes.CDLL, status: int, what: str) -> None:
-    if status != 0:
-        raise RuntimeError(f"{what} failed: {lib.ncclGetErrorString(status).decode()} (NCCL error {status})")
+def direct(group: dist.ProcessGroup, device: torch.device) -> dist.ProcessGroup | Direct:
+    """``group`` for the per-group collectives of an overlapped call: where
+    ``FLASHOVERLAP_NCCL=direct`` and ``group`` is one of flashoverlap's own communicators
+    (:func:`budget_group`), its NCCL communicator called through the C API
+    (:class:`comm.nccl.Direct`), else the group itself (c10d). Only private communicators: NCCL
+    calls on our stream beside c10d's on its own stream could meet on one communicator in
+    different orders on different ranks. Created once per (group, device), by every member rank."""
+    if os.environ.get("FLASHOVERLAP_NCCL", "c10d") != "direct" or group not in _budget_groups.values():
+        return group
+    if (group, device) not in _direct:
+        _direct[group, device] = Direct(group, device)
+    return _direct[group, device]
 
 
 @dataclass(frozen=True)
@@ -208,13 +164,16 @@ def _counts(name: str, values: Sequence[int], world: int) -> tuple[int, ...]:
 def collective(ex: Exchange, data: torch.Tensor, group: dist.ProcessGroup | None, out: torch.Tensor | None = None):
     """Run ``ex``'s collective on ``data`` (rows of C, [rows, cols]); returns the result rows:
     ``data`` itself (all-reduce, in place) or ``out`` ([ex.rows, cols], allocated if None)."""
+    direct = isinstance(group, Direct)
     if ex.collective == "all_reduce":
-        dist.all_reduce(data, group=group)
+        group.all_reduce(data) if direct else dist.all_reduce(data, group=group)
         return data
     if out is None:
         out = data.new_empty((ex.rows, data.shape[1]))
     if ex.collective == "reduce_scatter":
-        dist.reduce_scatter_tensor(out, data, group=group)
+        group.reduce_scatter(out, data) if direct else dist.reduce_scatter_tensor(out, data, group=group)
+    elif direct:
+        group.all_to_all(out, data, ex.recv, ex.send)
     else:
         dist.all_to_all_single(out, data, list(ex.recv), list(ex.send), group=group)
     return out
@@ -281,9 +240,8 @@ def _rows_group(
     result (all-to-all: at the sender's rows; reduce-scatter: the first partial sum, the others in
     ``stage``). Parts of the own segment, which comes last, are then copied (all-to-all) or added
     (reduce-scatter) to the result: every partial sum of those rows arrived in an earlier step."""
-    n, me, world, seg = plan.n, dist.get_rank(group), len(ex.send), ex.send[0]
-    pg = group if group is not None else dist.group.WORLD
-    peer = [dist.get_global_rank(pg, r) for r in range(world)]  # torch >= 2.4 takes global ranks
+    pg = process_group(group)
+    n, me, world, seg = plan.n, dist.get_rank(pg), len(ex.send), ex.send[0]
     first = plan.rotate * plan.tile_m // seg
     v0, v1 = plan.bounds[g] // n, plan.bounds[g + 1] // n
     flat = out.view(-1)
@@ -291,7 +249,7 @@ def _rows_group(
     def rows(t: torch.Tensor, segment: int, lo: int, hi: int) -> torch.Tensor:  # rows [lo, hi) of a segment
         return t[(segment * seg + lo) * n : (segment * seg + hi) * n]
 
-    ops, own = [], []
+    sends, recvs, own = [], [], []
     for step in range(v0 // seg, -(-v1 // seg)):
         lo, hi = max(v0 - step * seg, 0), min(v1 - step * seg, seg)  # rows within the segment
         dest = (first + step) % world
@@ -304,9 +262,14 @@ def _rows_group(
             into = rows(flat, src, lo, hi)
         else:  # the first partial sum straight into the result, later ones staged
             into = rows(flat, 0, lo, hi) if step == 0 else rows(stage, step - 1, lo, hi)
-        ops += [dist.P2POp(dist.isend, part, peer[dest], group), dist.P2POp(dist.irecv, into, peer[src], group)]
-    if ops:
-        for request in dist.batch_isend_irecv(ops):
+        sends.append((part, dest))
+        recvs.append((into, src))
+    if isinstance(group, Direct):
+        group.send_recv(sends, recvs)
+    elif sends:
+        peer = [dist.get_global_rank(pg, r) for r in range(world)]  # torch >= 2.4 takes global ranks
+        ops = [dist.P2POp(dist.isend, t, peer[r], group) for t, r in sends]
+        for request in dist.batch_isend_irecv(ops + [dist.P2POp(dist.irecv, t, peer[r], group) for t, r in recvs]):
             request.wait()
     for lo, hi, part in own:
         if ex.collective == "all_to_all":

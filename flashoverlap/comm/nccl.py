@@ -1,0 +1,151 @@
+"""NCCL's C API on torch's own communicators (the libnccl torch loaded, ``_comm_ptr()``).
+
+Two things c10d does not offer: buffers in symmetric windows (:func:`window`), and per-group
+collectives enqueued straight on the communication stream (:class:`Direct`), without c10d's
+per-call work objects, stream hand-offs and events (tens of microseconds of host time per
+collective, which decide calls whose GEMM is short).
+"""
+
+from __future__ import annotations
+
+import ctypes
+import functools
+import math
+from collections.abc import Sequence
+
+import torch
+import torch.distributed as dist
+
+CTA_POLICY_ZERO = 2  # ncclConfig_t.CTAPolicy: NCCL_CTA_POLICY_ZERO (nccl.h, 2.27+)
+WIN_SYMMETRIC = 1  # ncclCommWindowRegister flags: NCCL_WIN_COLL_SYMMETRIC
+WIN_ALIGNMENT = 4096  # NCCL_WIN_REQUIRED_ALIGNMENT
+DATATYPES = {torch.float16: 6, torch.float32: 7, torch.bfloat16: 9}  # ncclDataType_t
+SUM = 0  # ncclRedOp_t
+
+_P, _N, _I = ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int
+_SIGNATURES = {  # argument types of the calls made per group (ctypes converts plain ints)
+    "ncclAllReduce": [_P, _P, _N, _I, _I, _P, _P],
+    "ncclReduceScatter": [_P, _P, _N, _I, _I, _P, _P],
+    "ncclAlltoAll": [_P, _P, _N, _I, _P, _P],
+    "ncclSend": [_P, _N, _I, _I, _P, _P],
+    "ncclRecv": [_P, _N, _I, _I, _P, _P],
+    "ncclGroupStart": [],
+    "ncclGroupEnd": [],
+}
+
+
+@functools.cache
+def library() -> ctypes.CDLL:
+    """The NCCL library torch loaded (a second copy could not use torch's communicators)."""
+    with open("/proc/self/maps") as maps:
+        paths = {line.split()[-1] for line in maps if "libnccl.so" in line}
+    if len(paths) != 1:
+        raise RuntimeError(f"needs torch's NCCL as a shared library (libnccl.so); found {sorted(paths) or 'none'}")
+    lib = ctypes.CDLL(paths.pop())
+    lib.ncclGetErrorString.restype = ctypes.c_char_p
+    for name, argtypes in _SIGNATURES.items():
+        getattr(lib, name).argtypes = argtypes
+    version = ctypes.c_int()
+    check(lib, lib.ncclGetVersion(ctypes.byref(version)), "ncclGetVersion")
+    if version.value < 22700:
+        raise RuntimeError(f"needs NCCL >= 2.27 (symmetric windows, CTA policies); torch loaded {version.value}")
+    return lib
+
+
+def raw_stream(device: int) -> int:
+    """The current stream of ``device`` as a cudaStream_t (torch.cuda.current_stream costs
+    microseconds more: it builds a Stream object)."""
+    return torch._C._cuda_getCurrentRawStream(device)
+
+
+def check(lib: ctypes.CDLL, status: int, what: str) -> None:
+    if status != 0:
+        raise RuntimeError(f"{what} failed: {lib.ncclGetErrorString(status).decode()} (NCCL error {status})")
+
+
+def communicator(group: dist.ProcessGroup, device: torch.device) -> ctypes.c_void_p:
+    """The ncclComm_t of ``group`` on ``device``, created first where c10d has not yet."""
+    dist.barrier(group=group, device_ids=[device.index])
+    return ctypes.c_void_p(group._get_backend(device)._comm_ptr())
+
+
+class _DeviceBytes:
+    """Device memory seen by torch.as_tensor as a uint8 vector (CUDA array interface)."""
+
+    def __init__(self, ptr: int, nbytes: int):
+        self.__cuda_array_interface__ = {"data": (ptr, False), "shape": (nbytes,), "typestr": "|u1", "version": 3}
+
+
+def window(groups: Sequence[dist.ProcessGroup], dtype: torch.dtype, device: torch.device, make):
+    """``make(alloc)`` with ``alloc(shape)`` allocating NCCL memory (``ncclMemAlloc``: cuMem) that
+    is registered as a symmetric window (``ncclCommWindowRegister``) with the communicator of each
+    NCCL group in ``groups``: collectives whose send and receive buffers both lie in such windows
+    run NCCL's symmetric-memory kernels, or its copy engines. Registration is collective: every
+    rank calls this at the same point of the same calls. The memory is kept for the process's life
+    (freeing it would need another collective); returns ``make``'s result."""
+    nccl = [g for g in dict.fromkeys(groups) if dist.get_backend(g) == "nccl"]
+    if not nccl:
+        return make(lambda shape: torch.empty(shape, dtype=dtype, device=device))
+    lib = library()
+    comms = [communicator(group, device) for group in nccl]
+
+    def alloc(shape) -> torch.Tensor:
+        size = math.prod(shape) * dtype.itemsize
+        nbytes = -(-max(size, 1) // WIN_ALIGNMENT) * WIN_ALIGNMENT
+        ptr = ctypes.c_void_p()
+        check(lib, lib.ncclMemAlloc(ctypes.byref(ptr), ctypes.c_size_t(nbytes)), "ncclMemAlloc")
+        for c in comms:
+            handle = ctypes.c_void_p()
+            status = lib.ncclCommWindowRegister(c, ptr, ctypes.c_size_t(nbytes), ctypes.byref(handle), WIN_SYMMETRIC)
+            check(lib, status, "ncclCommWindowRegister (symmetric windows need peer access between all ranks)")
+        raw = torch.as_tensor(_DeviceBytes(ptr.value, nbytes), device=device)
+        return raw.view(dtype)[: math.prod(shape)].view(shape)
+
+    return make(alloc)
+
+
+class Direct:
+    """``group``'s NCCL communicator, its collectives enqueued on the current stream through the C
+    API. Ranks are ``group``'s own. Tensors are contiguous, of one NCCL data type."""
+
+    def __init__(self, group: dist.ProcessGroup, device: torch.device):
+        self.group = group
+        self.device = device.index
+        self.lib = library()
+        self.comm = communicator(group, device)
+
+    def _call(self, name: str, *args) -> None:
+        check(self.lib, getattr(self.lib, name)(*args, self.comm, raw_stream(self.device)), name)
+
+    def all_reduce(self, data: torch.Tensor) -> None:  # in place
+        self._call("ncclAllReduce", data.data_ptr(), data.data_ptr(), data.numel(), DATATYPES[data.dtype], SUM)
+
+    def reduce_scatter(self, out: torch.Tensor, data: torch.Tensor) -> None:
+        self._call("ncclReduceScatter", data.data_ptr(), out.data_ptr(), out.numel(), DATATYPES[out.dtype], SUM)
+
+    def all_to_all(self, out: torch.Tensor, data: torch.Tensor, recv: Sequence[int], send: Sequence[int]) -> None:
+        """Rows of [rows, cols] ``data``: ``send[r]`` to rank r; ``recv[r]`` arrive from it."""
+        row = data[0].numel() if data.dim() > 1 else 1
+        if len(set(send)) == 1 and tuple(recv) == tuple(send):  # NCCL's own (copy engines in a window)
+            self._call("ncclAlltoAll", data.data_ptr(), out.data_ptr(), send[0] * row, DATATYPES[data.dtype])
+            return
+        flat_in, flat_out = data.view(-1), out.view(-1)
+        sends, recvs, s0, r0 = [], [], 0, 0
+        for peer, (s, r) in enumerate(zip(send, recv)):
+            sends.append((flat_in[s0 * row : (s0 + s) * row], peer))
+            recvs.append((flat_out[r0 * row : (r0 + r) * row], peer))
+            s0, r0 = s0 + s, r0 + r
+        self.send_recv(sends, recvs)
+
+    def send_recv(self, sends: Sequence[tuple[torch.Tensor, int]], recvs: Sequence[tuple[torch.Tensor, int]]) -> None:
+        """All of them as one NCCL group (each pair of ranks moving data both ways at once)."""
+        check(self.lib, self.lib.ncclGroupStart(), "ncclGroupStart")
+        try:
+            for t, peer in sends:
+                if t.numel():
+                    self._call("ncclSend", t.data_ptr(), t.numel(), DATATYPES[t.dtype], peer)
+            for t, peer in recvs:
+                if t.numel():
+                    self._call("ncclRecv", t.data_ptr(), t.numel(), DATATYPES[t.dtype], peer)
+        finally:
+            check(self.lib, self.lib.ncclGroupEnd(), "ncclGroupEnd")

@@ -1,0 +1,101 @@
+"""comm.nccl on the CPU: the C-API calls Direct makes (a recording stand-in for libnccl), and when
+an overlapped call uses them."""
+
+import pytest
+import torch
+
+from flashoverlap import comm
+from flashoverlap.comm import nccl
+
+
+class FakeNccl:
+    """Records calls as (name, args); returns ``fail[name]`` (an ncclResult_t) where given, else 0."""
+
+    def __init__(self, fail=None):
+        self.calls, self.fail = [], fail or {}
+
+    def __getattr__(self, name):
+        def call(*args):
+            self.calls.append((name, args))
+            return self.fail.get(name, 0)
+
+        return call
+
+    def ncclGetErrorString(self, status):
+        return b"unhandled cuda error"
+
+
+@pytest.fixture
+def direct(monkeypatch):
+    def make(fail=None):
+        lib = FakeNccl(fail)
+        monkeypatch.setattr(nccl, "library", lambda: lib)
+        monkeypatch.setattr(nccl, "communicator", lambda group, device: "comm")
+        monkeypatch.setattr(nccl, "raw_stream", lambda device: "stream")
+        return nccl.Direct("group", torch.device("cpu")), lib
+
+    return make
+
+
+def elements(ptr: int, base: torch.Tensor) -> int:
+    """Elements of ``base`` before data pointer ``ptr``."""
+    return (ptr - base.data_ptr()) // base.element_size()
+
+
+def test_collectives_pass_buffers_counts_and_types(direct):
+    data = torch.zeros(6, 4, dtype=torch.bfloat16)
+    out = torch.zeros(3, 4, dtype=torch.bfloat16)
+    d, lib = direct()
+    d.all_reduce(data)
+    d.reduce_scatter(out, data)
+    assert lib.calls == [
+        (
+            "ncclAllReduce",
+            (data.data_ptr(), data.data_ptr(), 24, nccl.DATATYPES[torch.bfloat16], nccl.SUM, "comm", "stream"),
+        ),
+        (
+            "ncclReduceScatter",
+            (data.data_ptr(), out.data_ptr(), 12, nccl.DATATYPES[torch.bfloat16], nccl.SUM, "comm", "stream"),
+        ),
+    ]
+
+
+def test_all_to_all_equal_splits_is_ncclAlltoAll(direct):
+    data, out = torch.zeros(6, 4, dtype=torch.float16), torch.zeros(6, 4, dtype=torch.float16)
+    d, lib = direct()
+    d.all_to_all(out, data, (2, 2, 2), (2, 2, 2))
+    assert lib.calls == [
+        ("ncclAlltoAll", (data.data_ptr(), out.data_ptr(), 8, nccl.DATATYPES[torch.float16], "comm", "stream"))
+    ]
+
+
+def test_all_to_all_uneven_splits_send_and_receive_each_block_in_one_group(direct):
+    data = torch.zeros(8, 4, dtype=torch.bfloat16)  # rows: 3 to rank 0, 0 to rank 1, 5 to rank 2
+    out = torch.zeros(6, 4, dtype=torch.bfloat16)  # rows: 2 from rank 0, 4 from rank 1, 0 from rank 2
+    d, lib = direct()
+    d.all_to_all(out, data, (2, 4, 0), (3, 0, 5))
+    names = [name for name, _ in lib.calls]
+    assert names == ["ncclGroupStart", "ncclSend", "ncclSend", "ncclRecv", "ncclRecv", "ncclGroupEnd"]
+    sends = [(elements(args[0], data), args[1], args[3]) for name, args in lib.calls if name == "ncclSend"]
+    recvs = [(elements(args[0], out), args[1], args[3]) for name, args in lib.calls if name == "ncclRecv"]
+    assert sends == [(0, 12, 0), (12, 20, 2)]  # (first element, count, peer); the empty block is skipped
+    assert recvs == [(0, 8, 0), (8, 16, 1)]
+
+
+def test_a_failed_call_raises_with_nccl_s_reason_and_closes_the_group(direct):
+    data = torch.zeros(4, 2, dtype=torch.bfloat16)
+    d, lib = direct(fail={"ncclSend": 1})
+    with pytest.raises(RuntimeError, match=r"ncclSend failed: unhandled cuda error \(NCCL error 1\)"):
+        d.send_recv([(data[:2].view(-1), 1)], [(data[2:].view(-1), 1)])
+    assert lib.calls[-1][0] == "ncclGroupEnd"
+
+
+def test_direct_only_wraps_flashoverlap_s_own_communicators(monkeypatch):
+    user, private = object(), object()
+    monkeypatch.setattr(comm, "_budget_groups", {("world", 16, False): private})
+    monkeypatch.setattr(comm, "Direct", lambda group, device: ("direct", group))
+    monkeypatch.delenv("FLASHOVERLAP_NCCL", raising=False)
+    assert comm.direct(private, torch.device("cpu")) is private  # c10d unless asked for
+    monkeypatch.setenv("FLASHOVERLAP_NCCL", "direct")
+    assert comm.direct(user, torch.device("cpu")) is user  # a group c10d also runs collectives on
+    assert comm.direct(private, torch.device("cpu")) == ("direct", private)
