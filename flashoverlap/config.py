@@ -15,6 +15,7 @@ from typing import Any
 
 import yaml
 
+from .comm import REDUCTIONS
 from .gemm.generator import EPILOGUES, FAMILIES, GemmSpec, validate_instance
 from .plan import LAYOUTS, SWIZZLES
 
@@ -41,6 +42,10 @@ class OverlapConfig:
       peer access; elsewhere NCCL runs its usual kernels): all-reduce / reduce-scatter take NCCL's
       symmetric kernels (NVLink loads and stores instead of a ring), all-to-all the copy engines (no
       SM). The window is allocated per plan and kept for the process's life; the result is copied out.
+    reduction: where an all-reduce adds the ranks' partial sums: ``nccl`` (NCCL's all-reduce per
+      group) or ``local``: each group is all-gathered (with ``symmetric``, on the copy engines, so
+      ``comm_sms`` can be 0) and the partial sums are added after the GEMM with every SM. Moves as
+      many bytes as an all-reduce on 2 ranks, world / 2 times more beyond.
     """
 
     tile_m: int = 128
@@ -56,6 +61,7 @@ class OverlapConfig:
     kernel: str = "auto"
     sequential: bool = False
     symmetric: bool = False
+    reduction: str = "nccl"
 
     def __post_init__(self) -> None:
         if self.partition is not None:
@@ -121,6 +127,8 @@ def _problems(cfg: OverlapConfig) -> list[str]:
         problems.append(f"epilogue must be one of {['auto', *EPILOGUES]}, got {cfg.epilogue!r}")
     elif cfg.epilogue == "tma" and cfg.layout not in ("rows", "auto"):
         problems.append(f"epilogue 'tma' writes C in place and needs layout 'rows', got layout {cfg.layout!r}")
+    if cfg.reduction not in REDUCTIONS:
+        problems.append(f"reduction must be one of {list(REDUCTIONS)}, got {cfg.reduction!r}")
     for name in ("sequential", "symmetric"):
         if not isinstance(getattr(cfg, name), bool):
             problems.append(f"{name} must be true or false, got {getattr(cfg, name)!r}")
@@ -144,6 +152,8 @@ def for_collective(cfg: OverlapConfig, collective: str) -> OverlapConfig:
         )
     if cfg.epilogue == "tma" and layout != "rows":
         raise ValueError(f"epilogue 'tma' writes C in place and needs layout 'rows', got layout {layout!r}")
+    if cfg.reduction == "local" and collective != "all_reduce":
+        raise ValueError(f"reduction 'local' is for all_reduce (partial sums gathered, then added), not {collective}")
     return dataclasses.replace(cfg, layout=layout)
 
 

@@ -293,6 +293,8 @@ def _gemm_collective(
         cfg = explicit or for_collective(tuned_config(a, world, ex, (m, n, k)), collective)
         if world == 1 or cfg.sequential:
             return sequential(a, weight, weight_layout, ex, group)
+        if cfg.reduction != ex.reduction:
+            ex = comm.exchange(collective, m, world, reduction=cfg.reduction)
         comm.check_layout(ex, cfg.layout, rotation_unit(cfg, (m, n, k)))
         if cfg.symmetric and len(set(ex.send + ex.recv)) > 1:
             raise ValueError(
@@ -303,7 +305,8 @@ def _gemm_collective(
         prep = prepare(m, n, k, a.dtype, weight_layout, a.device, cfg, rotate)
         full = group if group is not None else dist.group.WORLD
         check_agreement(prep, collective, full)
-        budget = comm.budget_group(full, cfg.comm_sms, copy_engine=cfg.symmetric and collective == "all_to_all")
+        copy_engine = cfg.symmetric and (collective == "all_to_all" or cfg.reduction == "local")  # CE collectives
+        budget = comm.budget_group(full, cfg.comm_sms, copy_engine=copy_engine)
         return run_overlapped(prep, a, weight, ex, comm.direct(budget, a.device), comm.direct(full, a.device))
 
 

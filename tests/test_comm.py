@@ -33,6 +33,8 @@ def test_exchange_describes_rows_sent_and_received():
     assert rs.rows == 4 and rs.send == rs.recv == (4, 4, 4)
     even = exchange("all_to_all", 12, 3)
     assert even.rows == 12 and even.send == (4, 4, 4)
+    local = exchange("all_reduce", 10, 3, reduction="local")  # every rank's partial sums arrive
+    assert local.rows == 10 and local.send == (10,) and local.recv == (10, 10, 10)
     uneven = exchange("all_to_all", 10, 3, splits=[0, 7, 3], output_splits=[5, 0, 2])
     assert uneven.send == (0, 7, 3) and uneven.recv == (5, 0, 2) and uneven.rows == 7
 
@@ -48,6 +50,8 @@ def test_exchange_describes_rows_sent_and_received():
         (("all_to_all", 10, 2), {"splits": [3, 4]}, r"sum to 7 rows, but a has M=10"),
         (("all_to_all", 10, 2), {"splits": [5, 5], "output_splits": [5]}, "output_splits must be 2"),
         (("all_reduce", 10, 2), {"splits": [5, 5]}, "splits apply to all_to_all only"),
+        (("all_to_all", 10, 2), {"reduction": "local"}, "reduction must be 'nccl', or 'local' for all_reduce"),
+        (("all_reduce", 10, 2), {"reduction": "tree"}, "reduction must be"),
     ],
 )
 def test_exchange_rejects_bad_splits(args, kwargs, message):

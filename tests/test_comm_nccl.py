@@ -48,7 +48,9 @@ def test_collectives_pass_buffers_counts_and_types(direct):
     d, lib = direct()
     d.all_reduce(data)
     d.reduce_scatter(out, data)
-    assert lib.calls == [
+    d.all_gather(data, out)
+    assert lib.calls[2] == ("ncclAllGather", (out.data_ptr(), data.data_ptr(), 12, 9, "comm", "stream"))
+    assert lib.calls[:2] == [
         (
             "ncclAllReduce",
             (data.data_ptr(), data.data_ptr(), 24, nccl.DATATYPES[torch.bfloat16], nccl.SUM, "comm", "stream"),

@@ -47,6 +47,8 @@ def test_auto_layout_epilogue_kernel_and_tile_k_follow_collective_and_device():
     assert for_collective(OverlapConfig(scheduler="streamk"), "all_reduce").layout == "rows"  # not rotated
     with pytest.raises(ValueError, match="epilogue 'tma' .* needs layout 'rows', got layout 'cols'"):
         for_collective(OverlapConfig(epilogue="tma"), "all_to_all")
+    with pytest.raises(ValueError, match="reduction 'local' is for all_reduce"):
+        for_collective(OverlapConfig(reduction="local"), "reduce_scatter")
     with pytest.raises(ValueError, match="the sm90 kernels need a Hopper GPU"):
         for_device(OverlapConfig(kernel="sm90", layout="rows"), ADA)
     with pytest.raises(ValueError, match=r"no flashoverlap kernels for sm_120"):
@@ -72,6 +74,7 @@ def test_auto_layout_epilogue_kernel_and_tile_k_follow_collective_and_device():
         ({"layout": "diagonal"}, "layout must be one of"),
         ({"sequential": "yes"}, "sequential must be true or false"),
         ({"symmetric": 1}, "symmetric must be true or false"),
+        ({"reduction": "ring"}, "reduction must be one of"),
         ({"epilogue": "smem"}, "epilogue must be one of"),
         ({"scheduler": "static"}, r"scheduler 'static' not in"),
         ({"epilogue": "tma", "layout": "tiles"}, "needs layout 'rows'"),

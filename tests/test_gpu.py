@@ -137,33 +137,35 @@ def nccl_one_rank():
     ],
 )
 @pytest.mark.parametrize(
-    "collective, layout",
+    "collective, layout, reduction",
     [
-        ("all_reduce", "rows"),
-        ("all_reduce", "tiles"),
-        ("reduce_scatter", "cols"),
-        ("all_to_all", "cols"),
-        ("reduce_scatter", "rows"),
-        ("all_to_all", "rows"),
+        ("all_reduce", "rows", "nccl"),
+        ("all_reduce", "tiles", "nccl"),
+        ("reduce_scatter", "cols", "nccl"),
+        ("all_to_all", "cols", "nccl"),
+        ("reduce_scatter", "rows", "nccl"),
+        ("all_to_all", "rows", "nccl"),
+        ("all_reduce", "rows", "local"),
+        ("all_reduce", "tiles", "local"),
     ],
 )
-def test_pipeline_on_one_gpu(nccl_one_rank, monkeypatch, mode, symmetric, nccl, collective, layout):
+def test_pipeline_on_one_gpu(nccl_one_rank, monkeypatch, mode, symmetric, nccl, collective, layout, reduction):
     """The whole overlapped call (waits, NCCL per group, reset, restore) on a group of one rank;
     ``symmetric``: in a registered NCCL window, the result copied out; ``nccl``: the collectives
-    through c10d or NCCL's C API (comm.direct)."""
+    through c10d or NCCL's C API (comm.direct); ``reduction`` local: all-gathered, then added."""
     monkeypatch.setenv("FLASHOVERLAP_WAIT", mode)
     monkeypatch.setenv("FLASHOVERLAP_NCCL", nccl)
     signal.uses_stream_wait.cache_clear()
     group = comm.direct(comm.budget_group(dist.group.WORLD, 16), torch.device("cuda", 0))
     assert isinstance(group, comm.Direct) == (nccl == "direct")
     try:
-        cfg = for_collective(OverlapConfig(layout=layout, symmetric=symmetric), collective)
+        cfg = for_collective(OverlapConfig(layout=layout, symmetric=symmetric, reduction=reduction), collective)
         for m, n, k in [(2048, 4096, 1024), (777, 1032, 264)]:
             if collective != "all_reduce" and layout == "rows" and m % cfg.tile_m:
                 continue  # rows of reduce-scatter / all-to-all: segments of whole tile rows
             a, w, ref = operands(m, n, k, torch.bfloat16, "nk", seed=m)
             prep = prepare(m, n, k, torch.bfloat16, "nk", a.device, cfg)
-            ex = comm.exchange(collective, m, 1)
+            ex = comm.exchange(collective, m, 1, reduction=reduction)
             outs = [run_overlapped(prep, a, w, ex, group) for _ in range(3)]  # back to back: counters reset
             torch.cuda.synchronize()
             assert len({o.data_ptr() for o in outs}) == 3  # each result its own tensor (none is the window)

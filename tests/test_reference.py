@@ -16,7 +16,7 @@ from flashoverlap.reference import run_plan
 
 from .helpers import random_partition, random_plan_args
 
-CASES = 24
+CASES = 30
 COLLECTIVE_LAYOUTS = [
     ("all_reduce", "rows"),
     ("all_reduce", "tiles"),
@@ -26,7 +26,10 @@ COLLECTIVE_LAYOUTS = [
     ("all_to_all", "cols"),
     ("reduce_scatter", "rows"),
     ("all_to_all", "rows"),  # equal splits
+    ("all_reduce", "rows"),  # the ones from here on: reduction "local" (partial sums gathered, added after)
+    ("all_reduce", "tiles"),
 ]
+LOCAL = 8  # COLLECTIVE_LAYOUTS[LOCAL:] gather and add locally
 
 
 def operands(seed: int, rank: int, m: int, n: int, k: int, dtype, weight_layout: str):
@@ -112,12 +115,13 @@ def worker(rank: int, world: int, store_path: str):
                 splits = a2a_splits(index, rank, m, world)
                 if index % 4 == 0:  # otherwise exchanged by comm.exchange
                     output_splits = [a2a_splits(index, s, m, world)[rank] for s in range(world)]
-            ex = comm.exchange(collective, m, world, splits, output_splits)
+            reduction = "local" if index % len(COLLECTIVE_LAYOUTS) >= LOCAL else "nccl"
+            ex = comm.exchange(collective, m, world, splits, output_splits, reduction=reduction)
             plan = rank_plan(args, ex, rank)
             a, w = operands(index, rank, plan.m, plan.n, k, dtype, weight_layout)
             out = run_plan(a, w, plan, ex, weight_layout=weight_layout)
             expected = expected_result(index, plan, collective, k, dtype, weight_layout, rank, world)
-            what = f"case {index} ({collective}, {plan.layout}, {dtype})"
+            what = f"case {index} ({collective}, {plan.layout}, {reduction}, {dtype})"
             assert out.shape == expected.shape and out.dtype == dtype, what
             assert not torch.isnan(out).any(), f"{what}: unwritten elements"
             if expected.numel():

@@ -20,6 +20,7 @@ from ..plan import Plan, slot_view
 from .nccl import CTA_POLICY_ZERO, Direct
 
 COLLECTIVES = ("all_reduce", "reduce_scatter", "all_to_all")
+REDUCTIONS = ("nccl", "local")
 
 _budget_groups: dict[tuple, dist.ProcessGroup] = {}
 _direct: dict[tuple, Direct] = {}
@@ -105,12 +106,15 @@ def direct(group: dist.ProcessGroup, device: torch.device) -> dist.ProcessGroup 
 @dataclass(frozen=True)
 class Exchange:
     """What one call communicates: the collective, the rows of C this rank sends to each rank
-    (``send``), and those it receives from each (``recv``); ``rows`` = rows of its result."""
+    (``send``), and those it receives from each (``recv``); ``rows`` = rows of its result.
+    ``reduction`` (all-reduce): ``nccl`` (NCCL reduces, in place) or ``local`` (each group is
+    all-gathered, every rank's partial sums arriving here, and added after the GEMM)."""
 
     collective: str
     send: tuple[int, ...]
     recv: tuple[int, ...]
     rows: int
+    reduction: str = "nccl"
 
 
 def exchange(
@@ -121,6 +125,7 @@ def exchange(
     output_splits: Sequence[int] | None = None,
     group: dist.ProcessGroup | None = None,
     device: torch.device | None = None,
+    reduction: str = "nccl",
 ) -> Exchange:
     """Validate and describe a call's communication; raises ``ValueError`` naming the problem.
 
@@ -132,8 +137,10 @@ def exchange(
         raise ValueError(f"unknown collective {collective!r}; supported: {COLLECTIVES}")
     if collective != "all_to_all" and (splits is not None or output_splits is not None):
         raise ValueError(f"splits apply to all_to_all only, not {collective}")
+    if reduction not in REDUCTIONS or (reduction == "local" and collective != "all_reduce"):
+        raise ValueError(f"reduction must be 'nccl', or 'local' for all_reduce; got {reduction!r} for {collective}")
     if collective == "all_reduce":
-        return Exchange(collective, (m,), (m,), m)
+        return Exchange(collective, (m,), (m,) * (world if reduction == "local" else 1), m, reduction)
     if splits is None and m % world:
         raise ValueError(f"{collective} splits M={m} rows evenly over {world} ranks: M must be a multiple of {world}")
     even = (m // world,) * world
@@ -218,7 +225,8 @@ def buffers(ex: Exchange, plan: Plan, alloc) -> tuple[torch.Tensor, torch.Tensor
     ``alloc(shape)`` makes a tensor."""
     out = alloc((ex.rows, plan.n))
     if ex.collective == "all_reduce":
-        return out, out.view(-1) if plan.in_place else alloc((plan.numel,)), None
+        gathered = alloc((len(ex.recv) * plan.numel,)) if ex.reduction == "local" else None
+        return out, out.view(-1) if plan.in_place else alloc((plan.numel,)), gathered
     if plan.layout == "rows":
         extra = len(ex.send) - 2 if ex.collective == "reduce_scatter" else 0
         return out, alloc((plan.numel,)), alloc((extra * ex.rows * plan.n,)) if extra > 0 else None
@@ -298,6 +306,10 @@ def communicate_group(
     group); in the ``rows`` layout in ``out`` (see :func:`_rows_group`). ``recv``, ``out``: from
     :func:`buffers`."""
     chunk = buffer[plan.bounds[g] : plan.bounds[g + 1]]
+    if ex.reduction == "local":  # every rank's partial sums of the group, rank after rank
+        into = recv[len(ex.recv) * plan.bounds[g] : len(ex.recv) * plan.bounds[g + 1]]
+        group.all_gather(into, chunk) if isinstance(group, Direct) else dist.all_gather_into_tensor(into, chunk, group)
+        return
     if ex.collective == "all_reduce" and plan.layout != "cols":
         collective(ex, chunk.view(1, -1), group)  # any shape, in place
         return
@@ -328,7 +340,14 @@ def into_place(
 ) -> None:
     """After the last collective: copy the result into row-major ``out`` where the layout has not
     put it there already (``tiles``: the gather of :func:`restore`; ``cols``: :func:`gather_columns`
-    from ``recv``, or from ``buffer`` after an all-reduce; ``rows``: nothing)."""
+    from ``recv``, or from ``buffer`` after an all-reduce; ``rows``: nothing). A ``local``
+    all-reduce first adds the gathered partial sums into ``buffer``, group by group."""
+    if ex.reduction == "local":
+        for g in range(plan.num_groups):
+            lo, hi = plan.bounds[g], plan.bounds[g + 1]
+            parts = recv[len(ex.recv) * lo : len(ex.recv) * hi].view(len(ex.recv), hi - lo)
+            torch.sum(parts, dim=0, out=buffer[lo:hi])
+        recv = None
     if plan.layout == "tiles":
         restore(buffer, out, plan, slots)
     elif plan.layout == "cols":

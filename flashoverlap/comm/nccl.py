@@ -26,6 +26,7 @@ _P, _N, _I = ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int
 _SIGNATURES = {  # argument types of the calls made per group (ctypes converts plain ints)
     "ncclAllReduce": [_P, _P, _N, _I, _I, _P, _P],
     "ncclReduceScatter": [_P, _P, _N, _I, _I, _P, _P],
+    "ncclAllGather": [_P, _P, _N, _I, _P, _P],
     "ncclAlltoAll": [_P, _P, _N, _I, _P, _P],
     "ncclSend": [_P, _N, _I, _I, _P, _P],
     "ncclRecv": [_P, _N, _I, _I, _P, _P],
@@ -119,6 +120,9 @@ class Direct:
 
     def all_reduce(self, data: torch.Tensor) -> None:  # in place
         self._call("ncclAllReduce", data.data_ptr(), data.data_ptr(), data.numel(), DATATYPES[data.dtype], SUM)
+
+    def all_gather(self, out: torch.Tensor, data: torch.Tensor) -> None:
+        self._call("ncclAllGather", data.data_ptr(), out.data_ptr(), data.numel(), DATATYPES[data.dtype])
 
     def reduce_scatter(self, out: torch.Tensor, data: torch.Tensor) -> None:
         self._call("ncclReduceScatter", data.data_ptr(), out.data_ptr(), out.numel(), DATATYPES[out.dtype], SUM)
