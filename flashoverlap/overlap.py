@@ -249,7 +249,7 @@ def run_overlapped(
             used.record_stream(stream)
     caller.wait_stream(stream)
     comm.into_place(ex, plan, buffer, recv, result, prep.slots)
-    if plan.layout == "rows" and result is not out:  # the rows layout left the result in the window
+    if plan.layout == "rows" and result is not out and ex.reduction != "local":  # the result is in the window
         result.copy_(out)
     if timeout is not None:
         signal.raise_on_timeout(prep.report, plan.num_groups, timeout)

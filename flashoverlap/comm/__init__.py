@@ -341,12 +341,14 @@ def into_place(
     """After the last collective: copy the result into row-major ``out`` where the layout has not
     put it there already (``tiles``: the gather of :func:`restore`; ``cols``: :func:`gather_columns`
     from ``recv``, or from ``buffer`` after an all-reduce; ``rows``: nothing). A ``local``
-    all-reduce first adds the gathered partial sums into ``buffer``, group by group."""
+    all-reduce first adds the gathered partial sums group by group: straight into ``out`` in the
+    ``rows`` layout (its groups are row bands of C), else into ``buffer``, then placed as above."""
     if ex.reduction == "local":
+        into = out.view(-1) if plan.layout == "rows" else buffer
         for g in range(plan.num_groups):
             lo, hi = plan.bounds[g], plan.bounds[g + 1]
             parts = recv[len(ex.recv) * lo : len(ex.recv) * hi].view(len(ex.recv), hi - lo)
-            torch.sum(parts, dim=0, out=buffer[lo:hi])
+            torch.sum(parts, dim=0, out=into[lo:hi])
         recv = None
     if plan.layout == "tiles":
         restore(buffer, out, plan, slots)
