@@ -38,13 +38,12 @@ def buffers(numel: int, dtype: torch.dtype, group, symmetric: bool) -> tuple[tor
     """Send (random) and receive buffers, in a symmetric window of ``group`` or plain."""
     world = dist.get_world_size(group)
 
-    def make(alloc):
-        return alloc((numel,)), alloc((numel * world,))
-
+    alloc = lambda shape: torch.empty(shape, dtype=dtype, device="cuda")  # noqa: E731
     if symmetric:
-        send, recv = comm.nccl.window([group], dtype, torch.device("cuda", torch.cuda.current_device()), make)
-    else:
-        send, recv = make(lambda shape: torch.empty(shape, dtype=dtype, device="cuda"))
+        window = comm.nccl.Window([group], torch.device("cuda", torch.cuda.current_device()))
+        nbytes = comm.nccl.carved_bytes((numel,), dtype) + comm.nccl.carved_bytes((numel * world,), dtype)
+        alloc = window.allocator(nbytes, dtype)
+    send, recv = alloc((numel,)), alloc((numel * world,))
     send.copy_(torch.randn(numel, device="cuda"))
     return send, recv
 

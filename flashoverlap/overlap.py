@@ -105,7 +105,7 @@ class Prepared:
     report: torch.Tensor  # int32[4]: a debug-mode wait that timed out (see flashoverlap.signal)
     symmetric: bool = False  # buffers in NCCL symmetric windows (OverlapConfig.symmetric)
     agreed: set = field(default_factory=set)  # (collective, group) pairs whose ranks agreed on this plan
-    windows: dict = field(default_factory=dict)  # (exchange, groups) -> (out, buffer, recv) in a window
+    window_bytes: dict = field(default_factory=dict)  # exchange -> bytes of its buffers in a window
 
     def launch(self, a: torch.Tensor, weight: torch.Tensor, buffer: torch.Tensor, stream: torch.cuda.Stream) -> None:
         """Enqueue the signal GEMM on ``stream``, writing the plan's slots of ``buffer``."""
@@ -129,6 +129,7 @@ class Prepared:
 MAX_PREPARED = 64
 _prepared: OrderedDict[tuple, Prepared] = OrderedDict()
 _comm_streams: dict[int, torch.cuda.Stream] = {}
+_windows: dict[tuple, comm.nccl.Window] = {}  # symmetric windows per (budget, tail) group pair
 
 
 def prepare(
@@ -220,12 +221,15 @@ def run_overlapped(
     def alloc(shape):
         return torch.empty(shape, dtype=a.dtype, device=device)
 
-    if prep.symmetric:  # communicate in the plan's window, copy the result out at the end
+    if prep.symmetric:  # communicate in a symmetric window, copy the result out at the end
         groups = tuple(comm.process_group(g) for g in (group, tail_group or group))
-        if (ex, groups) not in prep.windows:
-            make = lambda alloc: comm.buffers(ex, plan, alloc)  # noqa: E731
-            prep.windows[ex, groups] = comm.nccl.window(groups, a.dtype, device, make)
-        out, buffer, recv = prep.windows[ex, groups]
+        if groups not in _windows:
+            _windows[groups] = comm.nccl.Window(groups, device)
+        if ex not in prep.window_bytes:
+            sizes = []
+            comm.buffers(ex, plan, lambda shape: sizes.append(shape) or torch.empty(shape, device="meta"))
+            prep.window_bytes[ex] = sum(comm.nccl.carved_bytes(shape, a.dtype) for shape in sizes)
+        out, buffer, recv = comm.buffers(ex, plan, _windows[groups].allocator(prep.window_bytes[ex], a.dtype))
         result = alloc((ex.rows, plan.n))
     else:
         out, buffer, recv = comm.buffers(ex, plan, alloc)

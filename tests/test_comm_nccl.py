@@ -101,3 +101,33 @@ def test_direct_only_wraps_flashoverlap_s_own_communicators(monkeypatch):
     monkeypatch.setenv("FLASHOVERLAP_NCCL", "direct")
     assert comm.direct(user, torch.device("cpu")) is user  # a group c10d also runs collectives on
     assert comm.direct(private, torch.device("cpu")) == ("direct", private)
+
+
+def test_window_carves_the_same_bytes_every_call_and_grows_without_freeing(monkeypatch):
+    lib, regions = FakeNccl(), []
+
+    def mem_alloc(ptr, size):  # a CPU stand-in for ncclMemAlloc
+        regions.append(torch.zeros(size.value, dtype=torch.uint8))
+        ptr._obj.value = regions[-1].data_ptr()
+        return 0
+
+    lib.ncclMemAlloc = mem_alloc
+    monkeypatch.setattr(nccl, "library", lambda: lib)
+    monkeypatch.setattr(nccl, "communicator", lambda group, device: group)
+    monkeypatch.setattr(nccl.dist, "get_backend", lambda group: "nccl")
+    monkeypatch.setattr(nccl, "device_bytes", lambda ptr, n, device: next(r for r in regions if r.data_ptr() == ptr))
+    window = nccl.Window(["budget", "tail", "budget"], torch.device("cpu"))
+    shapes = [(3, 5), (1000,)]
+    need = sum(nccl.carved_bytes(s, torch.bfloat16) for s in shapes)
+    assert need == 2 * nccl.WIN_ALIGNMENT  # each tensor starts 4096-aligned
+    first, again = ([alloc(s) for s in shapes] for alloc in (window.allocator(need, torch.bfloat16) for _ in "12"))
+    assert [t.shape for t in first] == [(3, 5), (1000,)] and first[1].dtype == torch.bfloat16
+    assert [t.data_ptr() for t in first] == [t.data_ptr() for t in again]  # the same bytes every call
+    assert first[1].data_ptr() - first[0].data_ptr() == nccl.WIN_ALIGNMENT
+    registered = [(args[0], args[2].value) for name, args in lib.calls if name == "ncclCommWindowRegister"]
+    assert registered == [("budget", need), ("tail", need)]  # each communicator once
+    bigger = window.allocator(need + 1, torch.bfloat16)  # grows to at least twice the size
+    assert len(regions) == 2 and regions[1].numel() == 2 * need and window.regions[0] is regions[0]  # kept
+    bigger((need // 2,))  # need bytes of bfloat16
+    with pytest.raises(RuntimeError, match="12288 bytes carved, 8193 announced"):
+        bigger((1,))  # more than announced

@@ -62,7 +62,7 @@ def budget_group(group: dist.ProcessGroup, comm_sms: int, copy_engine: bool = Fa
     default communicator launches more CTAs than that, in clusters of 4 on Hopper (which need 4
     free SMs in one GPC), and crawls until the GEMM ends. This one is capped at ``comm_sms``
     single CTAs; with ``copy_engine`` its CTA policy is ZERO, under which NCCL moves all-to-all
-    data in symmetric windows (:func:`comm.nccl.window`) on the copy engines. Created once per (group,
+    data in symmetric windows (:class:`comm.nccl.Window`) on the copy engines. Created once per (group,
     comm_sms, copy_engine) by every member rank, on first use; ``comm_sms == 0`` without
     ``copy_engine``, or a non-NCCL group, keeps ``group`` itself.
     """

@@ -1,6 +1,6 @@
 """NCCL's C API on torch's own communicators (the libnccl torch loaded, ``_comm_ptr()``).
 
-Two things c10d does not offer: buffers in symmetric windows (:func:`window`), and per-group
+Two things c10d does not offer: buffers in symmetric windows (:class:`Window`), and per-group
 collectives enqueued straight on the communication stream (:class:`Direct`), without c10d's
 per-call work objects, stream hand-offs and events (tens of microseconds of host time per
 collective, which decide calls whose GEMM is short).
@@ -77,32 +77,64 @@ class _DeviceBytes:
         self.__cuda_array_interface__ = {"data": (ptr, False), "shape": (nbytes,), "typestr": "|u1", "version": 3}
 
 
-def window(groups: Sequence[dist.ProcessGroup], dtype: torch.dtype, device: torch.device, make):
-    """``make(alloc)`` with ``alloc(shape)`` allocating NCCL memory (``ncclMemAlloc``: cuMem) that
-    is registered as a symmetric window (``ncclCommWindowRegister``) with the communicator of each
-    NCCL group in ``groups``: collectives whose send and receive buffers both lie in such windows
-    run NCCL's symmetric-memory kernels, or its copy engines. Registration is collective: every
-    rank calls this at the same point of the same calls. The memory is kept for the process's life
-    (freeing it would need another collective); returns ``make``'s result."""
-    nccl = [g for g in dict.fromkeys(groups) if dist.get_backend(g) == "nccl"]
-    if not nccl:
-        return make(lambda shape: torch.empty(shape, dtype=dtype, device=device))
-    lib = library()
-    comms = [communicator(group, device) for group in nccl]
+def device_bytes(ptr: int, nbytes: int, device: torch.device) -> torch.Tensor:
+    """``nbytes`` of device memory at ``ptr`` as a uint8 tensor that does not own it."""
+    return torch.as_tensor(_DeviceBytes(ptr, nbytes), device=device)
 
-    def alloc(shape) -> torch.Tensor:
-        size = math.prod(shape) * dtype.itemsize
-        nbytes = -(-max(size, 1) // WIN_ALIGNMENT) * WIN_ALIGNMENT
+
+class Window:
+    """NCCL memory (``ncclMemAlloc``: cuMem) registered as a symmetric window
+    (``ncclCommWindowRegister``) with the communicator of each NCCL group in ``groups``:
+    collectives whose send and receive buffers both lie in such windows run NCCL's
+    symmetric-memory kernels, or its copy engines. :meth:`allocator` hands out the same bytes to
+    every call (calls are stream-ordered: one's communication ends before the next one's GEMM
+    writes). It grows (at least doubling) when a call needs more; registration is collective, so
+    every rank must make the same calls in the same order, as the overlapped calls do. Outgrown
+    memory is kept, not freed (a CUDA graph may still use it, and freeing is collective too): the
+    whole stays under twice the largest call. Grow before capturing a graph (a warm-up call)."""
+
+    def __init__(self, groups: Sequence[dist.ProcessGroup], device: torch.device):
+        self.groups = [g for g in dict.fromkeys(groups) if dist.get_backend(g) == "nccl"]
+        self.device = device
+        self.memory: torch.Tensor | None = None  # uint8, the current region
+        self.regions: list[torch.Tensor] = []  # every region allocated, outgrown ones included
+
+    def allocator(self, nbytes: int, dtype: torch.dtype):
+        """``alloc(shape)`` carving ``dtype`` tensors out of the window, ``nbytes`` in all (sum of
+        :func:`carved_bytes`) from its start; grows the window first where it is smaller."""
+        if not self.groups:
+            return lambda shape: torch.empty(shape, dtype=dtype, device=self.device)
+        if self.memory is None or self.memory.numel() < nbytes:
+            self._grow(max(nbytes, 2 * self.memory.numel() if self.memory is not None else 0))
+        memory, offset = self.memory, 0
+
+        def alloc(shape) -> torch.Tensor:
+            nonlocal offset
+            size = carved_bytes(shape, dtype)
+            if offset + size > nbytes:
+                raise RuntimeError(f"window allocator: {offset + size} bytes carved, {nbytes} announced")
+            t = memory[offset : offset + size].view(dtype)[: math.prod(shape)].view(shape)
+            offset += size
+            return t
+
+        return alloc
+
+    def _grow(self, nbytes: int) -> None:
+        lib = library()
+        comms = [communicator(group, self.device) for group in self.groups]
         ptr = ctypes.c_void_p()
         check(lib, lib.ncclMemAlloc(ctypes.byref(ptr), ctypes.c_size_t(nbytes)), "ncclMemAlloc")
         for c in comms:
             handle = ctypes.c_void_p()
             status = lib.ncclCommWindowRegister(c, ptr, ctypes.c_size_t(nbytes), ctypes.byref(handle), WIN_SYMMETRIC)
             check(lib, status, "ncclCommWindowRegister (symmetric windows need peer access between all ranks)")
-        raw = torch.as_tensor(_DeviceBytes(ptr.value, nbytes), device=device)
-        return raw.view(dtype)[: math.prod(shape)].view(shape)
+        self.memory = device_bytes(ptr.value, nbytes, self.device)
+        self.regions.append(self.memory)
 
-    return make(alloc)
+
+def carved_bytes(shape, dtype: torch.dtype) -> int:
+    """Bytes a tensor of ``shape`` takes in a :class:`Window` (aligned: NCCL_WIN_REQUIRED_ALIGNMENT)."""
+    return -(-max(math.prod(shape) * dtype.itemsize, 1) // WIN_ALIGNMENT) * WIN_ALIGNMENT
 
 
 class Direct:
