@@ -229,7 +229,9 @@ def run_overlapped(
             sizes = []
             comm.buffers(ex, plan, lambda shape: sizes.append(shape) or torch.empty(shape, device="meta"))
             prep.window_bytes[ex] = sum(comm.nccl.carved_bytes(shape, a.dtype) for shape in sizes)
-        out, buffer, recv = comm.buffers(ex, plan, _windows[groups].allocator(prep.window_bytes[ex], a.dtype))
+        window = _windows[groups]
+        out, buffer, recv = comm.buffers(ex, plan, window.allocator(prep.window_bytes[ex], a.dtype))
+        window.acquire(caller)
         result = alloc((ex.rows, plan.n))
     else:
         out, buffer, recv = comm.buffers(ex, plan, alloc)
@@ -238,6 +240,7 @@ def run_overlapped(
     timeout = signal.debug_timeout()
 
     stream.wait_stream(caller)  # operands ready; earlier users of the buffers done
+    caller.wait_stream(stream)  # a call from another stream may not have reset the counters yet
     prep.launch(a, weight, buffer, caller)
     with torch.cuda.stream(stream):
         last = len(prep.targets) - 1
@@ -255,6 +258,8 @@ def run_overlapped(
     comm.into_place(ex, plan, buffer, recv, result, prep.slots)
     if plan.layout == "rows" and result is not out and ex.reduction != "local":  # the result is in the window
         result.copy_(out)
+    if prep.symmetric:
+        window.release(caller)
     if timeout is not None:
         signal.raise_on_timeout(prep.report, plan.num_groups, timeout)
     return result

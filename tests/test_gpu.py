@@ -177,6 +177,28 @@ def test_pipeline_on_one_gpu(nccl_one_rank, monkeypatch, mode, symmetric, nccl, 
         signal.uses_stream_wait.cache_clear()
 
 
+@pytest.mark.parametrize("symmetric", [False, True])
+def test_calls_from_two_streams_do_not_race(nccl_one_rank, symmetric):
+    """Back-to-back calls issued from two streams share the counters (and the symmetric window):
+    each must wait for the other's use of them."""
+    m, n, k = 2048, 4096, 1024
+    cfg = for_collective(OverlapConfig(symmetric=symmetric), "all_reduce")
+    prep = prepare(m, n, k, torch.bfloat16, "nk", torch.device("cuda", 0), cfg)
+    ex = comm.exchange("all_reduce", m, 1)
+    inputs = [operands(m, n, k, torch.bfloat16, "nk", seed=s) for s in range(4)]
+    streams = [torch.cuda.Stream(), torch.cuda.Stream()]
+    for s in streams:
+        s.wait_stream(torch.cuda.current_stream())
+    outs = []
+    for i, (a, w, _) in enumerate(inputs * 3):
+        with torch.cuda.stream(streams[i % 2]):
+            outs.append(run_overlapped(prep, a, w, ex, None))
+    torch.cuda.synchronize()
+    for i, out in enumerate(outs):
+        assert rel_err(out, inputs[i % 4][2]) < 1e-2, f"call {i}"
+    assert prep.counters.tolist() == [0] * prep.plan.num_groups
+
+
 def test_debug_mode_reports_a_group_that_never_completes(nccl_one_rank, monkeypatch):
     """A counter that cannot reach its target (a plan/kernel mismatch, simulated) is reported with
     its group and value within the timeout instead of hanging the stream forever."""

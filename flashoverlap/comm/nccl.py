@@ -98,6 +98,20 @@ class Window:
         self.device = device
         self.memory: torch.Tensor | None = None  # uint8, the current region
         self.regions: list[torch.Tensor] = []  # every region allocated, outgrown ones included
+        self.released: torch.cuda.Event | None = None  # recorded where the last call was done with it
+
+    def acquire(self, stream: torch.cuda.Stream) -> None:
+        """Make ``stream`` wait until the previous call is done with the window: calls from other
+        streams are not ordered by the communication stream alone (not in graph capture, where
+        the captured order holds)."""
+        if self.released is not None and not torch.cuda.is_current_stream_capturing():
+            stream.wait_event(self.released)
+
+    def release(self, stream: torch.cuda.Stream) -> None:
+        """Mark the window free once ``stream``'s work so far (a call's last use of it) is done."""
+        if not torch.cuda.is_current_stream_capturing():
+            self.released = self.released or torch.cuda.Event()
+            self.released.record(stream)
 
     def allocator(self, nbytes: int, dtype: torch.dtype):
         """``alloc(shape)`` carving ``dtype`` tensors out of the window, ``nbytes`` in all (sum of
