@@ -41,7 +41,8 @@ class OverlapConfig:
     symmetric: the group buffers live in an NCCL symmetric-memory window (NCCL >= 2.27, ranks with
       peer access; elsewhere NCCL runs its usual kernels): all-reduce / reduce-scatter take NCCL's
       symmetric kernels (NVLink loads and stores instead of a ring), all-to-all the copy engines (no
-      SM). The window is allocated per plan and kept for the process's life; the result is copied out.
+      SM). One window per communicator pair serves every call (comm.nccl.Window); the result is
+      copied out of it.
     reduction: where an all-reduce adds the ranks' partial sums: ``nccl`` (NCCL's all-reduce per
       group) or ``local``: each group is all-gathered (with ``symmetric``, on the copy engines, so
       ``comm_sms`` can be 0) and the partial sums are added after the GEMM with every SM. Moves as
