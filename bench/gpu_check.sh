@@ -11,7 +11,8 @@
 #   sm80    the Ampere/Ada kernels forced on Hopper, P2P off, beside the Hopper ones
 #   swizzle each collective (COLLECTIVES) over NVLink with swizzled rasters beside the plain one
 #   tune    the tuner on bench/suite.yaml, TUNE_COLLECTIVES (all_reduce), NVLink and P2P off (TRANSPORTS) ->
-#           $OUT/tuned/h200_x2.yaml (a copy of configs/h200_x2.yaml, updated)
+#           $OUT/tuned/h200_x2.yaml (a copy of configs/h200_x2.yaml, updated); TUNE_ARGS: more tuner
+#           arguments (JSON without spaces, e.g. --candidates {} {"reduction":"local","symmetric":true,"comm_sms":0})
 #   brute   the tuner with --brute-force 4 on two shapes: its pick against the best measured
 #   suite   bench/suite.yaml with the registry's configs beside the defaults ($OUT/tuned first if there),
 #           for SUITE_COLLECTIVES (all_reduce), NVLink and P2P off (TRANSPORTS)
@@ -69,7 +70,7 @@ for step in $steps; do
         name=tune_$transport; [ "$collective" = all_reduce ] || name=tune_${collective}_$transport
         timeout 420 torchrun --nproc-per-node "$NGPU" -m flashoverlap.tune --collective "$collective" \
           --transport "$transport" --shapes-file bench/suite.yaml --output "$OUT/tuned/h200_x2.yaml" \
-          --csv "$OUT/$name.csv" > "$OUT/$name.log" 2>&1
+          --csv "$OUT/$name.csv" ${TUNE_ARGS:-} > "$OUT/$name.log" 2>&1
         tail -12 "$OUT/$name.log"
       done
     done ;;

@@ -93,7 +93,8 @@ class Problem:
     budget communicator while the GEMM runs, and on the full one afterwards (the last group);
     host: the host's enqueue time per call (zero: not host-bound); local_bytes[w] / local: bytes
     wave w completes that stay on the rank (added or copied into the result) and that
-    operation's model (empty / None: none).
+    operation's model (empty / None: none); finish_ms: work after the last collective whatever
+    the partition (a ``local`` all-reduce's adds).
     """
 
     wave_bytes: tuple[float, ...]
@@ -103,6 +104,7 @@ class Problem:
     host: HostModel = HostModel()
     local_bytes: tuple[float, ...] = ()
     local: CommModel | None = None
+    finish_ms: float = 0.0
 
     @property
     def num_waves(self) -> int:
@@ -135,7 +137,7 @@ def makespan(problem: Problem, partition: Sequence[int]) -> float:
         done += waves
         model = problem.tail if g == len(partition) - 1 else problem.during
         end = max(end, done * problem.wave_ms) + problem.group_ms(model, nbytes, kept)
-    return max(end, problem.host.time_ms(len(partition)))
+    return max(end + problem.finish_ms, problem.host.time_ms(len(partition)))
 
 
 def best_partition(problem: Problem) -> tuple[tuple[int, ...], float]:
@@ -162,7 +164,7 @@ def best_partition(problem: Problem) -> tuple[tuple[int, ...], float]:
             )
             best = int(np.argmin(t))
             finish[g, j], came_from[g, j] = t[best], i[best]
-    ends = [max(finish[g, total], problem.host.time_ms(g)) for g in range(1, total + 1)]
+    ends = [max(finish[g, total] + problem.finish_ms, problem.host.time_ms(g)) for g in range(1, total + 1)]
     groups = int(np.argmin(ends)) + 1
     cuts, j = [], total
     for g in range(groups, 0, -1):
@@ -296,14 +298,19 @@ def _progress(message: str) -> None:
 
 @functools.cache
 def _local_model(collective: str, dtype, rounds: int) -> CommModel:
-    """Time by size of what the ``rows`` layout does with the rank's own rows: added into the
-    result (reduce-scatter) or copied there (all-to-all)."""
+    """Time by size of what stays on the rank: in the ``rows`` layout of reduce-scatter /
+    all-to-all the own rows, added into the result or copied there; for a ``local`` all-reduce
+    (``collective`` "all_gather") the sum of the world's gathered partial sums (bytes: of the sum)."""
     import torch
+    import torch.distributed as dist
 
-    elem = torch.finfo(dtype).bits // 8
+    elem, world = torch.finfo(dtype).bits // 8, dist.get_world_size()
 
     def make(mb: int):
         x, y = (torch.randn((mb << 20) // elem, device="cuda").to(dtype) for _ in range(2))
+        if collective == "all_gather":
+            parts = torch.randn(world, x.numel(), device="cuda").to(dtype)
+            return (lambda i: torch.sum(parts, dim=0, out=x)), x.numel() * elem
         op = x.add_ if collective == "reduce_scatter" else x.copy_
         return (lambda i: op(y)), x.numel() * elem
 
@@ -324,24 +331,32 @@ def _fit_sizes(label: str, make, rounds: int) -> CommModel:
     return fit_comm(sizes, [times[name] for name in variants])
 
 
-def comm_pattern(collective: str, layout: str) -> str:
-    """What a group's communication is, for the model: the collective itself, or ``exchange`` (the
-    ``rows`` layout of reduce-scatter / all-to-all: grouped send to rank + k / receive from rank - k)."""
+def comm_pattern(collective: str, layout: str, reduction: str = "nccl") -> str:
+    """What a group's communication is, for the model: the collective itself, ``exchange`` (the
+    ``rows`` layout of reduce-scatter / all-to-all: grouped send to rank + k / receive from rank - k)
+    or ``all_gather`` (a ``local`` all-reduce)."""
+    if reduction == "local":
+        return "all_gather"
     return "exchange" if layout == "rows" and collective != "all_reduce" else collective
 
 
 @functools.cache
-def _comm_model(pattern: str, comm_sms: int, dtype, rounds: int) -> CommModel:
-    """Time by size of a collective (or ``exchange``, see :func:`comm_pattern`) on the whole world
-    with NCCL held to ``comm_sms`` SMs (0: a default communicator). The same for every shape, so
-    measured once per run."""
+def _comm_model(pattern: str, comm_sms: int, dtype, rounds: int, symmetric: bool = False) -> CommModel:
+    """Time by size of a collective (or ``exchange`` / ``all_gather``, see :func:`comm_pattern`)
+    on the whole world: on the communicator an overlapped call uses while its GEMM runs, NCCL held
+    to ``comm_sms`` SMs (0 without ``symmetric``: the default communicator, as for the last
+    group), buffers in a symmetric window where ``symmetric`` (all-to-all and all-gather then on
+    the copy engines, as the runtime does). The same for every shape, so measured once per run."""
     import torch
     import torch.distributed as dist
 
     from . import comm
 
-    group = comm.budget_group(dist.group.WORLD, comm_sms)
+    copy_engine = symmetric and pattern in ("all_to_all", "all_gather")
+    group = comm.budget_group(dist.group.WORLD, comm_sms, copy_engine=copy_engine)
     world, me, elem = dist.get_world_size(), dist.get_rank(), torch.finfo(dtype).bits // 8
+    device = torch.device("cuda", torch.cuda.current_device())
+    window = comm.nccl.Window([group], device) if symmetric else None
 
     def exchange(data, into):
         ops = [
@@ -353,14 +368,38 @@ def _comm_model(pattern: str, comm_sms: int, dtype, rounds: int) -> CommModel:
 
     def make(mb: int):
         rows = max(world, (mb << 20) // (1024 * elem) // world * world)
-        data = torch.randn(rows, 1024, device="cuda").to(dtype)
+        shapes = [(rows, 1024), (world * rows if pattern == "all_gather" else rows, 1024)]
+        if window is None:
+            alloc = lambda shape: torch.empty(shape, dtype=dtype, device=device)  # noqa: E731
+        else:  # a window of its own per size: the sizes are measured side by side
+            alloc = comm.nccl.Window([group], device).allocator(
+                sum(comm.nccl.carved_bytes(shape, dtype) for shape in shapes), dtype
+            )
+        data, into = (alloc(shape) for shape in shapes)
+        data.copy_(torch.randn(rows, 1024, device=device))
         if pattern == "exchange":
-            into = torch.empty_like(data)
             return (lambda i: exchange(data, into)), rows * 1024 * elem
+        if pattern == "all_gather":
+            return (lambda i: dist.all_gather_into_tensor(into, data, group)), rows * 1024 * elem
         ex = comm.exchange(pattern, rows, world)
-        return (lambda i: comm.collective(ex, data, group)), rows * 1024 * elem
+        return (lambda i: comm.collective(ex, data, group, into[: ex.rows])), rows * 1024 * elem
 
-    return _fit_sizes(pattern, make, rounds)
+    return _fit_sizes(f"{pattern}{' symmetric' if symmetric else ''}", make, rounds)
+
+
+def _fitted(model, *args) -> CommModel | None:
+    """``model(*args)``, or None where its measurements cannot be fitted (said on rank 0)."""
+    try:
+        return model(*args)
+    except ValueError as exc:
+        _progress(f"{model.__name__}{args}: {exc}; its candidates are dropped")
+        return None
+
+
+def _tail_model(pattern: str, dtype, rounds: int, symmetric: bool) -> CommModel:
+    """:func:`_comm_model` on the full communicator (the last group's), where the copy-engine
+    patterns of :func:`_comm_model` run NCCL's usual kernels on every SM."""
+    return _comm_model(pattern, 0, dtype, rounds, symmetric and pattern not in ("all_to_all", "all_gather"))
 
 
 def tune_shape(
@@ -402,24 +441,39 @@ def tune_shape(
     variants.update({f"kernel{j}": kernel_alone(p, a, w) for j, p in enumerate(preps)})
     times = time_variants(variants, rounds, 4, 3)
     _progress(f"{m}x{n}x{k}: {collective} time by size (measured once per run)")
-    patterns = [comm_pattern(collective, c.layout) for c in cfgs]
+    patterns = [comm_pattern(collective, c.layout, c.reduction) for c in cfgs]
     # in a fixed order: every rank must measure the same collectives in the same order (a set's
     # order of strings differs between processes, and deadlocked the first run of this)
-    tails = {p: _comm_model(p, 0, dtype, rounds) for p in dict.fromkeys([collective, *patterns])}
-    during = {(c.comm_sms, p): _comm_model(p, c.comm_sms, dtype, rounds) for c, p in zip(cfgs, patterns)}
+    kinds = [(collective, False)] + [(p, c.symmetric) for c, p in zip(cfgs, patterns)]
+    # the last group runs on the full communicator, in the window too where symmetric; a model that
+    # cannot be fitted drops its candidates (the times are the ranks' maximum: all drop the same)
+    tails = {(p, sym): _fitted(_tail_model, p, dtype, rounds, sym) for p, sym in dict.fromkeys(kinds)}
+    during = {
+        (c.comm_sms, p, c.symmetric): _fitted(_comm_model, p, c.comm_sms, dtype, rounds, c.symmetric)
+        for c, p in zip(cfgs, patterns)
+    }
+    if tails[collective, False] is None:
+        raise RuntimeError(f"could not fit a time-by-size model of {collective}: see the message above")
     host = _host_model(collective, a, w, candidates[0], preps[0].plan.num_waves)
     _progress(f"{m}x{n}x{k}: host {host.base_ms:.3f} ms per call + {host.per_group_ms:.3f} ms per group")
     elem = torch.finfo(dtype).bits // 8
     choices, problems = [], []
-    sequential_ms = times["gemm"] + tails[collective].time_ms(m * n * elem)  # predicted
+    sequential_ms = times["gemm"] + tails[collective, False].time_ms(m * n * elem)  # predicted
     for j, (cfg, prep, pattern) in enumerate(zip(cfgs, preps, patterns)):
         per_wave_ms = times[f"kernel{j}"] / prep.plan.num_waves
         ranks = world if collective != "all_reduce" else 1
         kept = wave_bytes(prep.plan, elem, ranks, own=True)
         local = _local_model(collective, dtype, rounds) if any(kept) else None
         sent = wave_bytes(prep.plan, elem, ranks)
-        problems.append(Problem(sent, per_wave_ms, during[cfg.comm_sms, pattern], tails[pattern], host, kept, local))
+        finish = _local_model(pattern, dtype, rounds).time_ms(m * n * elem) if pattern == "all_gather" else 0.0
+        comm_models = during[cfg.comm_sms, pattern, cfg.symmetric], tails[pattern, cfg.symmetric]
+        if None in comm_models:
+            problems.append(None)
+            continue
+        problems.append(Problem(sent, per_wave_ms, *comm_models, host, kept, local, finish))
         choices.append((choose(problems[-1], sequential_ms, margin), j))
+    if not choices:
+        raise RuntimeError(f"{m}x{n}x{k}: no candidate could be modelled (see the messages above)")
     choices.sort(key=lambda cj: cj[0].overlap_ms)
     finalists = choices[:top]
     # a hedge against the model: the best predicted candidate with its default partition too
@@ -427,8 +481,8 @@ def tune_shape(
     part = preps[j].plan.partition
     if (part, j) not in [(c.partition, cj) for c, cj in finalists]:
         finalists.append((Choice(part, makespan(problems[j], part), sequential_ms, margin), j))
-    if {} in candidates:  # the built-in defaults run too: nothing written may lose to a call without config
-        j = candidates.index({})
+    if {} in candidates and problems[candidates.index({})] is not None:  # the built-in defaults run too:
+        j = candidates.index({})  # nothing written may lose to a call without config
         part = preps[j].plan.partition
         if (part, j) not in [(c.partition, cj) for c, cj in finalists]:
             finalists.append((Choice(part, makespan(problems[j], part), sequential_ms, margin), j))

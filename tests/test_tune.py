@@ -10,6 +10,7 @@ from flashoverlap.tune import (
     best_partition,
     brute_summary,
     choose,
+    comm_pattern,
     entry,
     fit_comm,
     fit_host,
@@ -62,6 +63,28 @@ def test_the_search_stays_exact_with_rows_kept_locally():
         partition, best = best_partition(rows)
         brute = min(makespan(rows, c) for c in partitions(p.num_waves))
         assert best == pytest.approx(brute) and makespan(rows, partition) == pytest.approx(best)
+
+
+def test_work_after_the_last_collective_adds_to_every_partition_and_competes_with_the_host():
+    """A local all-reduce's adds run after the last all-gather, whatever the partition; the host's
+    enqueue time still bounds a call from below."""
+    rng = np.random.default_rng(5)
+    for _ in range(20):
+        p = problem(rng)
+        finish = float(rng.uniform(0.01, 0.5))
+        host = HostModel(float(rng.uniform(0, 1.5)), float(rng.uniform(0, 0.1)))
+        local = Problem(p.wave_bytes, p.wave_ms, p.during, p.tail, host, finish_ms=finish)
+        for c in partitions(p.num_waves, 3):
+            plain = makespan(Problem(p.wave_bytes, p.wave_ms, p.during, p.tail), c)
+            assert makespan(local, c) == pytest.approx(max(plain + finish, host.time_ms(len(c))))
+        partition, best = best_partition(local)
+        assert best == pytest.approx(min(makespan(local, c) for c in partitions(p.num_waves)))
+
+
+def test_a_local_all_reduce_is_modelled_as_an_all_gather():
+    assert comm_pattern("all_reduce", "rows", "local") == "all_gather"
+    assert comm_pattern("all_reduce", "tiles") == "all_reduce"
+    assert comm_pattern("reduce_scatter", "rows") == "exchange"
 
 
 def test_kept_rows_cost_their_local_operation_and_a_group_of_only_kept_rows_no_collective():
@@ -306,3 +329,17 @@ def test_default_candidates_are_prebuilt_for_hopper():
         for candidate in candidates:
             call, cfg = precompile.call_and_config({**candidate, "collective": collective})
             assert precompile.spec_for(call, cfg, (9, 0)) in prebuilt, (collective, candidate)
+
+
+def test_a_model_that_cannot_be_fitted_drops_its_candidates_instead_of_the_run(monkeypatch):
+    from flashoverlap import tune
+
+    said = []
+    monkeypatch.setattr(tune, "_progress", said.append)
+
+    def flat(pattern, comm_sms):  # a one-rank all-reduce in place: no time grows with size
+        return fit_comm([1e6, 2e6], [0.01, 0.009])
+
+    assert tune._fitted(flat, "all_reduce", 4) is None
+    assert said and "flat('all_reduce', 4): measured times do not grow with size" in said[0]
+    assert tune._fitted(lambda p: fit_comm([1e6, 2e6], [0.01, 0.02]), "x").bytes_per_ms == pytest.approx(1e8)
