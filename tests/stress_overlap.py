@@ -4,9 +4,9 @@
 
 Random shapes (from a pool of random shapes, so that plans are reused as in a model), random
 collectives (all-reduce, reduce-scatter, all-to-all with uneven splits), configs varying with the
-shape (among prebuilt kernel instances; shapes x collectives stay within the plan cache, so memory
-must be flat once every pair has run) and two process groups, back to back with the host running
-ahead.
+shape (among prebuilt kernel instances, symmetric windows and local reductions among them; shapes x
+collectives stay within the plan cache, so memory must be flat once every pair has run) and two
+process groups, back to back with the host running ahead. FLASHOVERLAP_NCCL=direct: NCCL's C API.
 Every ``--check-every`` calls the last few outputs -- returned earlier, still held -- are compared
 with matmul + the torch collective (a later call must not have overwritten them). Exits non-zero
 on any error; prints calls, shapes, the largest error and GPU memory after warm-up and at the end.
@@ -39,6 +39,8 @@ CONFIGS = {
         {"cluster_m": 2},
         {"kernel": "sm80"},
         {"swizzle": 4},
+        {"symmetric": True},
+        {"reduction": "local", "symmetric": True, "comm_sms": 0},
     ],
     "reduce_scatter": [
         {},
@@ -47,6 +49,7 @@ CONFIGS = {
         {"kernel": "sm80", "tile_n": 128},
         {"swizzle": 2},
         {"layout": "rows"},
+        {"symmetric": True},
     ],
     "all_to_all": [
         {},
@@ -55,6 +58,7 @@ CONFIGS = {
         {"kernel": "sm80", "tile_n": 128},
         {"swizzle": 2},
         {"layout": "rows"},  # equal splits
+        {"symmetric": True},  # equal splits, copy engines
     ],
 }
 KEEP = 3  # outputs held and re-checked at every check
@@ -140,7 +144,7 @@ def main() -> int:
         kwargs = {}
         if config.get("layout") == "rows" and m % (world * 256):
             config = {}
-        if collective == "all_to_all" and config.get("layout") != "rows":
+        if collective == "all_to_all" and config.get("layout") != "rows" and not config.get("symmetric"):
             # every rank draws every rank's splits, so output_splits are known without exchange
             cuts = np.sort(rng.integers(0, m + 1, size=(world, world - 1)), axis=1)
             splits = np.diff(np.concatenate([np.zeros((world, 1), int), cuts, np.full((world, 1), m)], axis=1), axis=1)
