@@ -9,7 +9,8 @@ all-to-all (no SM at all). For each collective this times, side by side in one r
   {mode}{C}      the output's collective alone, in 8 chunks, on a communicator capped at C CTAs
   both_{mode}{C} both at once (the chunks issued on a second stream as the GEMM starts)
 mode: ring (plain buffers), symm (buffers registered as a symmetric window), ce (symmetric window,
-CTA policy ZERO: all-to-all / all-gather on the copy engines, the GEMM on every SM). All-gather is
+CTA policy ZERO: all-to-all / all-gather on the copy engines, the GEMM on every SM), ce_direct (the
+same through NCCL's C API: ncclAlltoAll, which c10d may not call for all_to_all_single). All-gather is
 there because on two ranks it moves as many bytes as an all-reduce (each rank receives the other's
 whole partial sum), so an all-reduce could be an all-gather on the copy engines plus one add.
 
@@ -49,16 +50,17 @@ def buffers(numel: int, dtype: torch.dtype, group, symmetric: bool) -> tuple[tor
 
 
 def chunked(collective: str, send: torch.Tensor, recv: torch.Tensor, group) -> None:
-    world = dist.get_world_size(group)
+    """``collective`` on each of CHUNKS chunks of ``send`` (an all-gather into ``recv``), through
+    c10d or NCCL's C API (``group`` a comm.Direct), as an overlapped call issues its groups."""
+    world = dist.get_world_size(comm.process_group(group))
+    ex = comm.exchange(collective, world, world) if collective != "all_gather" else None
     for s, r in zip(send.chunk(CHUNKS), recv.chunk(CHUNKS)):
-        if collective == "all_reduce":
-            dist.all_reduce(s, group=group)
-        elif collective == "reduce_scatter":
-            dist.reduce_scatter_tensor(r[: s.numel() // world], s, group=group)
-        elif collective == "all_gather":
-            dist.all_gather_into_tensor(r, s, group=group)
+        if ex is not None:  # the chunk as `world` rows: one per rank
+            comm.collective(ex, s.view(world, -1), group, r[: ex.rows * s.numel() // world].view(ex.rows, -1))
+        elif isinstance(group, comm.Direct):
+            group.all_gather(r, s)
         else:
-            dist.all_to_all_single(r[: s.numel()], s, group=group)
+            dist.all_gather_into_tensor(r, s, group=group)
 
 
 def main() -> int:
@@ -86,10 +88,12 @@ def main() -> int:
     for collective in args.collectives:
         runs = [(mode, c) for c in args.budgets for mode in ("ring", "symm")]
         if collective in ("all_to_all", "all_gather"):
-            runs.append(("ce", 0))
+            runs += [("ce", 0), ("ce_direct", 0)]
         for mode, ctas in runs:
-            group = comm.budget_group(dist.group.WORLD, ctas, copy_engine=mode == "ce")
+            group = comm.budget_group(dist.group.WORLD, ctas, copy_engine=mode.startswith("ce"))
             send, recv = buffers(m * n, dtype, group, mode != "ring")
+            if mode.endswith("direct"):
+                group = comm.Direct(group, torch.device("cuda", local))
             gemm = variants[f"gemm{ctas}"]
 
             def alone(i, send=send, recv=recv, group=group, collective=collective):

@@ -181,6 +181,8 @@ def collective(ex: Exchange, data: torch.Tensor, group: dist.ProcessGroup | None
         group.reduce_scatter(out, data) if direct else dist.reduce_scatter_tensor(out, data, group=group)
     elif direct:
         group.all_to_all(out, data, ex.recv, ex.send)
+    elif len(set(ex.send + ex.recv)) == 1:  # c10d's equal-split path: ncclAlltoAll (copy engines in a window)
+        dist.all_to_all_single(out, data, group=group)
     else:
         dist.all_to_all_single(out, data, list(ex.recv), list(ex.send), group=group)
     return out
