@@ -208,11 +208,12 @@ def run_overlapped(
     a: torch.Tensor,
     weight: torch.Tensor,
     ex: Exchange,
-    group: dist.ProcessGroup | None,
-    tail_group: dist.ProcessGroup | None = None,
+    group: dist.ProcessGroup | comm.Direct | None,
+    tail_group: dist.ProcessGroup | comm.Direct | None = None,
 ) -> torch.Tensor:
     """One overlapped call; the last group's collective, which runs after the GEMM has freed
-    every SM, goes to ``tail_group`` (a communicator free to use them all) when given."""
+    every SM, goes to ``tail_group`` (a communicator free to use them all) when given. Either
+    group may be a :class:`comm.nccl.Direct` (comm.direct)."""
     plan = prep.plan
     device = a.device
     caller = torch.cuda.current_stream(device)

@@ -1,7 +1,8 @@
 """Per-group collectives on contiguous buffer ranges, and the restore to row-major C.
 
 Communication is plain torch.distributed (NCCL on GPUs, gloo in the CPU reference executor) on
-one contiguous range per group, so any backend and transport works.
+one contiguous range per group, so any backend and transport works; on flashoverlap's own NCCL
+communicators optionally NCCL's C API (:mod:`comm.nccl`, ``FLASHOVERLAP_NCCL=direct``).
 """
 
 from __future__ import annotations
@@ -168,7 +169,9 @@ def _counts(name: str, values: Sequence[int], world: int) -> tuple[int, ...]:
     return values
 
 
-def collective(ex: Exchange, data: torch.Tensor, group: dist.ProcessGroup | None, out: torch.Tensor | None = None):
+def collective(
+    ex: Exchange, data: torch.Tensor, group: dist.ProcessGroup | Direct | None, out: torch.Tensor | None = None
+):
     """Run ``ex``'s collective on ``data`` (rows of C, [rows, cols]); returns the result rows:
     ``data`` itself (all-reduce, in place) or ``out`` ([ex.rows, cols], allocated if None)."""
     direct = isinstance(group, Direct)
@@ -301,7 +304,7 @@ def communicate_group(
     buffer: torch.Tensor,
     recv: torch.Tensor | None,
     out: torch.Tensor,
-    group: dist.ProcessGroup | None,
+    group: dist.ProcessGroup | Direct | None,
 ) -> None:
     """Group ``g``'s communication: on its buffer range for an all-reduce (in place); in the
     ``cols`` layout the received rows land in ``recv`` (one flat [ex.rows * n] buffer, group after
