@@ -304,13 +304,15 @@ def _local_model(collective: str, dtype, rounds: int) -> CommModel:
     import torch
     import torch.distributed as dist
 
+    from . import comm
+
     elem, world = torch.finfo(dtype).bits // 8, dist.get_world_size()
 
     def make(mb: int):
         x, y = (torch.randn((mb << 20) // elem, device="cuda").to(dtype) for _ in range(2))
         if collective == "all_gather":
             parts = torch.randn(world, x.numel(), device="cuda").to(dtype)
-            return (lambda i: torch.sum(parts, dim=0, out=x)), x.numel() * elem
+            return (lambda i: comm.add_partials(parts, x)), x.numel() * elem
         op = x.add_ if collective == "reduce_scatter" else x.copy_
         return (lambda i: op(y)), x.numel() * elem
 

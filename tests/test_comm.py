@@ -83,3 +83,13 @@ def test_rows_rotation_starts_at_the_next_ranks_segment():
 
 def test_segments():
     assert segments([3, 0, 4]) == [(0, 3), (3, 3), (3, 7)]
+
+
+@pytest.mark.parametrize("world", [1, 2, 3])
+def test_partial_sums_add_up_whatever_the_world_size(world):
+    from flashoverlap.comm import add_partials
+
+    parts = torch.randn(world, 1000).to(torch.bfloat16)
+    out = torch.full((1000,), float("nan"), dtype=torch.bfloat16)
+    add_partials(parts, out)
+    assert torch.allclose(out.float(), parts.float().sum(0), rtol=1e-2, atol=1e-2)

@@ -352,13 +352,20 @@ def into_place(
         into = out.view(-1) if plan.layout == "rows" else buffer
         for g in range(plan.num_groups):
             lo, hi = plan.bounds[g], plan.bounds[g + 1]
-            parts = recv[len(ex.recv) * lo : len(ex.recv) * hi].view(len(ex.recv), hi - lo)
-            torch.sum(parts, dim=0, out=into[lo:hi])
+            add_partials(recv[len(ex.recv) * lo : len(ex.recv) * hi].view(len(ex.recv), hi - lo), into[lo:hi])
         recv = None
     if plan.layout == "tiles":
         restore(buffer, out, plan, slots)
     elif plan.layout == "cols":
         gather_columns(ex, plan, buffer if recv is None else recv, out)
+
+
+def add_partials(parts: torch.Tensor, out: torch.Tensor) -> None:
+    """``out`` = the sum of the rows of ``parts`` [world, n] (one rounding, as NCCL's sum of two)."""
+    if len(parts) == 2:  # an add runs at 2.7 TB/s, a sum over the leading dimension at 1.3 (H200)
+        torch.add(parts[0], parts[1], out=out)
+    else:
+        torch.sum(parts, dim=0, out=out)
 
 
 def restore(buffer: torch.Tensor, out: torch.Tensor, plan: Plan, slots: torch.Tensor | None = None) -> None:
