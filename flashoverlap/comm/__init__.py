@@ -77,6 +77,8 @@ def budget_group(group: dist.ProcessGroup, comm_sms: int, copy_engine: bool = Fa
             options.config.min_ctas = comm_sms
             options.config.max_ctas = comm_sms
         if copy_engine:
+            if not hasattr(options.config, "cta_policy"):
+                raise RuntimeError(f"copy-engine collectives need NCCLConfig.cta_policy (torch {torch.__version__})")
             options.config.cta_policy = CTA_POLICY_ZERO
         ranks = dist.get_process_group_ranks(group)
         _budget_groups[key] = dist.new_group(ranks, backend="nccl", pg_options=options, use_local_synchronization=True)
