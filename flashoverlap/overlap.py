@@ -315,7 +315,7 @@ def _gemm_collective(
         prep = prepare(m, n, k, a.dtype, weight_layout, a.device, cfg, rotate)
         full = group if group is not None else dist.group.WORLD
         check_agreement(prep, collective, full)
-        copy_engine = cfg.symmetric and (collective == "all_to_all" or cfg.reduction == "local")  # CE collectives
+        copy_engine = cfg.symmetric and comm.comm_pattern(collective, cfg.layout, cfg.reduction) in comm.COPY_ENGINE
         budget = comm.budget_group(full, cfg.comm_sms, copy_engine=copy_engine)
         return run_overlapped(prep, a, weight, ex, comm.direct(budget, a.device), comm.direct(full, a.device))
 

@@ -226,7 +226,7 @@ def wave_bytes(plan, elem_bytes: int, world: int = 1, own: bool = False) -> tupl
     """Bytes of communication each wave of ``plan`` feeds: its output bytes, except in the ``rows``
     layout of reduce-scatter / all-to-all on ``world`` > 1 ranks (comm.rows_rotation): the bytes
     this rank sends to one rank while receiving as many from another (the other ranks' segments;
-    see :func:`comm_pattern`), its own segment, computed last, staying here; ``own``: the bytes
+    see :func:`comm.comm_pattern`), its own segment, computed last, staying here; ``own``: the bytes
     of that segment instead. ``plan``: unrotated (the plan of the last rank, whose own segment
     is the last)."""
     mt, nt = np.divmod(np.arange(plan.num_tiles), plan.tiles_n)
@@ -333,18 +333,9 @@ def _fit_sizes(label: str, make, rounds: int) -> CommModel:
     return fit_comm(sizes, [times[name] for name in variants])
 
 
-def comm_pattern(collective: str, layout: str, reduction: str = "nccl") -> str:
-    """What a group's communication is, for the model: the collective itself, ``exchange`` (the
-    ``rows`` layout of reduce-scatter / all-to-all: grouped send to rank + k / receive from rank - k)
-    or ``all_gather`` (a ``local`` all-reduce)."""
-    if reduction == "local":
-        return "all_gather"
-    return "exchange" if layout == "rows" and collective != "all_reduce" else collective
-
-
 @functools.cache
 def _comm_model(pattern: str, comm_sms: int, dtype, rounds: int, symmetric: bool = False) -> CommModel:
-    """Time by size of a collective (or ``exchange`` / ``all_gather``, see :func:`comm_pattern`)
+    """Time by size of a collective (or ``exchange`` / ``all_gather``, see :func:`comm.comm_pattern`)
     on the whole world: on the communicator an overlapped call uses while its GEMM runs, NCCL held
     to ``comm_sms`` SMs (0 without ``symmetric``: the default communicator, as for the last
     group), buffers in a symmetric window where ``symmetric`` (all-to-all and all-gather then on
@@ -354,8 +345,7 @@ def _comm_model(pattern: str, comm_sms: int, dtype, rounds: int, symmetric: bool
 
     from . import comm
 
-    copy_engine = symmetric and pattern in ("all_to_all", "all_gather")
-    group = comm.budget_group(dist.group.WORLD, comm_sms, copy_engine=copy_engine)
+    group = comm.budget_group(dist.group.WORLD, comm_sms, copy_engine=symmetric and pattern in comm.COPY_ENGINE)
     world, me, elem = dist.get_world_size(), dist.get_rank(), torch.finfo(dtype).bits // 8
     device = torch.device("cuda", torch.cuda.current_device())
     window = comm.nccl.Window([group], device) if symmetric else None
@@ -401,7 +391,9 @@ def _fitted(model, *args) -> CommModel | None:
 def _tail_model(pattern: str, dtype, rounds: int, symmetric: bool) -> CommModel:
     """:func:`_comm_model` on the full communicator (the last group's), where the copy-engine
     patterns of :func:`_comm_model` run NCCL's usual kernels on every SM."""
-    return _comm_model(pattern, 0, dtype, rounds, symmetric and pattern not in ("all_to_all", "all_gather"))
+    from . import comm
+
+    return _comm_model(pattern, 0, dtype, rounds, symmetric and pattern not in comm.COPY_ENGINE)
 
 
 def tune_shape(
@@ -443,7 +435,7 @@ def tune_shape(
     variants.update({f"kernel{j}": kernel_alone(p, a, w) for j, p in enumerate(preps)})
     times = time_variants(variants, rounds, 4, 3)
     _progress(f"{m}x{n}x{k}: {collective} time by size (measured once per run)")
-    patterns = [comm_pattern(collective, c.layout, c.reduction) for c in cfgs]
+    patterns = [comm.comm_pattern(collective, c.layout, c.reduction) for c in cfgs]
     # in a fixed order: every rank must measure the same collectives in the same order (a set's
     # order of strings differs between processes, and deadlocked the first run of this)
     kinds = [(collective, False)] + [(p, c.symmetric) for c, p in zip(cfgs, patterns)]

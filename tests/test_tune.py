@@ -10,7 +10,6 @@ from flashoverlap.tune import (
     best_partition,
     brute_summary,
     choose,
-    comm_pattern,
     entry,
     fit_comm,
     fit_host,
@@ -82,6 +81,8 @@ def test_work_after_the_last_collective_adds_to_every_partition_and_competes_wit
 
 
 def test_a_local_all_reduce_is_modelled_as_an_all_gather():
+    from flashoverlap.comm import comm_pattern
+
     assert comm_pattern("all_reduce", "rows", "local") == "all_gather"
     assert comm_pattern("all_reduce", "tiles") == "all_reduce"
     assert comm_pattern("reduce_scatter", "rows") == "exchange"

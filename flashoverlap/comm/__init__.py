@@ -22,6 +22,7 @@ from .nccl import CTA_POLICY_ZERO, Direct
 
 COLLECTIVES = ("all_reduce", "reduce_scatter", "all_to_all")
 REDUCTIONS = ("nccl", "local")
+COPY_ENGINE = ("all_to_all", "all_gather")  # comm_patterns NCCL runs on copy engines (windows, CTA policy ZERO)
 
 _budget_groups: dict[tuple, dist.ProcessGroup] = {}
 _direct: dict[tuple, Direct] = {}
@@ -83,6 +84,15 @@ def budget_group(group: dist.ProcessGroup, comm_sms: int, copy_engine: bool = Fa
         ranks = dist.get_process_group_ranks(group)
         _budget_groups[key] = dist.new_group(ranks, backend="nccl", pg_options=options, use_local_synchronization=True)
     return _budget_groups[key]
+
+
+def comm_pattern(collective: str, layout: str, reduction: str = "nccl") -> str:
+    """What a call's groups communicate: the collective itself, ``exchange`` (the ``rows`` layout of
+    reduce-scatter / all-to-all: grouped send to rank + k / receive from rank - k) or
+    ``all_gather`` (a ``local`` all-reduce)."""
+    if reduction == "local":
+        return "all_gather"
+    return "exchange" if layout == "rows" and collective != "all_reduce" else collective
 
 
 def process_group(group: dist.ProcessGroup | Direct | None) -> dist.ProcessGroup:
