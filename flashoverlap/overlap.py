@@ -306,7 +306,7 @@ def _gemm_collective(
         if cfg.reduction != ex.reduction:
             ex = comm.exchange(collective, m, world, reduction=cfg.reduction)
         comm.check_layout(ex, cfg.layout, rotation_unit(cfg, (m, n, k)))
-        if cfg.symmetric and len(set(ex.send + ex.recv)) > 1:
+        if cfg.symmetric and not ex.even:
             raise ValueError(
                 "symmetric windows need the same buffer sizes on every rank: equal splits, got "
                 f"splits {list(ex.send)} and output_splits {list(ex.recv)}"
@@ -317,7 +317,7 @@ def _gemm_collective(
         check_agreement(prep, collective, full)
         copy_engine = cfg.symmetric and comm.comm_pattern(collective, cfg.layout, cfg.reduction) in comm.COPY_ENGINE
         budget = comm.budget_group(full, cfg.comm_sms, copy_engine=copy_engine)
-        return run_overlapped(prep, a, weight, ex, comm.direct(budget, a.device), comm.direct(full, a.device))
+        return run_overlapped(prep, a, weight, ex, comm.direct(budget, a.device), tail_group=full)
 
 
 def gemm_all_reduce(

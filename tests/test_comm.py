@@ -35,7 +35,9 @@ def test_exchange_describes_rows_sent_and_received():
     assert even.rows == 12 and even.send == (4, 4, 4)
     local = exchange("all_reduce", 10, 3, reduction="local")  # every rank's partial sums arrive
     assert local.rows == 10 and local.send == (10,) and local.recv == (10, 10, 10)
+    assert rs.even and even.even and local.even
     uneven = exchange("all_to_all", 10, 3, splits=[0, 7, 3], output_splits=[5, 0, 2])
+    assert not uneven.even
     assert uneven.send == (0, 7, 3) and uneven.recv == (5, 0, 2) and uneven.rows == 7
 
 

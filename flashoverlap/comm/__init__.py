@@ -129,6 +129,11 @@ class Exchange:
     rows: int
     reduction: str = "nccl"
 
+    @property
+    def even(self) -> bool:
+        """Whether every rank sends and receives as many rows (the same buffer sizes everywhere)."""
+        return len(set(self.send + self.recv)) == 1
+
 
 def exchange(
     collective: str,
@@ -196,7 +201,7 @@ def collective(
         group.reduce_scatter(out, data) if direct else dist.reduce_scatter_tensor(out, data, group=group)
     elif direct:
         group.all_to_all(out, data, ex.recv, ex.send)
-    elif len(set(ex.send + ex.recv)) == 1:  # c10d's equal-split path: ncclAlltoAll (copy engines in a window)
+    elif ex.even:  # c10d's equal-split path: ncclAlltoAll (copy engines in a window)
         dist.all_to_all_single(out, data, group=group)
     else:
         dist.all_to_all_single(out, data, list(ex.recv), list(ex.send), group=group)
@@ -209,7 +214,7 @@ def rows_carry(ex: Exchange, unit: int) -> bool:
     rotated schedule of :func:`rows_rotation` turns by)."""
     if ex.collective == "all_reduce":
         return True
-    return len(set(ex.send + ex.recv)) == 1 and ex.send[0] % unit == 0
+    return ex.even and ex.send[0] % unit == 0
 
 
 def check_layout(ex: Exchange, layout: str, unit: int) -> None:
