@@ -242,7 +242,8 @@ def rows_rotation(ex: Exchange, layout: str, rank: int) -> int:
 def buffers(ex: Exchange, plan: Plan, alloc) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
     """(out, buffer, recv) of one call: the [ex.rows, n] result, the flat buffer the GEMM writes
     (``out`` itself for an all-reduce in the ``rows`` layout) and the flat buffer received rows
-    land in: None for an all-reduce; in the ``rows`` layout, the partial sums a reduce-scatter
+    land in: for an all-reduce None, or with a ``local`` reduction every rank's partial sums, group
+    by group ([world, group size] each); in the ``rows`` layout, the partial sums a reduce-scatter
     receives beyond the first (which lands in ``out``): world - 2 segments, else None.
     ``alloc(shape)`` makes a tensor."""
     out = alloc((ex.rows, plan.n))
