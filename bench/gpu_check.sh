@@ -38,7 +38,8 @@ for step in $steps; do
       sym=()  # symmetric windows need peer access: NVLink only
       [ "$transport" = nvlink ] && sym=('{"symmetric": true}' '{"symmetric": true, "comm_sms": 4}')
       gather=('{"reduction": "local"}')  # all-gathered partial sums (copy engines with symmetric windows)
-      [ "$transport" = nvlink ] && gather+=('{"reduction": "local", "symmetric": true, "comm_sms": 0}')
+      [ "$transport" = nvlink ] && gather+=('{"reduction": "local", "symmetric": true, "comm_sms": 0}' \
+        '{"reduction": "local", "symmetric": true, "comm_sms": 4}')  # 4 SMs for the adds, the GEMM's waves kept
       bench "all_reduce_$transport" -- --transport "$transport" --shapes ${SHAPES:-4096x8192x8192 8192x8192x8192} \
         --configs ${CONFIGS:-'{}'} "${sym[@]}" "${gather[@]}" --nccl c10d direct \
         --rounds "${ROUNDS:-15}" --csv "$OUT/all_reduce_$transport.csv" \

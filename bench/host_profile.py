@@ -1,6 +1,8 @@
-"""Where a call's host time goes (torchrun, 2+ GPUs). On a shape small enough that the host is the
+"""Where a call's host time goes (torchrun). On a shape small enough that the host is the
 bottleneck, calls back to back run at the host's pace, so ms per call is host time; then a
 cProfile of each flashoverlap path ("direct": NCCL through its C API, FLASHOVERLAP_NCCL=direct).
+On one GPU, where the public calls run the plain GEMM, "overlapped" and "direct" run the whole
+overlapped call on a one-rank group (NCCL's collectives are then local copies).
   torchrun --nproc-per-node 2 bench/host_profile.py [MxNxK (default 256x2048x2048)] [CONFIG_JSON]"""
 
 import cProfile
@@ -15,7 +17,8 @@ import torch.distributed as dist
 
 import flashoverlap
 from flashoverlap import comm
-from flashoverlap.overlap import sequential
+from flashoverlap.config import OverlapConfig, for_collective
+from flashoverlap.overlap import budget_communicator, prepare, run_overlapped, sequential
 
 CALLS = 400
 
@@ -50,6 +53,17 @@ def main() -> None:
         "overlapped": lambda: flashoverlap.gemm_all_reduce(a, w, config=config),
         "direct": lambda: flashoverlap.gemm_all_reduce(a, w, config=config),  # FLASHOVERLAP_NCCL=direct
     }
+    if dist.get_world_size() == 1:
+        cfg = for_collective(OverlapConfig.from_dict(config), "all_reduce")
+        prep = prepare(m, n, k, a.dtype, "nk", a.device, cfg)
+        ex = comm.exchange("all_reduce", m, 1, reduction=cfg.reduction)
+
+        def one_rank() -> torch.Tensor:
+            group = budget_communicator(cfg, "all_reduce", dist.group.WORLD, a.device)
+            return run_overlapped(prep, a, w, ex, group, tail_group=dist.group.WORLD)
+
+        cases["overlapped"] = cases["direct"] = one_rank
+        print(f"one rank: {prep.plan.num_groups} groups, {cfg}", flush=True)
     for name, fn in cases.items():
         os.environ["FLASHOVERLAP_NCCL"] = "direct" if name == "direct" else "c10d"
         us = per_call_us(fn)

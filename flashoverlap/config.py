@@ -45,8 +45,9 @@ class OverlapConfig:
       copied out of it.
     reduction: where an all-reduce adds the ranks' partial sums: ``nccl`` (NCCL's all-reduce per
       group) or ``local``: each group is all-gathered (with ``symmetric``, on the copy engines, so
-      ``comm_sms`` can be 0) and the partial sums are added after the GEMM with every SM. Moves as
-      many bytes as an all-reduce on 2 ranks, world / 2 times more beyond.
+      ``comm_sms`` can be 0) and each group's partial sums are added as soon as they arrive, on the
+      SMs ``comm_sms`` leaves (a few suffice; with 0, as the GEMM retires). Moves as many bytes as
+      an all-reduce on 2 ranks, world / 2 times more beyond.
     """
 
     tile_m: int = 128

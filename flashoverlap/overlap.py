@@ -128,7 +128,7 @@ class Prepared:
 # Most recently used plans; bounded so that a stream of new shapes keeps memory flat.
 MAX_PREPARED = 64
 _prepared: OrderedDict[tuple, Prepared] = OrderedDict()
-_comm_streams: dict[int, torch.cuda.Stream] = {}
+_side_streams: dict[tuple[int, str], torch.cuda.Stream] = {}
 _windows: dict[tuple, comm.nccl.Window] = {}  # symmetric windows per (budget, tail) group pair
 
 
@@ -197,10 +197,14 @@ def check_agreement(prep: Prepared, collective: str, group: dist.ProcessGroup) -
     prep.agreed.add(key)
 
 
-def comm_stream(device: torch.device) -> torch.cuda.Stream:
-    if device.index not in _comm_streams:
-        _comm_streams[device.index] = torch.cuda.Stream(device=device)
-    return _comm_streams[device.index]
+def side_stream(device: torch.device, role: str = "comm") -> torch.cuda.Stream:
+    """flashoverlap's own stream on ``device`` for ``role``: "comm" (the waits and collectives) or
+    "add" (a local all-reduce's adds: apart, so that an add waiting for SMs the GEMM holds never
+    holds up the next group's collective)."""
+    key = (device.index, role)
+    if key not in _side_streams:
+        _side_streams[key] = torch.cuda.Stream(device=device)
+    return _side_streams[key]
 
 
 def run_overlapped(
@@ -217,7 +221,8 @@ def run_overlapped(
     plan = prep.plan
     device = a.device
     caller = torch.cuda.current_stream(device)
-    stream = comm_stream(device)
+    stream = side_stream(device)
+    adder = side_stream(device, "add") if ex.reduction == "local" else None
 
     def alloc(shape):
         return torch.empty(shape, dtype=a.dtype, device=device)
@@ -249,13 +254,18 @@ def run_overlapped(
             signal.wait_geq(stream, prep.counters, g, target, timeout, prep.report)
             on = tail_group if g == last and tail_group is not None else group
             comm.communicate_group(ex, plan, g, buffer, recv, out, on)
+            if adder is not None:  # the group's sums, on SMs the GEMM leaves (comm_sms) or as it retires
+                adder.wait_stream(stream)
+                with torch.cuda.stream(adder):
+                    comm.reduce_group(ex, plan, g, buffer, recv, result)
         prep.counters.zero_()  # stream-ordered: the next call's GEMM waits for it through `caller`
-    # Memory the communication stream still uses must not be reused before it is done (these are
-    # freed on return, or when the plan leaves the cache).
-    for used in (buffer, recv, prep.counters, prep.report):
-        if used is not None:
-            used.record_stream(stream)
-    caller.wait_stream(stream)
+    # Memory the side streams still use must not be reused before they are done (these are freed
+    # on return, or when the plan leaves the cache).
+    for side in [stream] if adder is None else [stream, adder]:
+        for used in (buffer, recv, prep.counters, prep.report):
+            if used is not None:
+                used.record_stream(side)
+        caller.wait_stream(side)
     comm.into_place(ex, plan, buffer, recv, result, prep.slots)
     if plan.layout == "rows" and result is not out and ex.reduction != "local":  # the result is in the window
         result.copy_(out)
@@ -315,9 +325,18 @@ def _gemm_collective(
         prep = prepare(m, n, k, a.dtype, weight_layout, a.device, cfg, rotate)
         full = group if group is not None else dist.group.WORLD
         check_agreement(prep, collective, full)
-        copy_engine = cfg.symmetric and comm.comm_pattern(collective, cfg.layout, cfg.reduction) in comm.COPY_ENGINE
-        budget = comm.budget_group(full, cfg.comm_sms, copy_engine=copy_engine)
-        return run_overlapped(prep, a, weight, ex, comm.direct(budget, a.device), tail_group=full)
+        budget = budget_communicator(cfg, collective, full, a.device)
+        return run_overlapped(prep, a, weight, ex, budget, tail_group=full)
+
+
+def budget_communicator(
+    cfg: OverlapConfig, collective: str, full: dist.ProcessGroup, device: torch.device
+) -> dist.ProcessGroup | comm.Direct:
+    """The communicator of an overlapped call's groups during the GEMM: ``full``'s ranks capped at
+    ``cfg.comm_sms`` CTAs (the copy engines where ``cfg``'s symmetric collectives can use them),
+    through NCCL's C API under ``FLASHOVERLAP_NCCL=direct`` (comm.direct)."""
+    copy_engine = cfg.symmetric and comm.comm_pattern(collective, cfg.layout, cfg.reduction) in comm.COPY_ENGINE
+    return comm.direct(comm.budget_group(full, cfg.comm_sms, copy_engine=copy_engine), device)
 
 
 def gemm_all_reduce(

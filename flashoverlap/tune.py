@@ -9,7 +9,8 @@ The model (see ../shared/DESIGN.md, "Configs and tuning"):
   communicator while the GEMM runs and on the full one for the last group;
 * collectives run one after another on the communication stream; in the ``rows`` layout of
   reduce-scatter / all-to-all, a group's rows of the rank's own segment are added / copied into
-  the result there instead (``local``, a model of that memory operation by size);
+  the result there instead (``local``, a model of that memory operation by size), and a
+  ``local`` all-reduce adds the gathered partial sums of each group after its all-gather;
 * the host needs ``base_ms + groups * per_group_ms`` (:class:`HostModel`) to enqueue one call,
   and calls run back to back, so a call never takes less than that: small GEMMs are host-bound,
   and every group costs host time (a wait and a collective to enqueue).
@@ -22,6 +23,7 @@ to decide whether overlap pays.
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import itertools
 import json
@@ -92,9 +94,10 @@ class Problem:
     wave_ms: GEMM time per wave with the SM budget; during / tail: the collective's model on the
     budget communicator while the GEMM runs, and on the full one afterwards (the last group);
     host: the host's enqueue time per call (zero: not host-bound); local_bytes[w] / local: bytes
-    wave w completes that stay on the rank (added or copied into the result) and that
-    operation's model (empty / None: none); finish_ms: work after the last collective whatever
-    the partition (a ``local`` all-reduce's adds).
+    of wave w added or copied into the result after the group's collective (the own segment in
+    the ``rows`` layout, a ``local`` all-reduce's sums) and that operation's model (empty /
+    None: none); finish_ms: work after the last collective whatever the partition (a ``local``
+    all-reduce's adds where the GEMM leaves them no SM).
     """
 
     wave_bytes: tuple[float, ...]
@@ -123,6 +126,16 @@ class Problem:
         """Cumulative local bytes by wave (zeros where none)."""
         local = self.local_bytes or (0.0,) * self.num_waves
         return np.concatenate([[0.0], np.cumsum(local)])
+
+
+def with_local_adds(problem: Problem, adds: CommModel, comm_sms: int) -> Problem:
+    """``problem`` (a ``local`` all-reduce: its groups' all-gathers) with the adds of the gathered
+    partial sums, ``adds`` by bytes of the sum: group by group after each all-gather where the
+    GEMM leaves SMs (``comm_sms`` > 0; charged on the communication stream's timeline though they
+    run on a stream of their own), else all of them once the GEMM is done."""
+    if comm_sms:
+        return dataclasses.replace(problem, local_bytes=problem.wave_bytes, local=adds)
+    return dataclasses.replace(problem, finish_ms=adds.time_ms(sum(problem.wave_bytes)))
 
 
 def makespan(problem: Problem, partition: Sequence[int]) -> float:
@@ -459,12 +472,13 @@ def tune_shape(
         kept = wave_bytes(prep.plan, elem, ranks, own=True)
         local = _local_model(collective, dtype, rounds) if any(kept) else None
         sent = wave_bytes(prep.plan, elem, ranks)
-        finish = _local_model(pattern, dtype, rounds).time_ms(m * n * elem) if pattern == "all_gather" else 0.0
         comm_models = during[cfg.comm_sms, pattern, cfg.symmetric], tails[pattern, cfg.symmetric]
         if None in comm_models:
             problems.append(None)
             continue
-        problems.append(Problem(sent, per_wave_ms, *comm_models, host, kept, local, finish))
+        problems.append(Problem(sent, per_wave_ms, *comm_models, host, kept, local))
+        if pattern == "all_gather":
+            problems[-1] = with_local_adds(problems[-1], _local_model(pattern, dtype, rounds), cfg.comm_sms)
         choices.append((choose(problems[-1], sequential_ms, margin), j))
     if not choices:
         raise RuntimeError(f"{m}x{n}x{k}: no candidate could be modelled (see the messages above)")

@@ -30,7 +30,7 @@ CONFIGS = [
     OverlapConfig(swizzle=4),
     OverlapConfig(symmetric=True),  # NCCL symmetric-memory kernels
     OverlapConfig(layout="tiles", symmetric=True),
-    OverlapConfig(reduction="local"),  # partial sums all-gathered, added after the GEMM
+    OverlapConfig(reduction="local"),  # partial sums all-gathered, then added
     OverlapConfig(reduction="local", symmetric=True, comm_sms=0),  # ... on the copy engines
 ]
 

@@ -17,6 +17,7 @@ from flashoverlap.tune import (
     makespan,
     partitions,
     wave_bytes,
+    with_local_adds,
     write_registry,
 )
 
@@ -65,8 +66,8 @@ def test_the_search_stays_exact_with_rows_kept_locally():
 
 
 def test_work_after_the_last_collective_adds_to_every_partition_and_competes_with_the_host():
-    """A local all-reduce's adds run after the last all-gather, whatever the partition; the host's
-    enqueue time still bounds a call from below."""
+    """Work after the last collective (a local all-reduce's adds where the GEMM leaves them no SM)
+    costs every partition the same; the host's enqueue time still bounds a call from below."""
     rng = np.random.default_rng(5)
     for _ in range(20):
         p = problem(rng)
@@ -78,6 +79,24 @@ def test_work_after_the_last_collective_adds_to_every_partition_and_competes_wit
             assert makespan(local, c) == pytest.approx(max(plain + finish, host.time_ms(len(c))))
         partition, best = best_partition(local)
         assert best == pytest.approx(min(makespan(local, c) for c in partitions(p.num_waves)))
+
+
+def test_a_local_all_reduce_adds_group_by_group_with_sms_left_else_after_the_gemm():
+    rng = np.random.default_rng(6)
+    adds = CommModel(0.002, 3e9)
+    for _ in range(10):
+        p = problem(rng)
+        spared, starved = with_local_adds(p, adds, 4), with_local_adds(p, adds, 0)
+        for c in partitions(p.num_waves, 3):
+            done, end = 0, 0.0
+            for g, waves in enumerate(c):
+                nbytes = sum(p.wave_bytes[done : done + waves])
+                done += waves
+                model = p.tail if g == len(c) - 1 else p.during
+                end = max(end, done * p.wave_ms) + model.time_ms(nbytes) + adds.time_ms(nbytes)
+            assert makespan(spared, c) == pytest.approx(end)
+            assert makespan(starved, c) == pytest.approx(makespan(p, c) + adds.time_ms(sum(p.wave_bytes)))
+        assert best_partition(spared)[1] == pytest.approx(min(makespan(spared, c) for c in partitions(p.num_waves)))
 
 
 def test_a_local_all_reduce_is_modelled_as_an_all_gather():

@@ -121,7 +121,7 @@ class Exchange:
     """What one call communicates: the collective, the rows of C this rank sends to each rank
     (``send``), and those it receives from each (``recv``); ``rows`` = rows of its result.
     ``reduction`` (all-reduce): ``nccl`` (NCCL reduces, in place) or ``local`` (each group is
-    all-gathered, every rank's partial sums arriving here, and added after the GEMM)."""
+    all-gathered, every rank's partial sums arriving here, and added here: :func:`reduce_group`)."""
 
     collective: str
     send: tuple[int, ...]
@@ -344,6 +344,18 @@ def communicate_group(
     collective(ex, chunk.view(plan.m, c1 - c0), group, staged)
 
 
+def reduce_group(ex: Exchange, plan: Plan, g: int, buffer: torch.Tensor, recv: torch.Tensor, out: torch.Tensor) -> None:
+    """A ``local`` all-reduce's step after group ``g``'s all-gather: the world's partial sums of
+    the group (in ``recv``) added straight into ``out``'s rows in the ``rows`` layout (its groups
+    are row bands of C), else into the group's range of ``buffer`` (placed by :func:`into_place`).
+    Nothing for any other call."""
+    if ex.reduction != "local":
+        return
+    lo, hi, world = plan.bounds[g], plan.bounds[g + 1], len(ex.recv)
+    into = out.view(-1) if plan.layout == "rows" else buffer
+    add_partials(recv[world * lo : world * hi].view(world, hi - lo), into[lo:hi])
+
+
 def gather_columns(ex: Exchange, plan: Plan, result: torch.Tensor, out: torch.Tensor) -> None:
     """``cols`` layout: copy each group's [ex.rows, c1 - c0] block of the flat ``result`` (the
     buffer after an all-reduce, else ``recv``) into its columns of ``out``. Done once after the
@@ -363,14 +375,9 @@ def into_place(
 ) -> None:
     """After the last collective: copy the result into row-major ``out`` where the layout has not
     put it there already (``tiles``: the gather of :func:`restore`; ``cols``: :func:`gather_columns`
-    from ``recv``, or from ``buffer`` after an all-reduce; ``rows``: nothing). A ``local``
-    all-reduce first adds the gathered partial sums group by group: straight into ``out`` in the
-    ``rows`` layout (its groups are row bands of C), else into ``buffer``, then placed as above."""
-    if ex.reduction == "local":
-        into = out.view(-1) if plan.layout == "rows" else buffer
-        for g in range(plan.num_groups):
-            lo, hi = plan.bounds[g], plan.bounds[g + 1]
-            add_partials(recv[len(ex.recv) * lo : len(ex.recv) * hi].view(len(ex.recv), hi - lo), into[lo:hi])
+    from ``recv``, or from ``buffer`` after an all-reduce or a ``local`` one's
+    :func:`reduce_group`; ``rows``: nothing)."""
+    if ex.reduction == "local":  # the sums are in place already (reduce_group)
         recv = None
     if plan.layout == "tiles":
         restore(buffer, out, plan, slots)
