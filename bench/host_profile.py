@@ -79,7 +79,9 @@ def main() -> None:
         torch.cuda.synchronize()
         if rank == 0:
             print(f"--- {name}, {CALLS} calls")
-            pstats.Stats(profile).sort_stats("tottime").print_stats(22)
+            stats = pstats.Stats(profile)
+            stats.sort_stats("tottime").print_stats(22)
+            stats.sort_stats("cumulative").print_stats("flashoverlap", 25)
     dist.destroy_process_group()
 
 

@@ -105,7 +105,9 @@ class Prepared:
     report: torch.Tensor  # int32[4]: a debug-mode wait that timed out (see flashoverlap.signal)
     symmetric: bool = False  # buffers in NCCL symmetric windows (OverlapConfig.symmetric)
     agreed: set = field(default_factory=set)  # (collective, group) pairs whose ranks agreed on this plan
-    window_bytes: dict = field(default_factory=dict)  # exchange -> bytes of its buffers in a window
+    # exchange -> (the window region, its (out, buffer, recv) there): the same every call
+    window_views: dict = field(default_factory=dict)
+    group_done: list = field(default_factory=list)  # an event per group (a local all-reduce's adds)
 
     def launch(self, a: torch.Tensor, weight: torch.Tensor, buffer: torch.Tensor, stream: torch.cuda.Stream) -> None:
         """Enqueue the signal GEMM on ``stream``, writing the plan's slots of ``buffer``."""
@@ -223,6 +225,8 @@ def run_overlapped(
     caller = torch.cuda.current_stream(device)
     stream = side_stream(device)
     adder = side_stream(device, "add") if ex.reduction == "local" else None
+    if adder is not None and not prep.group_done:
+        prep.group_done = [torch.cuda.Event() for _ in prep.targets]
 
     def alloc(shape):
         return torch.empty(shape, dtype=a.dtype, device=device)
@@ -231,12 +235,15 @@ def run_overlapped(
         groups = tuple(comm.process_group(g) for g in (group, tail_group or group))
         if groups not in _windows:
             _windows[groups] = comm.nccl.Window(groups, device)
-        if ex not in prep.window_bytes:
+        window = _windows[groups]
+        region, views = prep.window_views.get(ex, (None, None))
+        if region is None or region is not window.memory:
             sizes = []
             comm.buffers(ex, plan, lambda shape: sizes.append(shape) or torch.empty(shape, device="meta"))
-            prep.window_bytes[ex] = sum(comm.nccl.carved_bytes(shape, a.dtype) for shape in sizes)
-        window = _windows[groups]
-        out, buffer, recv = comm.buffers(ex, plan, window.allocator(prep.window_bytes[ex], a.dtype))
+            nbytes = sum(comm.nccl.carved_bytes(shape, a.dtype) for shape in sizes)
+            views = comm.buffers(ex, plan, window.allocator(nbytes, a.dtype))  # may grow the window
+            prep.window_views[ex] = (window.memory, views)
+        out, buffer, recv = views
         window.acquire(caller)
         result = alloc((ex.rows, plan.n))
     else:
@@ -254,11 +261,14 @@ def run_overlapped(
             signal.wait_geq(stream, prep.counters, g, target, timeout, prep.report)
             on = tail_group if g == last and tail_group is not None else group
             comm.communicate_group(ex, plan, g, buffer, recv, out, on)
-            if adder is not None:  # the group's sums, on SMs the GEMM leaves (comm_sms) or as it retires
-                adder.wait_stream(stream)
-                with torch.cuda.stream(adder):
-                    comm.reduce_group(ex, plan, g, buffer, recv, result)
+            if adder is not None:
+                prep.group_done[g].record(stream)
         prep.counters.zero_()  # stream-ordered: the next call's GEMM waits for it through `caller`
+    if adder is not None:  # each group's sums once it has arrived, on SMs the GEMM leaves (comm_sms) or as it retires
+        with torch.cuda.stream(adder):
+            for g, done in enumerate(prep.group_done):
+                adder.wait_event(done)
+                comm.reduce_group(ex, plan, g, buffer, recv, result)
     # Memory the side streams still use must not be reused before they are done (these are freed
     # on return, or when the plan leaves the cache).
     for side in [stream] if adder is None else [stream, adder]:

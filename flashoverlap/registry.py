@@ -203,8 +203,11 @@ def transport() -> str:
     ``NCCL_SHM_DISABLE`` force, else ``nvlink`` where the GPUs can access each other's memory."""
     if os.environ.get("NCCL_P2P_DISABLE") == "1":
         return "net" if os.environ.get("NCCL_SHM_DISABLE") == "1" else "pcie"
+    return "nvlink" if _peer_access() else "pcie"
+
+
+@functools.cache  # a driver query: every call without config= asks
+def _peer_access() -> bool:
     import torch
 
-    if torch.cuda.device_count() > 1 and not torch.cuda.can_device_access_peer(0, 1):
-        return "pcie"
-    return "nvlink"
+    return torch.cuda.device_count() < 2 or torch.cuda.can_device_access_peer(0, 1)
