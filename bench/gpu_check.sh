@@ -8,7 +8,7 @@
 #   stress  10,000 random calls checked against the sequential path (STRESS_CALLS)
 #   bench   each collective, NVLink and P2P off: all-reduce with CONFIGS (default: the defaults),
 #           reduce-scatter / all-to-all with the defaults and the rows layout (SHAPES, ROUNDS, TRACE)
-#   sm80    the Ampere/Ada kernels forced on Hopper, P2P off, beside the Hopper ones
+#   sm80    the Ampere/Ada kernels forced on Hopper, P2P off: tuned (registry in $OUT/sm80), beside the Hopper ones
 #   swizzle each collective (COLLECTIVES) over NVLink with swizzled rasters beside the plain one
 #   tune    the tuner on bench/suite.yaml, TUNE_COLLECTIVES (all_reduce), NVLink and P2P off (TRANSPORTS) ->
 #           $OUT/tuned/h200_x2.yaml (a copy of configs/h200_x2.yaml, updated); TUNE_ARGS: more tuner
@@ -53,8 +53,15 @@ for step in $steps; do
         --rounds "${ROUNDS:-15}" --csv "$OUT/all_to_all_$transport.csv"
     done ;;
   sm80)
-    bench sm80_pcie -- --transport pcie --shapes 8192x4096x14336 4096x8192x8192 --rounds "${ROUNDS:-15}" \
-      --configs '{}' '{"kernel": "sm80"}' '{"kernel": "sm80", "comm_sms": 8}' '{"kernel": "sm80", "tile_n": 128}' \
+    # the tuner's pick for the Ampere/Ada kernels (a registry of their own, $OUT/sm80), then the bench
+    mkdir -p "$OUT/sm80"
+    timeout 300 torchrun --nproc-per-node "$NGPU" -m flashoverlap.tune --collective all_reduce --transport pcie \
+      --shapes 8192x4096x14336 --candidates '{"kernel": "sm80"}' '{"kernel": "sm80", "comm_sms": 4}' \
+      '{"kernel": "sm80", "comm_sms": 8}' '{"kernel": "sm80", "tile_n": 128}' \
+      --output "$OUT/sm80/h200_x2.yaml" --csv "$OUT/sm80_tune.csv" > "$OUT/sm80_tune.log" 2>&1
+    tail -4 "$OUT/sm80_tune.log"
+    bench sm80_pcie FLASHOVERLAP_CONFIG_DIRS="$OUT/sm80" -- --transport pcie --shapes 8192x4096x14336 \
+      --rounds "${ROUNDS:-15}" --configs '{}' registry '{"kernel": "sm80"}' '{"kernel": "sm80", "comm_sms": 8}' \
       --csv "$OUT/sm80_pcie.csv" ;;
   swizzle)
     for collective in ${COLLECTIVES:-all_reduce reduce_scatter all_to_all}; do
