@@ -220,22 +220,23 @@ def test_debug_mode_reports_a_group_that_never_completes(nccl_one_rank, monkeypa
 
 
 @pytest.mark.parametrize(
-    "collective, layout, symmetric",
+    "collective, layout, symmetric, reduction",
     [
-        ("all_reduce", "rows", False),
-        ("all_reduce", "tiles", False),
-        ("all_to_all", "cols", False),
-        ("all_reduce", "rows", True),
+        ("all_reduce", "rows", False, "nccl"),
+        ("all_reduce", "tiles", False, "nccl"),
+        ("all_to_all", "cols", False, "nccl"),
+        ("all_reduce", "rows", True, "nccl"),
+        ("all_reduce", "rows", True, "local"),  # the adds' own stream joins the capture
     ],
 )
-def test_cuda_graph_capture_and_replay(nccl_one_rank, collective, layout, symmetric):
+def test_cuda_graph_capture_and_replay(nccl_one_rank, collective, layout, symmetric, reduction):
     """The whole call -- GEMM, waits, per-group NCCL, counter reset, restore -- in a CUDA graph,
     replayed on new inputs."""
     m, n, k = 1000, 2056, 512
-    cfg = for_collective(OverlapConfig(layout=layout, symmetric=symmetric), collective)
+    cfg = for_collective(OverlapConfig(layout=layout, symmetric=symmetric, reduction=reduction), collective)
     a, w, _ = operands(m, n, k, torch.bfloat16, "nk", seed=3)
     prep = prepare(m, n, k, torch.bfloat16, "nk", a.device, cfg)
-    ex = comm.exchange(collective, m, 1)
+    ex = comm.exchange(collective, m, 1, reduction=reduction)
     side = torch.cuda.Stream()
     side.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(side):  # warm-up outside the capture, as CUDA graphs require
