@@ -44,12 +44,16 @@ for step in $steps; do
         --configs ${CONFIGS:-'{}'} "${sym[@]}" "${gather[@]}" --nccl c10d direct \
         --rounds "${ROUNDS:-15}" --csv "$OUT/all_reduce_$transport.csv" \
         ${TRACE:+--trace "$OUT/trace_$transport.json"}
+      rows=('{"layout": "rows"}' '{"layout": "rows", "comm_sms": 4}' '{"layout": "rows", "comm_sms": 24}'
+            '{"layout": "segments"}' '{"layout": "segments", "comm_sms": 4}')
+      seg=()  # segments in a window: NCCL's symmetric reduce-scatter / copy-engine all-to-all
+      [ "$transport" = nvlink ] && seg=('{"layout": "segments", "symmetric": true, "comm_sms": 4}')
       bench "reduce_scatter_$transport" -- --transport "$transport" --collective reduce_scatter \
-        --shapes 16384x8192x4096 --configs '{}' '{"layout": "rows"}' '{"layout": "rows", "comm_sms": 4}' '{"layout": "rows", "comm_sms": 24}' \
-        "${sym[@]}" --rounds "${ROUNDS:-15}" --csv "$OUT/reduce_scatter_$transport.csv"
+        --shapes 16384x8192x4096 --configs '{}' "${rows[@]}" "${sym[@]}" "${seg[@]}" \
+        --rounds "${ROUNDS:-15}" --csv "$OUT/reduce_scatter_$transport.csv"
       bench "all_to_all_$transport" -- --transport "$transport" --collective all_to_all \
-        --shapes 8192x4096x7168 --configs '{}' '{"layout": "rows"}' '{"layout": "rows", "comm_sms": 4}' '{"layout": "rows", "comm_sms": 24}' \
-        "${sym[@]}" ${sym:+'{"symmetric": true, "comm_sms": 0}'} \
+        --shapes 8192x4096x7168 --configs '{}' "${rows[@]}" "${sym[@]}" ${sym:+'{"symmetric": true, "comm_sms": 0}'} \
+        "${seg[@]}" ${seg:+'{"layout": "segments", "symmetric": true, "comm_sms": 0}'} \
         --rounds "${ROUNDS:-15}" --csv "$OUT/all_to_all_$transport.csv"
     done ;;
   sm80)

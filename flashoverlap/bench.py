@@ -294,7 +294,10 @@ def bench_shape(
 
         variants[f"fo{j}{path}"] = call
         if not cfgs[j].sequential:
-            variants[f"kernel{j}"] = kernel_alone(prepare(m, n, k, dtype, "nk", a[0].device, cfgs[j]), a, w)
+            segments = comm.interleave(ex, cfgs[j].layout)
+            variants[f"kernel{j}"] = kernel_alone(
+                prepare(m, n, k, dtype, "nk", a[0].device, cfgs[j], 0, segments), a, w
+            )
         got, want = call(0).float(), seq(0).float()
         errors[j, path] = ((got - want).norm() / want.norm()).item()
     times = time_variants(variants, rounds, block, warmup)
@@ -306,7 +309,11 @@ def bench_shape(
     t_async = times.get("asynctp", float("nan"))
     for j, path in runs:
         cfg, t_fo = cfgs[j], times[f"fo{j}{path}"]
-        plan = None if cfg.sequential else prepare(m, n, k, dtype, "nk", a[0].device, cfg).plan
+        plan = (
+            None
+            if cfg.sequential
+            else prepare(m, n, k, dtype, "nk", a[0].device, cfg, 0, comm.interleave(ex, cfg.layout)).plan
+        )
         rows.append(
             {
                 "m": m,

@@ -19,6 +19,8 @@ from .comm import REDUCTIONS
 from .gemm.generator import EPILOGUES, FAMILIES, GemmSpec, validate_instance
 from .plan import LAYOUTS, SWIZZLES
 
+ROW_MAJOR = ("rows", "segments")  # layouts whose buffer is row-major tile rows (the TMA epilogue's)
+
 
 @dataclass(frozen=True)
 class OverlapConfig:
@@ -32,10 +34,13 @@ class OverlapConfig:
       L2 reuse; the scheduler applies less where the tile grid is small (plan.effective_swizzle).
     comm_sms: SMs left out of the GEMM's persistent grid so NCCL kernels can run beside it.
     partition: waves per group, summing to the GEMM's wave count; ``None`` picks a default.
-    layout: ``rows`` (groups rounded to row bands, stored in place; all-reduce), ``tiles`` (exact
-      wave groups, packed slots, restored after; all-reduce), ``cols`` (groups of whole tile
-      columns; any collective), or ``auto``: ``rows`` for all-reduce, ``cols`` for the others.
-    epilogue: ``tma`` (bulk tensor stores overlapped with the next tile; needs ``rows``),
+    layout: ``rows`` (groups rounded to row bands, stored in place; all-reduce, and reduce-scatter /
+      all-to-all with a rotated schedule, a send / receive per group), ``tiles`` (exact wave
+      groups, packed slots, restored after; all-reduce), ``cols`` (groups of whole tile columns;
+      any collective), ``segments`` (reduce-scatter / all-to-all with equal segments: each group
+      the same rows of every rank's segment, stored segment after segment at full width, one
+      ordinary collective per group), or ``auto``: ``rows`` for all-reduce, ``cols`` for the others.
+    epilogue: ``tma`` (bulk tensor stores overlapped with the next tile; ``rows`` / ``segments``),
       ``direct`` (register stores into any slot), or ``auto``: ``tma`` for ``rows``, else ``direct``.
     sequential: run the plain GEMM then the collective (where overlap cannot pay).
     symmetric: the group buffers live in an NCCL symmetric-memory window (NCCL >= 2.27, ranks with
@@ -127,8 +132,10 @@ def _problems(cfg: OverlapConfig) -> list[str]:
         problems.append(f"layout must be one of {['auto', *LAYOUTS]}, got {cfg.layout!r}")
     if cfg.epilogue != "auto" and cfg.epilogue not in EPILOGUES:
         problems.append(f"epilogue must be one of {['auto', *EPILOGUES]}, got {cfg.epilogue!r}")
-    elif cfg.epilogue == "tma" and cfg.layout not in ("rows", "auto"):
-        problems.append(f"epilogue 'tma' writes C in place and needs layout 'rows', got layout {cfg.layout!r}")
+    elif cfg.epilogue == "tma" and cfg.layout not in (*ROW_MAJOR, "auto"):
+        problems.append(
+            f"epilogue 'tma' stores whole rows of a row-major buffer: layout 'rows' or 'segments', got {cfg.layout!r}"
+        )
     if cfg.reduction not in REDUCTIONS:
         problems.append(f"reduction must be one of {list(REDUCTIONS)}, got {cfg.reduction!r}")
     for name in ("sequential", "symmetric"):
@@ -144,16 +151,24 @@ def for_collective(cfg: OverlapConfig, collective: str) -> OverlapConfig:
     layout = cfg.layout if cfg.layout != "auto" else ("rows" if collective == "all_reduce" else "cols")
     if collective != "all_reduce" and layout == "tiles":
         raise ValueError(
-            f"{collective} needs layout 'cols' or 'rows' (groups that split into per-rank row segments), "
+            f"{collective} needs layout 'cols', 'rows' or 'segments' (groups that split into per-rank row segments), "
             f"got layout {layout!r}"
         )
-    if collective != "all_reduce" and layout == "rows" and cfg.scheduler != "persistent":
+    if collective == "all_reduce" and layout == "segments":
         raise ValueError(
-            f"{collective} in layout 'rows' rotates the persistent schedule (comm.rows_rotation); "
+            "layout 'segments' splits rows into per-rank segments (reduce_scatter, all_to_all); "
+            "all_reduce takes 'rows', 'tiles' or 'cols'"
+        )
+    if (collective != "all_reduce" and layout == "rows" or layout == "segments") and cfg.scheduler != "persistent":
+        raise ValueError(
+            f"{collective} in layout {layout!r} rotates or interleaves the persistent schedule's rows; "
             f"scheduler {cfg.scheduler!r} cannot: use scheduler 'persistent' or layout 'cols'"
         )
-    if cfg.epilogue == "tma" and layout != "rows":
-        raise ValueError(f"epilogue 'tma' writes C in place and needs layout 'rows', got layout {layout!r}")
+    if cfg.epilogue == "tma" and layout not in ROW_MAJOR:
+        raise ValueError(
+            f"epilogue 'tma' stores whole rows of a row-major buffer: layout 'rows' or 'segments', "
+            f"got layout {layout!r}"
+        )
     if cfg.reduction == "local" and collective != "all_reduce":
         raise ValueError(f"reduction 'local' is for all_reduce (partial sums gathered, then added), not {collective}")
     return dataclasses.replace(cfg, layout=layout)
@@ -172,7 +187,7 @@ def for_device(cfg: OverlapConfig, capability: tuple[int, int]) -> tuple[Overlap
         raise ValueError(f"no flashoverlap kernels for {arch}; supported: {list(FAMILIES['sm80']['archs'])}")
     epilogue = cfg.epilogue
     if epilogue == "auto":
-        epilogue = "tma" if family == "sm90" and cfg.layout == "rows" else "direct"
+        epilogue = "tma" if family == "sm90" and cfg.layout in ROW_MAJOR else "direct"
     problems = _family_problems(cfg, family, epilogue)
     if problems:
         raise ValueError(f"config {cfg} cannot run on {arch}: " + "; ".join(problems))

@@ -123,6 +123,7 @@ class Prepared:
             self.plan.along_m,
             self.plan.swizzle,
             self.plan.rotate,
+            self.plan.interleave,
             stream,
         )
 
@@ -143,12 +144,13 @@ def prepare(
     device: torch.device,
     cfg: OverlapConfig,
     rotate: int = 0,
+    interleave: int = 1,
 ) -> Prepared:
     """The plan, kernel and device tables of one call; ``rotate``: rows of C the schedule starts
-    at (comm.rows_rotation)."""
+    at (comm.rows_rotation); ``interleave``: segments it interleaves (comm.interleave)."""
     if cfg.layout == "auto":
         raise ValueError("prepare() takes a config resolved for its collective (config.for_collective)")
-    key = (m, n, k, dtype, weight_layout, device.index, cfg, rotate)
+    key = (m, n, k, dtype, weight_layout, device.index, cfg, rotate, interleave)
     if key in _prepared:
         _prepared.move_to_end(key)
         return _prepared[key]
@@ -172,6 +174,7 @@ def prepare(
         layout=cfg.layout,
         swizzle=cfg.swizzle,
         rotate=rotate // cfg.tile_m,
+        interleave=interleave,
     )
     slots = torch.from_numpy(plan.slot_table().view("u1")).to(device)
     counters = torch.zeros(plan.num_groups, dtype=torch.int32, device=device)
@@ -277,7 +280,7 @@ def run_overlapped(
                 used.record_stream(side)
         caller.wait_stream(side)
     comm.into_place(ex, plan, buffer, recv, result, prep.slots)
-    if plan.layout == "rows" and result is not out and ex.reduction != "local":  # the result is in the window
+    if result is not out and comm.lands_in_out(ex, plan):  # the result is in the window
         result.copy_(out)
     if prep.symmetric:
         window.release(caller)
@@ -288,12 +291,16 @@ def run_overlapped(
 
 def tuned_config(a: torch.Tensor, world: int, ex: Exchange, shape: tuple[int, int, int]) -> OverlapConfig:
     """The registry's config for this call (flashoverlap.registry), else the built-in defaults.
-    Where the entry's ``rows`` layout cannot take the call's segments (entries are tuned with
+    Where the entry's ``rows`` or ``segments`` layout cannot take the call's segments (entries are tuned with
     equal splits; unequal all-to-all splits, say), the entry's measured ``fallback``, else the
     defaults."""
     key = (torch.cuda.get_device_name(a.device), world, ex.collective, registry.transport(), DTYPES[a.dtype], shape)
     found = registry.lookup(*key)
-    if found is not None and found.layout == "rows" and not comm.rows_carry(ex, rotation_unit(found, shape)):
+    if (
+        found is not None
+        and found.layout in comm.EQUAL_SEGMENTS
+        and not comm.rows_carry(ex, rotation_unit(found, shape))
+    ):
         found = registry.lookup(*key, fallback=True)
     return OverlapConfig() if found is None else found
 
@@ -332,7 +339,7 @@ def _gemm_collective(
                 f"splits {list(ex.send)} and output_splits {list(ex.recv)}"
             )
         rotate = comm.rows_rotation(ex, cfg.layout, dist.get_rank(group))
-        prep = prepare(m, n, k, a.dtype, weight_layout, a.device, cfg, rotate)
+        prep = prepare(m, n, k, a.dtype, weight_layout, a.device, cfg, rotate, comm.interleave(ex, cfg.layout))
         full = group if group is not None else dist.group.WORLD
         check_agreement(prep, collective, full)
         budget = budget_communicator(cfg, collective, full, a.device)

@@ -23,6 +23,13 @@ Layouts of the output buffer:
   [M, c1 - c0] block. Any row range of it is contiguous: the per-destination segments that
   reduce-scatter and all-to-all need. Each group's result is copied into its columns of the
   output after the last collective.
+* ``segments``: for reduce-scatter / all-to-all over ``interleave`` ranks, C's rows split into
+  that many equal segments (one per destination). The scheduler walks the segments' tile rows
+  interleaved, a *unit* (:func:`rotation_rows`) of each segment in turn, so that every *step* (a
+  unit of every segment) completes in order; group boundaries are rounded to whole steps, and a
+  group's rows are stored segment after segment as full-width rows: group g is one contiguous
+  [interleave, rows_g, N] block, ready for one reduce-scatter or equal-split all-to-all, and every
+  tile is a whole-row tile of a row-major buffer (the TMA epilogue stores it at its slot's row).
 """
 
 from __future__ import annotations
@@ -33,7 +40,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-LAYOUTS = ("rows", "tiles", "cols")
+LAYOUTS = ("rows", "tiles", "cols", "segments")
 
 # Mirrors flashoverlap::TileSlot in csrc/tile_slot.cuh.
 SLOT_DTYPE = np.dtype([("offset", "<i8"), ("ld", "<i4"), ("group", "<i4")])
@@ -61,8 +68,24 @@ def scheduler_grid(tiles_m: int, tiles_n: int, cluster_m: int, swizzle: int = 1)
     return -(-tiles_m // (size * cluster_m)) * size * cluster_m, -(-tiles_n // size) * size, size
 
 
+def interleaved_rows(rows: np.ndarray, tiles_m: int, unit: int, interleave: int) -> np.ndarray:
+    """Tile row of C the interleaved schedule (the ``segments`` layout) computes at walk position
+    ``rows``: units of ``unit`` tile rows taken from each of ``interleave`` equal segments in turn
+    (unit b is unit b // interleave of segment b % interleave). Mirrored by
+    csrc/rotating_scheduler.cuh and csrc/raster.cuh."""
+    units = tiles_m // (unit * interleave)  # units per segment
+    b, w = np.divmod(rows, unit)
+    return ((b % interleave) * units + b // interleave) * unit + w
+
+
 def schedule_order(
-    tiles_m: int, tiles_n: int, cluster_m: int, along_m: bool = False, swizzle: int = 1, rotate: int = 0
+    tiles_m: int,
+    tiles_n: int,
+    cluster_m: int,
+    along_m: bool = False,
+    swizzle: int = 1,
+    rotate: int = 0,
+    interleave: int = 1,
 ) -> np.ndarray:
     """Tile id (``mt * tiles_n + nt``) for each linear scheduler index, -1 for padding.
 
@@ -73,7 +96,9 @@ def schedule_order(
     reuses its operands in L2; ``s`` = 1 is a plain raster. The grid is padded to whole clusters
     and panels (:func:`scheduler_grid`); padded indices own no output. CTA ``j`` of a grid of
     ``ctas`` handles indices ``j, j + ctas, ...``, so index ``i`` runs in wave ``i // ctas``.
-    ``rotate``: tile rows are walked from row ``rotate`` on (csrc/rotating_scheduler.cuh).
+    ``rotate``: tile rows are walked from row ``rotate`` on (csrc/rotating_scheduler.cuh);
+    ``interleave`` > 1: the segments' tile rows interleaved (:func:`interleaved_rows`; the grid
+    has no padded rows then).
     """
     padded_m, padded_n, size = scheduler_grid(tiles_m, tiles_n, cluster_m, swizzle)
     cluster, within = np.divmod(np.arange(padded_m * padded_n, dtype=np.int64), cluster_m)
@@ -85,6 +110,8 @@ def schedule_order(
         panel, major = np.divmod(extra, padded_n)
         mt, nt = (panel * size + offset) * cluster_m + within, major
     mt = (mt + rotate) % padded_m
+    if interleave > 1:
+        mt = interleaved_rows(mt, padded_m, cluster_m * size, interleave)
     return np.where((mt < tiles_m) & (nt < tiles_n), mt * tiles_n + nt, -1)
 
 
@@ -160,6 +187,7 @@ class Plan:
     swizzle: int  # as applied (see effective_swizzle)
     layout: str
     rotate: int  # tile rows the schedule starts at (see the module doc)
+    interleave: int  # segments the schedule interleaves (the ``segments`` layout; 1: none)
     partition: tuple[int, ...]  # waves per group, as requested
     tiles_m: int
     tiles_n: int
@@ -202,6 +230,14 @@ class Plan:
     def rotation_rows(self) -> int:
         """Rows its schedule can rotate by at a time (see :func:`rotation_rows`)."""
         return rotation_rows(self.m, self.n, self.tile_m, self.tile_n, self.cluster_m, self.swizzle)
+
+    @property
+    def segment_steps(self) -> tuple[int, ...]:
+        """``segments`` layout: the rows of each segment in each group (group g holds rows
+        [sum of the first g, + this) of every segment)."""
+        if self.layout != "segments":
+            raise ValueError(f"segment steps exist in the 'segments' layout, this plan is {self.layout!r}")
+        return tuple((hi - lo) // (self.interleave * self.n) for lo, hi in zip(self.bounds, self.bounds[1:]))
 
     @property
     def in_place(self) -> bool:
@@ -248,6 +284,7 @@ def make_plan(
     layout: str = "rows",
     swizzle: int = 1,
     rotate: int = 0,
+    interleave: int = 1,
 ) -> Plan:
     """Plan C[m, n] computed by a persistent grid of ``ctas`` CTAs; see the module doc.
 
@@ -255,6 +292,8 @@ def make_plan(
     ``swizzle``: the most the scheduler may swizzle (see :func:`schedule_order`).
     ``rotate``: tile rows the ``rows`` layout's schedule starts at, a multiple of
     :func:`rotation_rows` / ``tile_m`` below the tile rows (0: none).
+    ``interleave``: the ``segments`` layout's segments (ranks); M a multiple of that many units of
+    :func:`rotation_rows` rows.
     """
     for name, value in (
         ("m", m),
@@ -281,7 +320,20 @@ def make_plan(
             )
         if not isinstance(rotate, (int, np.integer)) or not 0 <= rotate < tiles_m or rotate % unit:
             raise ValueError(f"rotate must be a multiple of {unit} tile rows in [0, {tiles_m}), got {rotate!r}")
-    order_padded = schedule_order(tiles_m, tiles_n, cluster_m, along_m=layout == "cols", swizzle=swizzle, rotate=rotate)
+    if not isinstance(interleave, (int, np.integer)) or interleave < 1:
+        raise ValueError(f"interleave must be a positive integer (segments), got {interleave!r}")
+    if interleave > 1 and layout != "segments" or layout == "segments" and stream_k_tiles:
+        raise ValueError("an interleaved schedule is the 'segments' layout's, without stream-K tiles")
+    if layout == "segments":
+        unit = rotation_rows(m, n, tile_m, tile_n, cluster_m, swizzle)
+        if m % (unit * interleave):
+            raise ValueError(
+                f"layout 'segments' splits M into {interleave} equal segments of whole {unit}-row units "
+                f"(tile rows x cluster x swizzle panel): M must be a multiple of {unit * interleave}, got {m}"
+            )
+    order_padded = schedule_order(
+        tiles_m, tiles_n, cluster_m, along_m=layout == "cols", swizzle=swizzle, rotate=rotate, interleave=interleave
+    )
     if not isinstance(stream_k_tiles, (int, np.integer)) or not 0 <= stream_k_tiles <= len(order_padded):
         raise ValueError(f"stream_k_tiles must be in [0, {len(order_padded)}], got {stream_k_tiles!r}")
     if stream_k_tiles and swizzle > 1:
@@ -309,6 +361,9 @@ def make_plan(
         group, offset, ld = _rows_layout(n, tile_m, tile_n, cluster_m, mt, nt, wave, group_of_wave)
     elif layout == "cols":
         group, offset, ld = _cols_layout(m, n, tile_m, tile_n, mt, nt, wave, group_of_wave)
+    elif layout == "segments":
+        unit = rotation_rows(m, n, tile_m, tile_n, cluster_m, swizzle) // tile_m
+        group, offset, ld = _segments_layout(n, tile_m, tile_n, interleave, unit, mt, nt, wave, group_of_wave)
     else:
         group = group_of_wave[wave]
         offset, ld = _tiles_layout(order, group, elems), cols
@@ -330,6 +385,7 @@ def make_plan(
         swizzle=scheduler_grid(tiles_m, tiles_n, cluster_m, swizzle)[2],
         layout=layout,
         rotate=int(rotate),
+        interleave=int(interleave),
         partition=partition,
         tiles_m=tiles_m,
         tiles_n=tiles_n,
@@ -364,6 +420,22 @@ def _cols_layout(m, n, tile_m, tile_n, mt, nt, wave, group_of_wave):
     width = np.minimum(n, end * tile_n) - start * tile_n
     offset = m * start * tile_n + mt.astype(np.int64) * tile_m * width + (nt - start) * tile_n
     return col_group[nt], offset, width
+
+
+def _segments_layout(n, tile_m, tile_n, interleave, unit, mt, nt, wave, group_of_wave):
+    # A step (a unit of every segment) is complete when its last tile is; the interleaved raster
+    # completes steps in order, so every group is a run of whole steps [first, end).
+    segment, row = np.divmod(mt, (mt.max() + 1) // interleave)
+    step = row // unit
+    step_wave = np.zeros(step.max() + 1, dtype=np.int64)
+    np.maximum.at(step_wave, step, wave)
+    step_group = group_of_wave[step_wave]
+    first = np.searchsorted(step_group, step_group, side="left")[step]
+    end = np.searchsorted(step_group, step_group, side="right")[step]
+    # a group's rows: every segment's rows of its steps, segment after segment, at full width
+    slot_row = first * unit * interleave + segment * (end - first) * unit + (row - first * unit)
+    offset = slot_row.astype(np.int64) * tile_m * n + nt * tile_n
+    return step_group[step], offset, np.full(len(mt), n)
 
 
 def _tiles_layout(order, group, elems):

@@ -34,6 +34,10 @@ def run_plan(
         raise ValueError(f"plan is for a {plan.m}x{plan.n} output, operands give {m}x{n}")
     b = (weight.t() if weight_layout == "nk" else weight).float()
     comm.check_layout(ex, plan.layout, plan.rotation_rows)
+    if plan.interleave != comm.interleave(ex, plan.layout):
+        raise ValueError(
+            f"a {plan.layout!r} plan for this call interleaves {comm.interleave(ex, plan.layout)} segments"
+        )
     start = comm.rows_rotation(ex, plan.layout, dist.get_rank(group))
     if plan.rotate * plan.tile_m != start:
         raise ValueError(

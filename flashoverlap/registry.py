@@ -11,8 +11,8 @@ A registry file (``configs/*.yaml``)::
          config: {sequential: true}}
 
 ``config`` holds :class:`~flashoverlap.config.OverlapConfig` fields; ``fallback`` (optional, the
-tuner writes it next to a reduce-scatter / all-to-all ``rows`` config) the same, for the calls
-that layout cannot carry (unequal splits, segments not whole tile rows); ``measured`` is
+tuner writes it next to a reduce-scatter / all-to-all ``rows`` or ``segments`` config) the same,
+for the calls that layout cannot carry (unequal splits, segments not whole tile rows); ``measured`` is
 free-form information. A call with ``config=None`` takes the entry of its GPU, world size, collective,
 transport and dtype whose shape is nearest (log-distance over M, N, K); a ``partition`` (waves per
 group) is kept only for the exact shape. No matching entry: the built-in defaults.
@@ -34,7 +34,7 @@ from typing import Any
 
 import yaml
 
-from .comm import COLLECTIVES
+from .comm import COLLECTIVES, EQUAL_SEGMENTS
 from .config import OverlapConfig, for_collective
 
 TRANSPORTS = ("nvlink", "pcie", "net")
@@ -92,8 +92,10 @@ def _entry(item: Any, gpu: str, world: int, where: str) -> Entry:
         raise ValueError(f"{where}: shape must be [M, N, K] of positive integers, got {shape!r}")
     config = _config(item.get("config", {}), item["collective"], f"{where}: config")
     fallback = _config(item["fallback"], item["collective"], f"{where}: fallback") if "fallback" in item else None
-    if fallback is not None and for_collective(fallback, item["collective"]).layout == "rows":
-        raise ValueError(f"{where}: fallback is for calls the rows layout cannot carry: it must not use it")
+    if fallback is not None and for_collective(fallback, item["collective"]).layout in EQUAL_SEGMENTS:
+        raise ValueError(
+            f"{where}: fallback is for calls the rows / segments layouts cannot carry: it must not use them"
+        )
     return Entry(
         gpu, world, item["collective"], item["transport"], item["dtype"], tuple(shape), config, where, fallback
     )

@@ -229,6 +229,8 @@ DEFAULT_CANDIDATES = {
         {"layout": "rows", "comm_sms": 4},
         {"layout": "rows", "comm_sms": 8},
         {"layout": "rows", "comm_sms": 24},
+        {"layout": "segments"},
+        {"layout": "segments", "comm_sms": 4},
     ),
 }
 DEFAULT_CANDIDATES["all_to_all"] = DEFAULT_CANDIDATES["reduce_scatter"]
@@ -432,7 +434,9 @@ def tune_shape(
     sets = len(a)
     ex = comm.exchange(collective, m, world)
     cfgs = [for_collective(resolve(c), collective) for c in candidates]
-    preps = [prepare(m, n, k, dtype, "nk", a[0].device, cfg) for cfg in cfgs]
+    preps = [
+        prepare(m, n, k, dtype, "nk", a[0].device, cfg, interleave=comm.interleave(ex, cfg.layout)) for cfg in cfgs
+    ]
     # each persistent candidate also with the widest SM budget at the same wave count: NCCL gets
     # more SMs for free (16 -> 18 for the suite's grids on 132 SMs)
     candidates, total = list(candidates), torch.cuda.get_device_properties(a[0].device).multi_processor_count
@@ -441,7 +445,7 @@ def tune_shape(
         if cfg.scheduler != "persistent" or wider["comm_sms"] <= cfg.comm_sms or wider in candidates:
             continue
         cfgs.append(for_collective(resolve(wider), collective))
-        preps.append(prepare(m, n, k, dtype, "nk", a[0].device, cfgs[-1]))
+        preps.append(prepare(m, n, k, dtype, "nk", a[0].device, cfgs[-1], interleave=comm.interleave(ex, cfg.layout)))
         candidates.append(wider)
     _progress(f"{m}x{n}x{k}: GEMM per wave for {len(cfgs)} candidates")
     variants = {"gemm": lambda i: a[i % sets] @ w[i % sets].t()}
@@ -522,12 +526,14 @@ def tune_shape(
 
 def measured_entry(collective: str, transport: str, dtype: str, shape, rows: list[dict], margin: float) -> dict:
     """The registry entry for one shape's measured finalists (summary rows of :func:`tune_shape`):
-    :func:`decide`'s config, and next to a reduce-scatter / all-to-all ``rows`` config the best of
-    the other finalists as ``fallback``, for the calls that layout cannot carry."""
+    :func:`decide`'s config, and next to a reduce-scatter / all-to-all ``rows`` or ``segments``
+    config the best of the other finalists as ``fallback``, for the calls those layouts cannot carry."""
+    from .comm import EQUAL_SEGMENTS
+
     config, speedup = decide(rows, margin)
     result = entry(collective, transport, dtype, shape, config, {"speedup": round(speedup, 3)})
-    if config.get("layout") == "rows" and collective != "all_reduce":
-        others = [r for r in rows if json.loads(r["config"]).get("layout") != "rows"]
+    if config.get("layout") in EQUAL_SEGMENTS and collective != "all_reduce":
+        others = [r for r in rows if json.loads(r["config"]).get("layout") not in EQUAL_SEGMENTS]
         result["fallback"] = decide(others, margin)[0] if others else {"sequential": True}
     return result
 
@@ -552,6 +558,7 @@ def _host_model(collective: str, a, w, candidate: dict, num_waves: int, calls: i
 
     import flashoverlap
 
+    from . import comm
     from .config import for_collective, resolve
     from .overlap import prepare
 
@@ -570,7 +577,8 @@ def _host_model(collective: str, a, w, candidate: dict, num_waves: int, calls: i
             spent.append((time.perf_counter() - start) * 1e3)
         torch.cuda.synchronize()
         resolved = for_collective(resolve(cfg), collective)
-        counts.append(prepare(m, n, k, a[0].dtype, "nk", a[0].device, resolved).plan.num_groups)
+        segments = comm.interleave(comm.exchange(collective, m, dist.get_world_size()), resolved.layout)
+        counts.append(prepare(m, n, k, a[0].dtype, "nk", a[0].device, resolved, interleave=segments).plan.num_groups)
         times.append(statistics.median(spent))
     # the slowest rank's times, so that every rank predicts (and so plans) the same calls
     times = torch.tensor(times, dtype=torch.float64, device=a[0].device)

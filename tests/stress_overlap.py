@@ -49,6 +49,7 @@ CONFIGS = {
         {"kernel": "sm80", "tile_n": 128},
         {"swizzle": 2},
         {"layout": "rows"},
+        {"layout": "segments"},
         {"symmetric": True},
     ],
     "all_to_all": [
@@ -58,6 +59,7 @@ CONFIGS = {
         {"kernel": "sm80", "tile_n": 128},
         {"swizzle": 2},
         {"layout": "rows"},  # equal splits
+        {"layout": "segments"},  # equal splits
         {"symmetric": True},  # equal splits, copy engines
     ],
 }
@@ -89,8 +91,8 @@ def settled_allocated(groups: list) -> int:
 
 
 def random_shape(rng: np.random.Generator, world: int) -> tuple[int, int, int]:
-    # half of them in segments of whole 256-row bands, which the rows layout of reduce-scatter /
-    # all-to-all needs (the others run it as the defaults)
+    # half of them in segments of whole 256-row bands, which the rows and segments layouts of
+    # reduce-scatter / all-to-all need (the others run them as the defaults)
     m = world * (256 * int(rng.integers(1, 6)) if rng.random() < 0.5 else int(rng.integers(1, 3072 // world)))
     return m, 8 * int(rng.integers(1, 512)), 8 * int(rng.integers(1, 256))
 
@@ -142,9 +144,13 @@ def main() -> int:
         config = configs[collective][index % len(configs[collective])]
         group = groups[int(rng.integers(2))]
         kwargs = {}
-        if config.get("layout") == "rows" and m % (world * 256):
+        if config.get("layout") in ("rows", "segments") and m % (world * 256):
             config = {}
-        if collective == "all_to_all" and config.get("layout") != "rows" and not config.get("symmetric"):
+        if (
+            collective == "all_to_all"
+            and config.get("layout") not in ("rows", "segments")
+            and not config.get("symmetric")
+        ):
             # every rank draws every rank's splits, so output_splits are known without exchange
             cuts = np.sort(rng.integers(0, m + 1, size=(world, world - 1)), axis=1)
             splits = np.diff(np.concatenate([np.zeros((world, 1), int), cuts, np.full((world, 1), m)], axis=1), axis=1)

@@ -40,12 +40,18 @@ def test_auto_layout_epilogue_kernel_and_tile_k_follow_collective_and_device():
     assert resolved("all_reduce", HOPPER, kernel="sm80") == ("rows", "direct", "sm80", 32, "sm_90")
     # reduce-scatter / all-to-all take row bands too (the fast raster, in-place TMA stores)
     assert resolved("reduce_scatter", layout="rows") == ("rows", "tma", "sm90", 64, "sm_90a")
-    with pytest.raises(ValueError, match="reduce_scatter needs layout 'cols' or 'rows'.*got layout 'tiles'"):
+    # ... and segments: the same rows of every rank's segment per group (TMA stores, rows remapped)
+    assert resolved("all_to_all", layout="segments") == ("segments", "tma", "sm90", 64, "sm_90a")
+    assert resolved("reduce_scatter", AMPERE, layout="segments") == ("segments", "direct", "sm80", 32, "sm_80")
+    with pytest.raises(ValueError, match="reduce_scatter needs layout 'cols', 'rows' or 'segments'.*got .*'tiles'"):
         for_collective(OverlapConfig(layout="tiles"), "reduce_scatter")
-    with pytest.raises(ValueError, match="all_to_all in layout 'rows' rotates the persistent schedule"):
-        for_collective(OverlapConfig(layout="rows", scheduler="streamk"), "all_to_all")
+    with pytest.raises(ValueError, match="layout 'segments' splits rows into per-rank segments"):
+        for_collective(OverlapConfig(layout="segments"), "all_reduce")
+    for layout in ("rows", "segments"):
+        with pytest.raises(ValueError, match=f"all_to_all in layout '{layout}' rotates or interleaves the persistent"):
+            for_collective(OverlapConfig(layout=layout, scheduler="streamk"), "all_to_all")
     assert for_collective(OverlapConfig(scheduler="streamk"), "all_reduce").layout == "rows"  # not rotated
-    with pytest.raises(ValueError, match="epilogue 'tma' .* needs layout 'rows', got layout 'cols'"):
+    with pytest.raises(ValueError, match="epilogue 'tma' stores whole rows .* got layout 'cols'"):
         for_collective(OverlapConfig(epilogue="tma"), "all_to_all")
     with pytest.raises(ValueError, match="reduction 'local' is for all_reduce"):
         for_collective(OverlapConfig(reduction="local"), "reduce_scatter")
@@ -77,7 +83,7 @@ def test_auto_layout_epilogue_kernel_and_tile_k_follow_collective_and_device():
         ({"reduction": "ring"}, "reduction must be one of"),
         ({"epilogue": "smem"}, "epilogue must be one of"),
         ({"scheduler": "static"}, r"scheduler 'static' not in"),
-        ({"epilogue": "tma", "layout": "tiles"}, "needs layout 'rows'"),
+        ({"epilogue": "tma", "layout": "tiles"}, "layout 'rows' or 'segments'"),
         ({"kernel": "sm70"}, r"kernel must be one of \['auto', 'sm90', 'sm80'\]"),
         ({"kernel": "sm80", "epilogue": "tma"}, "is a Hopper"),
         ({"tile_m": 64, "epilogue": "tma"}, r"tile_m 64 not in \(128, 256\).*is a Hopper"),  # no family takes both

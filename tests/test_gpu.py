@@ -112,6 +112,39 @@ def test_rotated_schedules_compute_every_tile_in_place(cfg):
         assert rel_err(buffer.view(m, n), ref) < 1e-2
 
 
+@pytest.mark.parametrize(
+    "cfg",
+    [
+        OverlapConfig(),
+        OverlapConfig(cluster_m=2, swizzle=2, comm_sms=0),
+        OverlapConfig(tile_n=128, epilogue="direct"),
+        OverlapConfig(kernel="sm80"),
+    ],
+    ids=str,
+)
+@pytest.mark.parametrize("segments", [2, 3])
+def test_interleaved_schedules_store_every_tile_at_its_slot(cfg, segments):
+    """The segments layout walks the ranks' segments interleaved and stores each group segment
+    after segment (plan.make_plan(interleave=...)): operands follow the walked tile, stores the
+    tile's slot (the TMA epilogue remaps its row)."""
+    if not runs_on_this_gpu(cfg):
+        pytest.skip(f"no kernel for {cfg} on this GPU")
+    cfg = for_collective(dataclasses.replace(cfg, layout="segments"), "reduce_scatter")
+    m, n, k = segments * 1024, 1032, 520
+    a, w, ref = operands(m, n, k, torch.bfloat16, "nk")
+    prep = prepare(m, n, k, torch.bfloat16, "nk", a.device, cfg, interleave=segments)
+    plan = prep.plan
+    assert plan.interleave == segments and plan.num_groups > 1
+    buffer = torch.full((m * n,), float("nan"), dtype=torch.bfloat16, device="cuda")
+    prep.launch(a, w, buffer, torch.cuda.current_stream())
+    torch.cuda.synchronize()
+    assert prep.counters.tolist() == list(prep.targets)
+    prep.counters.zero_()
+    assert not torch.isnan(buffer).any(), "unwritten output elements"
+    index = torch.from_numpy(plan.buffer_index()).to(buffer.device)
+    assert rel_err(buffer[index].view(m, n), ref) < 1e-2
+
+
 @pytest.fixture(scope="module")
 def nccl_one_rank():
     with tempfile.TemporaryDirectory() as tmp:
@@ -145,6 +178,8 @@ def nccl_one_rank():
         ("all_to_all", "cols", "nccl"),
         ("reduce_scatter", "rows", "nccl"),
         ("all_to_all", "rows", "nccl"),
+        ("reduce_scatter", "segments", "nccl"),
+        ("all_to_all", "segments", "nccl"),
         ("all_reduce", "rows", "local"),
         ("all_reduce", "tiles", "local"),
     ],
@@ -161,8 +196,8 @@ def test_pipeline_on_one_gpu(nccl_one_rank, monkeypatch, mode, symmetric, nccl, 
     try:
         cfg = for_collective(OverlapConfig(layout=layout, symmetric=symmetric, reduction=reduction), collective)
         for m, n, k in [(2048, 4096, 1024), (777, 1032, 264)]:
-            if collective != "all_reduce" and layout == "rows" and m % cfg.tile_m:
-                continue  # rows of reduce-scatter / all-to-all: segments of whole tile rows
+            if collective != "all_reduce" and layout in comm.EQUAL_SEGMENTS and m % cfg.tile_m:
+                continue  # rows / segments of reduce-scatter / all-to-all: segments of whole tile rows
             a, w, ref = operands(m, n, k, torch.bfloat16, "nk", seed=m)
             prep = prepare(m, n, k, torch.bfloat16, "nk", a.device, cfg)
             ex = comm.exchange(collective, m, 1, reduction=reduction)

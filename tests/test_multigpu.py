@@ -109,6 +109,9 @@ SPLIT_CONFIGS = [
     OverlapConfig(layout="rows", tile_n=128, epilogue="direct"),
     OverlapConfig(symmetric=True),  # reduce-scatter: symmetric kernels; all-to-all: copy engines
     OverlapConfig(layout="rows", symmetric=True),
+    OverlapConfig(layout="segments"),  # each group: the same rows of every segment, one collective
+    OverlapConfig(layout="segments", kernel="sm80", tile_n=128),
+    OverlapConfig(layout="segments", symmetric=True, comm_sms=4),
 ]
 
 
@@ -146,9 +149,9 @@ def split_worker(rank, world, store_path, nccl):
                 ex = comm.exchange(collective, m, world, kwargs.get("splits"), kwargs.get("output_splits"))
                 for cfg in (c for c in SPLIT_CONFIGS if runs_on_this_gpu(c, collective)):
                     what = f"{collective} {(m, n, k)} {kwargs} {cfg}"
-                    if cfg.layout == "rows" and not comm.rows_carry(ex, rotation_unit(cfg, (m, n, k))):
+                    if cfg.layout in comm.EQUAL_SEGMENTS and not comm.rows_carry(ex, rotation_unit(cfg, (m, n, k))):
                         # uneven splits, or segments not whole tile rows: refused before any launch
-                        with pytest.raises(ValueError, match="layout 'rows' runs"):
+                        with pytest.raises(ValueError, match=f"layout '{cfg.layout}' runs"):
                             fn(a, w, config=cfg, **kwargs)
                         continue
                     if cfg.symmetric and not ex.even:

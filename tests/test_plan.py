@@ -25,12 +25,14 @@ from flashoverlap.plan import (
 from .helpers import random_plan_args
 
 RNG = np.random.default_rng(0)
+# layouts that take any M (segments needs M in whole units per segment: tested on its own below)
+ANY_M = tuple(layout for layout in LAYOUTS if layout != "segments")
 
 
 def random_plans(count: int):
     for _ in range(count):
         args = random_plan_args(RNG, max_tiles=6, ctas_choices=(1, 2, 3, 5, 8, 132))
-        for layout in LAYOUTS:
+        for layout in ANY_M:
             yield make_plan(**args, layout=layout)
 
 
@@ -63,7 +65,7 @@ def test_swizzle_walks_panels_like_cutlass():
 
 
 def test_swizzled_plans_keep_groups_contiguous_and_in_completion_order():
-    for layout in LAYOUTS:
+    for layout in ANY_M:
         plain = make_plan(1000, 3000, tile_m=128, tile_n=256, cluster_m=1, ctas=9, layout=layout)
         for swizzle in (2, 4, 8):
             plan = make_plan(1000, 3000, tile_m=128, tile_n=256, cluster_m=1, ctas=9, layout=layout, swizzle=swizzle)
@@ -259,9 +261,9 @@ RASTER_MAIN = r"""
 #include <cstdio>
 #include "raster.cuh"
 int main() {
-  int tiles_m, tiles_n, swizzle, along_m, rotate;
-  while (std::scanf("%d %d %d %d %d", &tiles_m, &tiles_n, &swizzle, &along_m, &rotate) == 5) {
-    flashoverlap::Raster const r = flashoverlap::make_raster(tiles_m, tiles_n, swizzle, rotate);
+  int tiles_m, tiles_n, swizzle, along_m, rotate, interleave;
+  while (std::scanf("%d %d %d %d %d %d", &tiles_m, &tiles_n, &swizzle, &along_m, &rotate, &interleave) == 6) {
+    flashoverlap::Raster const r = flashoverlap::make_raster(tiles_m, tiles_n, swizzle, rotate, interleave);
     std::printf("%d", r.swizzle);
     for (int index = 0; index < r.padded_m * r.padded_n; ++index) {
       int mt, nt;
@@ -290,14 +292,60 @@ def test_the_sm80_kernels_walk_tiles_in_the_planned_order(tmp_path):
     ]
     # rotated walks (along N): any start row of the walked grid
     cases = [
-        (*c, int(rng.integers(0, scheduler_grid(c[0], c[1], 1, c[2])[0])) if i % 2 and not c[3] else 0)
+        (*c, int(rng.integers(0, scheduler_grid(c[0], c[1], 1, c[2])[0])) if i % 2 and not c[3] else 0, 1)
         for i, c in enumerate(cases)
     ]
+    # interleaved walks (along N): 2-4 segments of whole units (swizzle panels), no padded rows
+    for _ in range(30):
+        tiles_n, swizzle, segments = int(rng.integers(1, 30)), int(rng.choice([1, 2, 4, 8])), int(rng.integers(2, 5))
+        unit = scheduler_grid(segments * 8 * 4, tiles_n, 1, swizzle)[2]
+        cases.append((segments * unit * int(rng.integers(1, 4)), tiles_n, swizzle, 0, 0, segments))
     text = "\n".join(" ".join(map(str, c)) for c in cases)
     lines = subprocess.run([str(exe)], input=text, capture_output=True, text=True, check=True).stdout.splitlines()
     assert len(lines) == len(cases)
-    for (tiles_m, tiles_n, swizzle, along_m, rotate), line in zip(cases, lines):
+    for (tiles_m, tiles_n, swizzle, along_m, rotate, interleave), line in zip(cases, lines):
         applied, *order = map(int, line.split())
         assert applied == scheduler_grid(tiles_m, tiles_n, 1, swizzle)[2]
-        expected = schedule_order(tiles_m, tiles_n, 1, along_m=bool(along_m), swizzle=swizzle, rotate=rotate).tolist()
-        assert order == expected, (tiles_m, tiles_n, swizzle, along_m, rotate)
+        expected = schedule_order(
+            tiles_m, tiles_n, 1, along_m=bool(along_m), swizzle=swizzle, rotate=rotate, interleave=interleave
+        ).tolist()
+        assert order == expected, (tiles_m, tiles_n, swizzle, along_m, rotate, interleave)
+
+
+def test_segments_layout_stores_each_group_segment_after_segment():
+    """Every group of the segments layout is one contiguous [interleave, rows, n] block holding the
+    same rows of every segment, groups complete in order, and each tile has exactly one place."""
+    rng = np.random.default_rng(11)
+    for _ in range(60):
+        args = random_plan_args(rng, max_tiles=4, ctas_choices=(1, 2, 3, 5, 7), stream_k_share=0.0)
+        segments = int(rng.integers(1, 5))
+        unit = rotation_rows(8192, args["n"], args["tile_m"], args["tile_n"], args["cluster_m"], args["swizzle"])
+        args["m"] = segments * unit * int(rng.integers(1, 4))
+        args["partition"] = None
+        plan = make_plan(**args, layout="segments", interleave=segments)
+        m, n, seg = plan.m, plan.n, plan.m // segments
+        c = np.arange(m * n).reshape(m, n)
+        buffer = np.full(m * n, -1)
+        buffer[plan.buffer_index()] = c.reshape(-1)
+        assert (buffer >= 0).all() and plan.in_place is False
+        start = 0
+        for g, rows in enumerate(plan.segment_steps):
+            block = buffer[plan.bounds[g] : plan.bounds[g + 1]].reshape(segments, rows, n)
+            for s in range(segments):
+                assert np.array_equal(block[s], c[s * seg + start : s * seg + start + rows])
+            start += rows
+            if g + 1 < plan.num_groups:  # groups complete in order
+                assert plan.wave[plan.group == g].max() <= plan.wave[plan.group == g + 1].max()
+        assert start == seg
+
+
+def test_segments_layout_checks_its_inputs():
+    with pytest.raises(ValueError, match="multiple of 384"):
+        make_plan(1024, 256, tile_m=128, tile_n=128, cluster_m=1, ctas=4, layout="segments", interleave=3)
+    with pytest.raises(ValueError, match="'segments' layout's"):
+        make_plan(1024, 256, tile_m=128, tile_n=128, cluster_m=1, ctas=4, layout="rows", interleave=2)
+    with pytest.raises(ValueError, match="'segments' layout's, without stream-K"):
+        make_plan(1024, 256, tile_m=128, tile_n=128, cluster_m=1, ctas=4, layout="segments", stream_k_tiles=2)
+    rows = make_plan(1024, 256, tile_m=128, tile_n=128, cluster_m=1, ctas=4)
+    with pytest.raises(ValueError, match="segment steps exist in the 'segments' layout"):
+        _ = rows.segment_steps

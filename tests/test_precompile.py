@@ -53,7 +53,10 @@ def test_files_and_the_registry_add_items(tmp_path, capsys):
         (["--gpu-arch", "sm_90", '{"tile_m": 96}'], r"\{\"tile_m\": 96\}: .*tile_m 96 not in"),
         (["--gpu-arch", "sm_90", '{"dtype": "fp8"}'], "dtype must be one of"),
         (["--gpu-arch", "sm_90", '{"weight_layout": "t"}'], "weight_layout must be one of"),
-        (["--gpu-arch", "sm_90", '{"collective": "all_reduce", "layout": "cols", "epilogue": "tma"}'], "needs layout"),
+        (
+            ["--gpu-arch", "sm_90", '{"collective": "all_reduce", "layout": "cols", "epilogue": "tma"}'],
+            "layout 'rows' or 'segments'",
+        ),
         (["--gpu-arch", "sm_90", "[1]"], "expected a JSON object"),
         (["--gpu-arch", "sm_75"], "invalid choice"),
         (["--gpu-arch", "sm_90", "--jobs", "0"], "--jobs must be >= 1"),

@@ -16,7 +16,7 @@ from flashoverlap.reference import run_plan
 
 from .helpers import random_partition, random_plan_args
 
-CASES = 30
+CASES = 36
 COLLECTIVE_LAYOUTS = [
     ("all_reduce", "rows"),
     ("all_reduce", "tiles"),
@@ -26,10 +26,13 @@ COLLECTIVE_LAYOUTS = [
     ("all_to_all", "cols"),
     ("reduce_scatter", "rows"),
     ("all_to_all", "rows"),  # equal splits
+    ("reduce_scatter", "segments"),
+    ("all_to_all", "segments"),  # equal splits
     ("all_reduce", "rows"),  # the ones from here on: reduction "local" (partial sums gathered, added after)
     ("all_reduce", "tiles"),
 ]
-LOCAL = 8  # COLLECTIVE_LAYOUTS[LOCAL:] gather and add locally
+LOCAL = 10  # COLLECTIVE_LAYOUTS[LOCAL:] gather and add locally
+SEGMENTED = ("rows", "segments")  # layouts whose reduce-scatter / all-to-all need equal, whole-unit segments
 
 
 def operands(seed: int, rank: int, m: int, n: int, k: int, dtype, weight_layout: str):
@@ -42,10 +45,11 @@ def operands(seed: int, rank: int, m: int, n: int, k: int, dtype, weight_layout:
 def case(index: int, world: int = 1):
     """make_plan arguments of a random plan (edge tiles, clusters, stream-K, random partitions) for
     case ``index``, and the call around it; the ``rows`` layout of reduce-scatter / all-to-all gets
-    equal segments of whole rotation steps, and is rotated per rank (:func:`rank_plan`)."""
+    equal segments of whole rotation steps, and is rotated per rank (:func:`rank_plan`); so does
+    the ``segments`` layout, interleaved over the ranks."""
     rng = np.random.default_rng(index)
     collective, layout = COLLECTIVE_LAYOUTS[index % len(COLLECTIVE_LAYOUTS)]
-    rotated = layout == "rows" and collective != "all_reduce"
+    rotated = layout in SEGMENTED and collective != "all_reduce"
     while True:  # reduce-scatter and equal splits need M divisible by the world size
         args = random_plan_args(rng, max_tiles=3, ctas_choices=(1, 2, 3, 7), default_share=0.0)
         if rotated:
@@ -71,15 +75,16 @@ def case(index: int, world: int = 1):
 
 
 def rank_plan(args: dict, ex: comm.Exchange, rank: int):
-    """The plan of ``args`` as ``rank`` runs it (rotated: comm.rows_rotation)."""
+    """The plan of ``args`` as ``rank`` runs it (rotated: comm.rows_rotation; interleaved:
+    comm.interleave)."""
     start = comm.rows_rotation(ex, args["layout"], rank)
-    return make_plan(**args, rotate=start // args["tile_m"])
+    return make_plan(**args, rotate=start // args["tile_m"], interleave=comm.interleave(ex, args["layout"]))
 
 
 def a2a_splits(index: int, rank: int, m: int, world: int) -> tuple[int, ...]:
     """Rank ``rank``'s rows per destination, known to every rank: uneven (zeros included), or
-    equal for the ``rows`` layout."""
-    if COLLECTIVE_LAYOUTS[index % len(COLLECTIVE_LAYOUTS)][1] == "rows":
+    equal for the ``rows`` and ``segments`` layouts."""
+    if COLLECTIVE_LAYOUTS[index % len(COLLECTIVE_LAYOUTS)][1] in SEGMENTED:
         return (m // world,) * world
     cuts = np.sort(np.random.default_rng([index, rank]).integers(0, m + 1, size=world - 1))
     return tuple(int(v) for v in np.diff([0, *cuts, m]))

@@ -46,7 +46,7 @@ def test_shipped_registry_files_are_valid():
                 "world": 2,
                 "entries": [{**ENTRY, "collective": "reduce_scatter", "config": {"layout": "tiles"}}],
             },
-            r"entries\[0\]: config: reduce_scatter needs layout 'cols' or 'rows'",
+            r"entries\[0\]: config: reduce_scatter needs layout 'cols', 'rows' or 'segments'",
         ),
         (
             {
@@ -54,7 +54,7 @@ def test_shipped_registry_files_are_valid():
                 "world": 2,
                 "entries": [{**ENTRY, "collective": "all_to_all", "fallback": {"layout": "rows"}}],
             },
-            r"entries\[0\]: fallback is for calls the rows layout cannot carry",
+            r"entries\[0\]: fallback is for calls the rows / segments layouts cannot carry",
         ),
         (
             {"gpu": "H200", "world": 2, "entries": [{**ENTRY, "fallback": {"comm_sms": -1}}]},

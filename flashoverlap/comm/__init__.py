@@ -22,6 +22,8 @@ from .nccl import CTA_POLICY_ZERO, Direct
 
 COLLECTIVES = ("all_reduce", "reduce_scatter", "all_to_all")
 REDUCTIONS = ("nccl", "local")
+# layouts whose reduce-scatter / all-to-all need equal segments of whole units (rows_carry)
+EQUAL_SEGMENTS = ("rows", "segments")
 COPY_ENGINE = ("all_to_all", "all_gather")  # comm_patterns NCCL runs on copy engines (windows, CTA policy ZERO)
 
 _budget_groups: dict[tuple, dist.ProcessGroup] = {}
@@ -209,9 +211,9 @@ def collective(
 
 
 def rows_carry(ex: Exchange, unit: int) -> bool:
-    """Whether the ``rows`` layout can carry ``ex``: an all-reduce, or equal row segments to and
-    from every rank, each a whole number of ``unit`` rows (plan.rotation_rows: the steps the
-    rotated schedule of :func:`rows_rotation` turns by)."""
+    """Whether the ``rows`` or ``segments`` layout can carry ``ex``: an all-reduce, or equal row
+    segments to and from every rank, each a whole number of ``unit`` rows (plan.rotation_rows: the
+    tile rows their schedules walk as one, rotated or interleaved)."""
     if ex.collective == "all_reduce":
         return True
     return ex.even and ex.send[0] % unit == 0
@@ -220,12 +222,18 @@ def rows_carry(ex: Exchange, unit: int) -> bool:
 def check_layout(ex: Exchange, layout: str, unit: int) -> None:
     """Raise where ``layout`` cannot carry ``ex`` (before anything is launched); ``unit``: see
     :func:`rows_carry`."""
-    if layout == "rows" and not rows_carry(ex, unit):
+    if layout in EQUAL_SEGMENTS and not rows_carry(ex, unit):
         raise ValueError(
-            f"layout 'rows' runs {ex.collective} with equal row segments to and from every rank, each a "
-            f"multiple of {unit} rows (the tile rows its schedule rotates by), got {list(ex.send)} rows sent "
+            f"layout {layout!r} runs {ex.collective} with equal row segments to and from every rank, each a "
+            f"multiple of {unit} rows (the tile rows its schedule walks as one), got {list(ex.send)} rows sent "
             f"and {list(ex.recv)} received: use layout 'cols'"
         )
+
+
+def interleave(ex: Exchange, layout: str) -> int:
+    """Segments the schedule interleaves (plan.make_plan): one per rank in the ``segments``
+    layout, else 1."""
+    return len(ex.send) if layout == "segments" else 1
 
 
 def rows_rotation(ex: Exchange, layout: str, rank: int) -> int:
@@ -244,7 +252,9 @@ def buffers(ex: Exchange, plan: Plan, alloc) -> tuple[torch.Tensor, torch.Tensor
     (``out`` itself for an all-reduce in the ``rows`` layout) and the flat buffer received rows
     land in: for an all-reduce None, or with a ``local`` reduction every rank's partial sums, group
     by group ([world, group size] each); in the ``rows`` layout, the partial sums a reduce-scatter
-    receives beyond the first (which lands in ``out``): world - 2 segments, else None.
+    receives beyond the first (which lands in ``out``): world - 2 segments, else None; in the
+    ``segments`` layout None for a reduce-scatter, for an all-to-all the rows received, group by
+    group ([world, group rows] each).
     ``alloc(shape)`` makes a tensor."""
     out = alloc((ex.rows, plan.n))
     if ex.collective == "all_reduce":
@@ -253,6 +263,8 @@ def buffers(ex: Exchange, plan: Plan, alloc) -> tuple[torch.Tensor, torch.Tensor
     if plan.layout == "rows":
         extra = len(ex.send) - 2 if ex.collective == "reduce_scatter" else 0
         return out, alloc((plan.numel,)), alloc((extra * ex.rows * plan.n,)) if extra > 0 else None
+    if plan.layout == "segments" and ex.collective == "reduce_scatter":  # each group's sums land in place
+        return out, alloc((plan.numel,)), None
     return out, alloc((plan.numel,)), alloc((ex.rows * plan.n,))
 
 
@@ -339,6 +351,12 @@ def communicate_group(
     if plan.layout == "rows":
         _rows_group(ex, plan, g, buffer, recv, out, group)
         return
+    if plan.layout == "segments":  # [world, rows, n]: every rank's segment's rows of the group
+        start, rows, world = sum(plan.segment_steps[:g]), plan.segment_steps[g], len(ex.send)
+        part = Exchange(ex.collective, (rows,) * world, (rows,) * world, rows)
+        into = out[start : start + rows] if recv is None else recv[plan.bounds[g] : plan.bounds[g + 1]].view(-1, plan.n)
+        collective(part, chunk.view(world * rows, plan.n), group, into)
+        return
     c0, c1 = plan.columns(g)
     staged = None if recv is None else recv[ex.rows * c0 : ex.rows * c1].view(ex.rows, c1 - c0)
     collective(ex, chunk.view(plan.m, c1 - c0), group, staged)
@@ -354,6 +372,14 @@ def reduce_group(ex: Exchange, plan: Plan, g: int, buffer: torch.Tensor, recv: t
     lo, hi, world = plan.bounds[g], plan.bounds[g + 1], len(ex.recv)
     into = out.view(-1) if plan.layout == "rows" else buffer
     add_partials(recv[world * lo : world * hi].view(world, hi - lo), into[lo:hi])
+
+
+def lands_in_out(ex: Exchange, plan: Plan) -> bool:
+    """Whether the collectives leave the result in :func:`buffers`' ``out`` itself (the ``rows``
+    layout, and a ``segments`` reduce-scatter), with nothing for :func:`into_place` to do."""
+    if ex.reduction == "local":
+        return False
+    return plan.layout == "rows" or plan.layout == "segments" and ex.collective == "reduce_scatter"
 
 
 def gather_columns(ex: Exchange, plan: Plan, result: torch.Tensor, out: torch.Tensor) -> None:
@@ -376,13 +402,20 @@ def into_place(
     """After the last collective: copy the result into row-major ``out`` where the layout has not
     put it there already (``tiles``: the gather of :func:`restore`; ``cols``: :func:`gather_columns`
     from ``recv``, or from ``buffer`` after an all-reduce or a ``local`` one's
-    :func:`reduce_group`; ``rows``: nothing)."""
+    :func:`reduce_group`; ``segments``: an all-to-all's rows from ``recv`` into each source's
+    segment; ``rows``: nothing)."""
     if ex.reduction == "local":  # the sums are in place already (reduce_group)
         recv = None
     if plan.layout == "tiles":
         restore(buffer, out, plan, slots)
     elif plan.layout == "cols":
         gather_columns(ex, plan, buffer if recv is None else recv, out)
+    elif plan.layout == "segments" and recv is not None:  # all-to-all: rows from rank s to its segment
+        world, start = len(ex.recv), 0
+        for g, rows in enumerate(plan.segment_steps):
+            block = recv[plan.bounds[g] : plan.bounds[g + 1]].view(world, rows, plan.n)
+            out.view(world, -1, plan.n)[:, start : start + rows].copy_(block)
+            start += rows
 
 
 def add_partials(parts: torch.Tensor, out: torch.Tensor) -> None:

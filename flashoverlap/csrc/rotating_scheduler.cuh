@@ -2,11 +2,15 @@
 // (wrapping around). With rows split into per-rank segments (reduce-scatter, all-to-all), rank r
 // starts at segment r + 1: every rank computes the rows it sends first and the rows it keeps last,
 // so at each step all ranks send and receive at once and the last groups need no communication.
-// rotate_m = 0 is CUTLASS's schedule. Planned by flashoverlap.plan.schedule_order(rotate=...).
+// Or, with `interleave` > 1 segments (the "segments" layout), the segments' tile rows walked
+// interleaved, a unit (cluster x swizzle panel rows) of each in turn (raster.cuh, interleaved_row).
+// rotate_m = 0, interleave = 1 is CUTLASS's schedule. Planned by flashoverlap.plan.schedule_order.
 #pragma once
 
 #include "cutlass/gemm/kernel/sm90_tile_scheduler.hpp"
 #include "cutlass/gemm/kernel/tile_scheduler.hpp"
+
+#include "raster.cuh"
 
 namespace flashoverlap {
 
@@ -17,10 +21,13 @@ class RotatingTileScheduler : public cutlass::gemm::kernel::detail::PersistentTi
 
  public:
   struct Arguments : Base::Arguments {
-    int rotate_m = 0;  // tile rows; a multiple of the cluster and swizzle rows, with no padded rows
+    int rotate_m = 0;    // tile rows; a multiple of the cluster and swizzle rows, with no padded rows
+    int interleave = 1;  // segments, each a whole number of units, with no padded rows
   };
   struct Params : Base::Params {
     int rotate_m = 0;
+    int interleave = 1;
+    int unit = 1;  // tile rows walked together: cluster rows x swizzle panel
     int tiles_m = 1;
   };
 
@@ -33,13 +40,19 @@ class RotatingTileScheduler : public cutlass::gemm::kernel::detail::PersistentTi
     static_cast<Base::Params&>(params) = Base::to_underlying_arguments(
         problem, tile, cluster, hw, args, workspace, epilogue_subtile, ktile_start_alignment_count);
     params.rotate_m = args.rotate_m;
+    params.interleave = args.interleave;
+    params.unit = int(params.cluster_shape_m_) << params.log_swizzle_size_;
     params.tiles_m = int(cute::ceil_div(cute::get<0>(problem), cute::get<0>(TileShape{})));
     return params;
   }
 
   CUTLASS_HOST_DEVICE RotatingTileScheduler() {}
   CUTLASS_DEVICE explicit RotatingTileScheduler(Params const& params)
-      : Base(params), rotate_m_(params.rotate_m), tiles_m_(params.tiles_m) {}
+      : Base(params),
+        rotate_m_(params.rotate_m),
+        interleave_(params.interleave),
+        unit_(params.unit),
+        tiles_m_(params.tiles_m) {}
 
   // Every way the kernel obtains a work tile, rotated.
   template <class ClusterShape>
@@ -57,17 +70,22 @@ class RotatingTileScheduler : public cutlass::gemm::kernel::detail::PersistentTi
   }
 
  private:
-  // Only rotated schedules wrap: others may walk padded tile rows (clusters, swizzle panels) past
-  // tiles_m, which must stay padding; rotated ones have none (the planner makes sure).
+  // Only rotated or interleaved schedules remap rows: others may walk padded tile rows (clusters,
+  // swizzle panels) past tiles_m, which must stay padding; these have none (the planner makes sure).
   CUTLASS_DEVICE WorkTileInfo rotated(WorkTileInfo info) const {
     if (rotate_m_ != 0 && info.is_valid()) {
       info.M_idx += rotate_m_;
       info.M_idx -= info.M_idx >= tiles_m_ ? tiles_m_ : 0;
     }
+    if (interleave_ > 1 && info.is_valid()) {
+      info.M_idx = interleaved_row(info.M_idx, tiles_m_, unit_, interleave_);
+    }
     return info;
   }
 
   int rotate_m_ = 0;
+  int interleave_ = 1;
+  int unit_ = 1;
   int tiles_m_ = 1;
 };
 

@@ -47,9 +47,10 @@ class SignalEpilogue {
   };
   using Params = Arguments;
 
-  // out is the group buffer; tiles[] places each tile in it (M, N only bound the tiles).
+  // out is the group buffer; tiles[] places each tile in it (M, N only bound the tiles; every slot is
+  // read, so rows are where the slots say in any case).
   static Arguments make_arguments(Element* out, TileSlot const* tiles, uint32_t* counters, int, int, int tiles_m,
-                                  int tiles_n) {
+                                  int tiles_n, bool) {
     return {out, tiles, counters, tiles_m, tiles_n};
   }
 

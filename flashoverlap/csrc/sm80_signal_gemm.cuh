@@ -154,9 +154,9 @@ int blocks_per_sm() {
   return blocks;
 }
 
-flashoverlap::Raster raster(int M, int N, int swizzle, int rotate_m = 0) {
+flashoverlap::Raster raster(int M, int N, int swizzle, int rotate_m = 0, int interleave = 1) {
   return flashoverlap::make_raster((M + Kernel::kM - 1) / Kernel::kM, (N + Kernel::kN - 1) / Kernel::kN, swizzle,
-                                   rotate_m);
+                                   rotate_m, interleave);
 }
 
 // Under an SM budget (sm_count below the device's SMs) one CTA per SM: the hardware spreads
@@ -189,7 +189,8 @@ int fo_stream_k_tiles(int, int, int, int, int, int, int) { return 0; }
 long long fo_workspace_size(int, int, int, int, int, int, int) { return 0; }
 
 int fo_run(void const* a, void const* b, void* out, void const* tiles, unsigned* counters, void*, int M, int N, int K,
-           int tiles_m, int tiles_n, int sm_count, int, int along_m, int swizzle, int rotate_m, void* stream) {
+           int tiles_m, int tiles_n, int sm_count, int, int along_m, int swizzle, int rotate_m, int interleave,
+           void* stream) {
   int const grid = grid_size(M, N, sm_count, swizzle);
   if (grid <= 0) {
     return fail("launch", "the kernel cannot be resident on this device (shared memory or threads)");
@@ -207,7 +208,7 @@ int fo_run(void const* a, void const* b, void* out, void const* tiles, unsigned*
   params.tiles_m = tiles_m;
   params.tiles_n = tiles_n;
   params.along_m = along_m;
-  params.raster = raster(M, N, swizzle, rotate_m);
+  params.raster = raster(M, N, swizzle, rotate_m, interleave);
   flashoverlap::sm80_signal_gemm<Kernel>
       <<<grid, Kernel::kThreads, kSmemBytes, static_cast<cudaStream_t>(stream)>>>(params);
   cudaError_t err = cudaGetLastError();

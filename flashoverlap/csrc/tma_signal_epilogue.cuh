@@ -1,9 +1,10 @@
 // flashoverlap TMA signal epilogue: CUTLASS's own sm90 TMA warp-specialized epilogue (registers ->
 // shared memory -> bulk tensor store, the one cuBLAS-class kernels use) plus a deferred counter bump.
 //
-// Contract with the Python planner (flashoverlap/plan.py, "rows" layout only): the output buffer is
-// row-major C[M, N] and every tile is written at its own place; tiles[mt * tiles_n + nt].group is the
-// counter the tile counts towards (-1: none). One signal per tile (kSignalsPerTile = 1).
+// Contract with the Python planner (flashoverlap/plan.py, "rows" and "segments" layouts): the output
+// buffer is a row-major [M, N] matrix whose tile rows are C's in some order: tile (mt, nt) is stored at
+// tile row tiles[mt * tiles_n + nt].offset / (tile_m * N) ("rows": mt itself), tile column nt, and
+// tiles[...].group is the counter it counts towards (-1: none). One signal per tile (kSignalsPerTile = 1).
 //
 // The accumulators leave through shared memory in 128x32 subtiles whose bulk stores overlap the
 // conversion of the next subtile (the direct epilogue stalls the tensor cores on every global store
@@ -33,17 +34,19 @@ class TmaSignalEpilogue : public Base {
     uint32_t* counters = nullptr;
     int tiles_m = 0;
     int tiles_n = 0;
+    bool remap_rows = false;  // tile rows stored where their slots say (else at their own row)
   };
   struct Params : Base::Params {
     TileSlot const* tiles;
     uint32_t* counters;
     int tiles_m;
     int tiles_n;
+    bool remap_rows;
   };
 
   // C[M, N] row-major; no source operand (beta = 0), alpha = 1.
   static Arguments make_arguments(Element* out, TileSlot const* tiles, uint32_t* counters, int M, int N, int tiles_m,
-                                  int tiles_n) {
+                                  int tiles_n, bool remap_rows) {
     Arguments args{};
     args.ptr_C = nullptr;
     args.ptr_D = out;
@@ -53,13 +56,14 @@ class TmaSignalEpilogue : public Base {
     args.counters = counters;
     args.tiles_m = tiles_m;
     args.tiles_n = tiles_n;
+    args.remap_rows = remap_rows;
     return args;
   }
 
   template <class ProblemShape>
   static Params to_underlying_arguments(ProblemShape const& problem, Arguments const& args, void* workspace) {
     return {Base::to_underlying_arguments(problem, args, workspace), args.tiles, args.counters, args.tiles_m,
-            args.tiles_n};
+            args.tiles_n, args.remap_rows};
   }
 
   template <class ProblemShape>
@@ -80,16 +84,23 @@ class TmaSignalEpilogue : public Base {
                             TileCoordMNKL tile_coord_mnkl, cute::Tensor<AccEngine, AccLayout> accumulators,
                             TiledMma tiled_mma, int thread_idx, typename Base::TensorStorage& shared_tensors,
                             int subtile_idx = -1) {
+    int const mt = int(cute::get<0>(tile_coord_mnkl));
+    int const nt = int(cute::get<1>(tile_coord_mnkl));
+    // The scheduler pads the tile grid to whole clusters; padded tiles own no output (and keep
+    // their coordinate, past C's edge, where the bulk store drops them).
+    bool const real = mt < p_.tiles_m && nt < p_.tiles_n;
+    int64_t const tile = int64_t(mt) * p_.tiles_n + nt;
+    int row = mt;
+    if (p_.remap_rows && real) {  // only then is the slot read before the store
+      row = int(p_.tiles[tile].offset / (int64_t(cute::size<0>(tile_shape_MNK)) * cute::get<1>(problem_shape_mnkl)));
+    }
     auto next = Base::store(load_pipeline, load_pipe_consumer_state, store_pipeline, store_pipe_producer_state,
-                            problem_shape_mnkl, tile_shape_MNK, tile_coord_mnkl, accumulators, tiled_mma, thread_idx,
-                            shared_tensors, subtile_idx);
+                            problem_shape_mnkl, tile_shape_MNK, cute::replace<0>(tile_coord_mnkl, row), accumulators,
+                            tiled_mma, thread_idx, shared_tensors, subtile_idx);
     // Warp 0 issues every bulk store (all of its lanes do), so all of its lanes wait for their bulk
     // groups to complete -- not only to have been read from shared memory -- before lane 0 releases.
     if (thread_idx < 32) {
-      int const mt = int(cute::get<0>(tile_coord_mnkl));
-      int const nt = int(cute::get<1>(tile_coord_mnkl));
-      // The scheduler pads the tile grid to whole clusters; padded tiles own no output.
-      int const group = mt < p_.tiles_m && nt < p_.tiles_n ? p_.tiles[int64_t(mt) * p_.tiles_n + nt].group : -1;
+      int const group = real ? p_.tiles[tile].group : -1;
       if (group >= 0) {
         asm volatile("cp.async.bulk.wait_group 0;" ::: "memory");
         asm volatile("fence.proxy.async.global;" ::: "memory");

@@ -21,7 +21,7 @@ class SignalGemm:
         for fn in (lib.fo_num_ctas, lib.fo_stream_k_tiles, lib.fo_workspace_size):
             fn.argtypes = [ctypes.c_int] * 7
         lib.fo_workspace_size.restype = ctypes.c_longlong
-        lib.fo_run.argtypes = [ctypes.c_void_p] * 6 + [ctypes.c_int] * 10 + [ctypes.c_void_p]
+        lib.fo_run.argtypes = [ctypes.c_void_p] * 6 + [ctypes.c_int] * 11 + [ctypes.c_void_p]
         self._lib = lib
         self.signals_per_tile: int = lib.fo_signals_per_tile()
 
@@ -50,12 +50,14 @@ class SignalGemm:
         along_m: bool,
         swizzle: int,
         rotate: int,
+        interleave: int,
         stream: torch.cuda.Stream,
     ) -> None:
         """C = a @ B into ``out`` at the tile slots given by ``slots``, bumping ``counters``.
 
         ``tiles`` is the (tiles_m, tiles_n) grid; ``workspace`` holds :meth:`workspace_size` bytes;
-        ``rotate``: the tile row the schedule starts at (plan.schedule_order).
+        ``rotate``, ``interleave``: the tile row the schedule starts at and the segments it
+        interleaves (plan.schedule_order).
         """
         m, k = a.shape
         n = weight.shape[0] if self.spec.weight_layout == "nk" else weight.shape[1]
@@ -76,6 +78,7 @@ class SignalGemm:
             along_m,
             swizzle,
             rotate,
+            interleave,
             stream.cuda_stream,
         )
         jit.check(self._lib, status, "fo_last_error")
