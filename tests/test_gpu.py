@@ -103,13 +103,18 @@ def test_rotated_schedules_compute_every_tile_in_place(cfg):
     for start in (1024, 2048):
         prep = prepare(m, n, k, torch.bfloat16, "nk", a.device, cfg, rotate=start)
         assert prep.plan.rotate * prep.plan.tile_m == start
-        buffer = torch.full((m * n,), float("nan"), dtype=torch.bfloat16, device="cuda")
-        prep.launch(a, w, buffer, torch.cuda.current_stream())
-        torch.cuda.synchronize()
-        assert prep.counters.tolist() == list(prep.targets)
-        prep.counters.zero_()
-        assert not torch.isnan(buffer).any(), "unwritten output elements"
-        assert rel_err(buffer.view(m, n), ref) < 1e-2
+        assert rel_err(launched_alone(prep, a, w).view(m, n), ref) < 1e-2
+
+
+def launched_alone(prep, a, w) -> torch.Tensor:
+    """The signal GEMM of ``prep`` alone into a poisoned buffer; every counter reached, reset after."""
+    buffer = torch.full((prep.plan.numel,), float("nan"), dtype=a.dtype, device="cuda")
+    prep.launch(a, w, buffer, torch.cuda.current_stream())
+    torch.cuda.synchronize()
+    assert prep.counters.tolist() == list(prep.targets)
+    prep.counters.zero_()
+    assert not torch.isnan(buffer).any(), "unwritten output elements"
+    return buffer
 
 
 @pytest.mark.parametrize(
@@ -135,14 +140,8 @@ def test_interleaved_schedules_store_every_tile_at_its_slot(cfg, segments):
     prep = prepare(m, n, k, torch.bfloat16, "nk", a.device, cfg, interleave=segments)
     plan = prep.plan
     assert plan.interleave == segments and plan.num_groups > 1
-    buffer = torch.full((m * n,), float("nan"), dtype=torch.bfloat16, device="cuda")
-    prep.launch(a, w, buffer, torch.cuda.current_stream())
-    torch.cuda.synchronize()
-    assert prep.counters.tolist() == list(prep.targets)
-    prep.counters.zero_()
-    assert not torch.isnan(buffer).any(), "unwritten output elements"
-    index = torch.from_numpy(plan.buffer_index()).to(buffer.device)
-    assert rel_err(buffer[index].view(m, n), ref) < 1e-2
+    index = torch.from_numpy(plan.buffer_index()).to(a.device)
+    assert rel_err(launched_alone(prep, a, w)[index].view(m, n), ref) < 1e-2
 
 
 @pytest.fixture(scope="module")
