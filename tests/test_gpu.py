@@ -135,7 +135,7 @@ def test_interleaved_schedules_store_every_tile_at_its_slot(cfg, segments):
     if not runs_on_this_gpu(cfg):
         pytest.skip(f"no kernel for {cfg} on this GPU")
     cfg = for_collective(dataclasses.replace(cfg, layout="segments"), "reduce_scatter")
-    m, n, k = segments * 1024, 1032, 520
+    m, n, k = segments * 2048, 2056, 520
     a, w, ref = operands(m, n, k, torch.bfloat16, "nk")
     prep = prepare(m, n, k, torch.bfloat16, "nk", a.device, cfg, interleave=segments)
     plan = prep.plan
