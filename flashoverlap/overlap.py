@@ -107,7 +107,7 @@ class Prepared:
     agreed: set = field(default_factory=set)  # (collective, group) pairs whose ranks agreed on this plan
     # exchange -> (the window region, its (out, buffer, recv) there): the same every call
     window_views: dict = field(default_factory=dict)
-    group_done: list = field(default_factory=list)  # an event per group (a local all-reduce's adds)
+    group_done: list = field(default_factory=list)  # an event per group (comm.finish_group)
 
     def launch(self, a: torch.Tensor, weight: torch.Tensor, buffer: torch.Tensor, stream: torch.cuda.Stream) -> None:
         """Enqueue the signal GEMM on ``stream``, writing the plan's slots of ``buffer``."""
@@ -204,8 +204,8 @@ def check_agreement(prep: Prepared, collective: str, group: dist.ProcessGroup) -
 
 def side_stream(device: torch.device, role: str = "comm") -> torch.cuda.Stream:
     """flashoverlap's own stream on ``device`` for ``role``: "comm" (the waits and collectives) or
-    "add" (a local all-reduce's adds: apart, so that an add waiting for SMs the GEMM holds never
-    holds up the next group's collective)."""
+    "finish" (each group's own step after its collective, comm.finish_group: apart, so that one
+    waiting for SMs the GEMM holds never holds up the next group's collective)."""
     key = (device.index, role)
     if key not in _side_streams:
         _side_streams[key] = torch.cuda.Stream(device=device)
@@ -227,8 +227,8 @@ def run_overlapped(
     device = a.device
     caller = torch.cuda.current_stream(device)
     stream = side_stream(device)
-    adder = side_stream(device, "add") if ex.reduction == "local" else None
-    if adder is not None and not prep.group_done:
+    finisher = side_stream(device, "finish") if comm.finishes(ex, plan) else None
+    if finisher is not None and not prep.group_done:
         prep.group_done = [torch.cuda.Event() for _ in prep.targets]
 
     def alloc(shape):
@@ -264,17 +264,17 @@ def run_overlapped(
             signal.wait_geq(stream, prep.counters, g, target, timeout, prep.report)
             on = tail_group if g == last and tail_group is not None else group
             comm.communicate_group(ex, plan, g, buffer, recv, out, on)
-            if adder is not None:
+            if finisher is not None:
                 prep.group_done[g].record(stream)
         prep.counters.zero_()  # stream-ordered: the next call's GEMM waits for it through `caller`
-    if adder is not None:  # each group's sums once it has arrived, on SMs the GEMM leaves (comm_sms) or as it retires
-        with torch.cuda.stream(adder):
+    if finisher is not None:  # each group once it has arrived, on SMs the GEMM leaves (comm_sms) or as it retires
+        with torch.cuda.stream(finisher):
             for g, done in enumerate(prep.group_done):
-                adder.wait_event(done)
-                comm.reduce_group(ex, plan, g, buffer, recv, result)
+                finisher.wait_event(done)
+                comm.finish_group(ex, plan, g, buffer, recv, result)
     # Memory the side streams still use must not be reused before they are done (these are freed
     # on return, or when the plan leaves the cache).
-    for side in [stream] if adder is None else [stream, adder]:
+    for side in [stream] if finisher is None else [stream, finisher]:
         for used in (buffer, recv, prep.counters, prep.report):
             if used is not None:
                 used.record_stream(side)

@@ -52,7 +52,7 @@ def run_plan(
         remaining[plan.group[tile]] -= 1
         while issued < plan.num_groups and remaining[issued] == 0:
             comm.communicate_group(ex, plan, issued, buffer, recv, out, group)
-            comm.reduce_group(ex, plan, issued, buffer, recv, out)
+            comm.finish_group(ex, plan, issued, buffer, recv, out)
             issued += 1
     if issued != plan.num_groups:
         raise AssertionError(f"plan left groups {list(range(issued, plan.num_groups))} incomplete")

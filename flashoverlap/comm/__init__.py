@@ -123,7 +123,7 @@ class Exchange:
     """What one call communicates: the collective, the rows of C this rank sends to each rank
     (``send``), and those it receives from each (``recv``); ``rows`` = rows of its result.
     ``reduction`` (all-reduce): ``nccl`` (NCCL reduces, in place) or ``local`` (each group is
-    all-gathered, every rank's partial sums arriving here, and added here: :func:`reduce_group`)."""
+    all-gathered, every rank's partial sums arriving here, and added here: :func:`finish_group`)."""
 
     collective: str
     send: tuple[int, ...]
@@ -362,16 +362,26 @@ def communicate_group(
     collective(ex, chunk.view(plan.m, c1 - c0), group, staged)
 
 
-def reduce_group(ex: Exchange, plan: Plan, g: int, buffer: torch.Tensor, recv: torch.Tensor, out: torch.Tensor) -> None:
-    """A ``local`` all-reduce's step after group ``g``'s all-gather: the world's partial sums of
-    the group (in ``recv``) added straight into ``out``'s rows in the ``rows`` layout (its groups
-    are row bands of C), else into the group's range of ``buffer`` (placed by :func:`into_place`).
-    Nothing for any other call."""
-    if ex.reduction != "local":
-        return
-    lo, hi, world = plan.bounds[g], plan.bounds[g + 1], len(ex.recv)
-    into = out.view(-1) if plan.layout == "rows" else buffer
-    add_partials(recv[world * lo : world * hi].view(world, hi - lo), into[lo:hi])
+def finishes(ex: Exchange, plan: Plan) -> bool:
+    """Whether a call's groups need :func:`finish_group` after their collectives."""
+    return ex.reduction == "local" or plan.layout == "segments" and ex.collective == "all_to_all"
+
+
+def finish_group(ex: Exchange, plan: Plan, g: int, buffer: torch.Tensor, recv: torch.Tensor, out: torch.Tensor) -> None:
+    """Group ``g``'s own step once its collective is done (the GPU path runs it on a stream of its
+    own, so it never holds up the next collective): a ``local`` all-reduce adds the world's partial
+    sums of the group (in ``recv``) straight into ``out``'s rows in the ``rows`` layout (its groups
+    are row bands of C), else into the group's range of ``buffer`` (placed by :func:`into_place`);
+    a ``segments`` all-to-all copies the rows each rank sent into that rank's segment of ``out``.
+    Nothing for any other call (:func:`finishes`)."""
+    lo, hi = plan.bounds[g], plan.bounds[g + 1]
+    if ex.reduction == "local":
+        world = len(ex.recv)
+        into = out.view(-1) if plan.layout == "rows" else buffer
+        add_partials(recv[world * lo : world * hi].view(world, hi - lo), into[lo:hi])
+    elif plan.layout == "segments" and ex.collective == "all_to_all":
+        start, rows = sum(plan.segment_steps[:g]), plan.segment_steps[g]
+        out.view(len(ex.recv), -1, plan.n)[:, start : start + rows].copy_(recv[lo:hi].view(-1, rows, plan.n))
 
 
 def lands_in_out(ex: Exchange, plan: Plan) -> bool:
@@ -402,20 +412,13 @@ def into_place(
     """After the last collective: copy the result into row-major ``out`` where the layout has not
     put it there already (``tiles``: the gather of :func:`restore`; ``cols``: :func:`gather_columns`
     from ``recv``, or from ``buffer`` after an all-reduce or a ``local`` one's
-    :func:`reduce_group`; ``segments``: an all-to-all's rows from ``recv`` into each source's
-    segment; ``rows``: nothing)."""
-    if ex.reduction == "local":  # the sums are in place already (reduce_group)
+    :func:`finish_group`; ``rows``, ``segments``: nothing)."""
+    if ex.reduction == "local":  # the sums are in place already (finish_group)
         recv = None
     if plan.layout == "tiles":
         restore(buffer, out, plan, slots)
     elif plan.layout == "cols":
         gather_columns(ex, plan, buffer if recv is None else recv, out)
-    elif plan.layout == "segments" and recv is not None:  # all-to-all: rows from rank s to its segment
-        world, start = len(ex.recv), 0
-        for g, rows in enumerate(plan.segment_steps):
-            block = recv[plan.bounds[g] : plan.bounds[g + 1]].view(world, rows, plan.n)
-            out.view(world, -1, plan.n)[:, start : start + rows].copy_(block)
-            start += rows
 
 
 def add_partials(parts: torch.Tensor, out: torch.Tensor) -> None:
