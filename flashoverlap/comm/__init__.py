@@ -364,21 +364,27 @@ def communicate_group(
 
 def finishes(ex: Exchange, plan: Plan) -> bool:
     """Whether a call's groups need :func:`finish_group` after their collectives."""
-    return ex.reduction == "local" or plan.layout == "segments" and ex.collective == "all_to_all"
+    segments_a2a = plan.layout == "segments" and ex.collective == "all_to_all"
+    return ex.reduction == "local" or plan.layout == "cols" or segments_a2a
 
 
 def finish_group(ex: Exchange, plan: Plan, g: int, buffer: torch.Tensor, recv: torch.Tensor, out: torch.Tensor) -> None:
     """Group ``g``'s own step once its collective is done (the GPU path runs it on a stream of its
     own, so it never holds up the next collective): a ``local`` all-reduce adds the world's partial
     sums of the group (in ``recv``) straight into ``out``'s rows in the ``rows`` layout (its groups
-    are row bands of C), else into the group's range of ``buffer`` (placed by :func:`into_place`);
-    a ``segments`` all-to-all copies the rows each rank sent into that rank's segment of ``out``.
-    Nothing for any other call (:func:`finishes`)."""
+    are row bands of C), else into the group's range of ``buffer``; then in the ``cols`` layout the
+    group's [ex.rows, c1 - c0] block (of ``buffer`` after an all-reduce, local or not, else of
+    ``recv``) is copied into its columns of ``out``; a ``segments`` all-to-all copies the rows each
+    rank sent into that rank's segment of ``out``. Nothing for any other call (:func:`finishes`)."""
     lo, hi = plan.bounds[g], plan.bounds[g + 1]
     if ex.reduction == "local":
         world = len(ex.recv)
         into = out.view(-1) if plan.layout == "rows" else buffer
         add_partials(recv[world * lo : world * hi].view(world, hi - lo), into[lo:hi])
+    if plan.layout == "cols":
+        c0, c1 = plan.columns(g)
+        block = buffer if ex.collective == "all_reduce" else recv
+        out[:, c0:c1].copy_(block[ex.rows * c0 : ex.rows * c1].view(ex.rows, c1 - c0))
     elif plan.layout == "segments" and ex.collective == "all_to_all":
         start, rows = sum(plan.segment_steps[:g]), plan.segment_steps[g]
         out.view(len(ex.recv), -1, plan.n)[:, start : start + rows].copy_(recv[lo:hi].view(-1, rows, plan.n))
@@ -386,39 +392,11 @@ def finish_group(ex: Exchange, plan: Plan, g: int, buffer: torch.Tensor, recv: t
 
 def lands_in_out(ex: Exchange, plan: Plan) -> bool:
     """Whether the collectives leave the result in :func:`buffers`' ``out`` itself (the ``rows``
-    layout, and a ``segments`` reduce-scatter), with nothing for :func:`into_place` to do."""
+    layout, and a ``segments`` reduce-scatter); every other layout puts it into the ``out`` that
+    :func:`finish_group` (or the ``tiles`` layout's :func:`restore`) is given."""
     if ex.reduction == "local":
         return False
     return plan.layout == "rows" or plan.layout == "segments" and ex.collective == "reduce_scatter"
-
-
-def gather_columns(ex: Exchange, plan: Plan, result: torch.Tensor, out: torch.Tensor) -> None:
-    """``cols`` layout: copy each group's [ex.rows, c1 - c0] block of the flat ``result`` (the
-    buffer after an all-reduce, else ``recv``) into its columns of ``out``. Done once after the
-    last collective, so that the communication stream only runs collectives."""
-    for g in range(plan.num_groups):
-        c0, c1 = plan.columns(g)
-        out[:, c0:c1].copy_(result[ex.rows * c0 : ex.rows * c1].view(ex.rows, c1 - c0))
-
-
-def into_place(
-    ex: Exchange,
-    plan: Plan,
-    buffer: torch.Tensor,
-    recv: torch.Tensor | None,
-    out: torch.Tensor,
-    slots: torch.Tensor | None = None,
-) -> None:
-    """After the last collective: copy the result into row-major ``out`` where the layout has not
-    put it there already (``tiles``: the gather of :func:`restore`; ``cols``: :func:`gather_columns`
-    from ``recv``, or from ``buffer`` after an all-reduce or a ``local`` one's
-    :func:`finish_group`; ``rows``, ``segments``: nothing)."""
-    if ex.reduction == "local":  # the sums are in place already (finish_group)
-        recv = None
-    if plan.layout == "tiles":
-        restore(buffer, out, plan, slots)
-    elif plan.layout == "cols":
-        gather_columns(ex, plan, buffer if recv is None else recv, out)
 
 
 def add_partials(parts: torch.Tensor, out: torch.Tensor) -> None:
