@@ -231,13 +231,12 @@ class Plan:
         """Rows its schedule can rotate by at a time (see :func:`rotation_rows`)."""
         return rotation_rows(self.m, self.n, self.tile_m, self.tile_n, self.cluster_m, self.swizzle)
 
-    @property
-    def segment_steps(self) -> tuple[int, ...]:
-        """``segments`` layout: the rows of each segment in each group (group g holds rows
-        [sum of the first g, + this) of every segment)."""
+    def segment_rows(self, group: int) -> tuple[int, int]:
+        """Rows [r0, r1) of every segment that ``group`` holds in the ``segments`` layout."""
         if self.layout != "segments":
-            raise ValueError(f"segment steps exist in the 'segments' layout, this plan is {self.layout!r}")
-        return tuple((hi - lo) // (self.interleave * self.n) for lo, hi in zip(self.bounds, self.bounds[1:]))
+            raise ValueError(f"segment rows exist in the 'segments' layout, this plan is {self.layout!r}")
+        row = self.interleave * self.n
+        return self.bounds[group] // row, self.bounds[group + 1] // row
 
     @property
     def in_place(self) -> bool:

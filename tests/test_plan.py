@@ -329,11 +329,13 @@ def test_segments_layout_stores_each_group_segment_after_segment():
         buffer[plan.buffer_index()] = c.reshape(-1)
         assert (buffer >= 0).all() and plan.in_place is False
         start = 0
-        for g, rows in enumerate(plan.segment_steps):
-            block = buffer[plan.bounds[g] : plan.bounds[g + 1]].reshape(segments, rows, n)
+        for g in range(plan.num_groups):
+            r0, r1 = plan.segment_rows(g)
+            assert r0 == start < r1
+            block = buffer[plan.bounds[g] : plan.bounds[g + 1]].reshape(segments, r1 - r0, n)
             for s in range(segments):
-                assert np.array_equal(block[s], c[s * seg + start : s * seg + start + rows])
-            start += rows
+                assert np.array_equal(block[s], c[s * seg + r0 : s * seg + r1])
+            start = r1
             if g + 1 < plan.num_groups:  # groups complete in order
                 assert plan.wave[plan.group == g].max() <= plan.wave[plan.group == g + 1].max()
         assert start == seg
@@ -347,5 +349,5 @@ def test_segments_layout_checks_its_inputs():
     with pytest.raises(ValueError, match="'segments' layout's, without stream-K"):
         make_plan(1024, 256, tile_m=128, tile_n=128, cluster_m=1, ctas=4, layout="segments", stream_k_tiles=2)
     rows = make_plan(1024, 256, tile_m=128, tile_n=128, cluster_m=1, ctas=4)
-    with pytest.raises(ValueError, match="segment steps exist in the 'segments' layout"):
-        _ = rows.segment_steps
+    with pytest.raises(ValueError, match="segment rows exist in the 'segments' layout"):
+        rows.segment_rows(0)

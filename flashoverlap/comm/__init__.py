@@ -352,10 +352,10 @@ def communicate_group(
         _rows_group(ex, plan, g, buffer, recv, out, group)
         return
     if plan.layout == "segments":  # [world, rows, n]: every rank's segment's rows of the group
-        start, rows, world = sum(plan.segment_steps[:g]), plan.segment_steps[g], len(ex.send)
-        part = Exchange(ex.collective, (rows,) * world, (rows,) * world, rows)
-        into = out[start : start + rows] if recv is None else recv[plan.bounds[g] : plan.bounds[g + 1]].view(-1, plan.n)
-        collective(part, chunk.view(world * rows, plan.n), group, into)
+        (r0, r1), world = plan.segment_rows(g), len(ex.send)
+        part = Exchange(ex.collective, (r1 - r0,) * world, (r1 - r0,) * world, r1 - r0)
+        into = out[r0:r1] if recv is None else recv[plan.bounds[g] : plan.bounds[g + 1]].view(-1, plan.n)
+        collective(part, chunk.view(-1, plan.n), group, into)
         return
     c0, c1 = plan.columns(g)
     staged = None if recv is None else recv[ex.rows * c0 : ex.rows * c1].view(ex.rows, c1 - c0)
@@ -386,8 +386,8 @@ def finish_group(ex: Exchange, plan: Plan, g: int, buffer: torch.Tensor, recv: t
         block = buffer if ex.collective == "all_reduce" else recv
         out[:, c0:c1].copy_(block[ex.rows * c0 : ex.rows * c1].view(ex.rows, c1 - c0))
     elif plan.layout == "segments" and ex.collective == "all_to_all":
-        start, rows = sum(plan.segment_steps[:g]), plan.segment_steps[g]
-        out.view(len(ex.recv), -1, plan.n)[:, start : start + rows].copy_(recv[lo:hi].view(-1, rows, plan.n))
+        r0, r1 = plan.segment_rows(g)
+        out.view(len(ex.recv), -1, plan.n)[:, r0:r1].copy_(recv[lo:hi].view(len(ex.recv), -1, plan.n))
 
 
 def lands_in_out(ex: Exchange, plan: Plan) -> bool:
