@@ -22,7 +22,7 @@ Layouts of the output buffer:
   whole tile columns, so group g is C[:, c0:c1] for all M rows, stored as its own row-major
   [M, c1 - c0] block. Any row range of it is contiguous: the per-destination segments that
   reduce-scatter and all-to-all need. Each group's result is copied into its columns of the
-  output after the last collective.
+  output once its collective is done (comm.finish_group).
 * ``segments``: for reduce-scatter / all-to-all over ``interleave`` ranks, C's rows split into
   that many equal segments (one per destination). The scheduler walks the segments' tile rows
   interleaved, a *unit* (:func:`rotation_rows`) of each segment in turn, so that every *step* (a
