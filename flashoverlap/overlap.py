@@ -292,9 +292,9 @@ def run_overlapped(
 
 def tuned_config(a: torch.Tensor, world: int, ex: Exchange, shape: tuple[int, int, int]) -> OverlapConfig:
     """The registry's config for this call (flashoverlap.registry), else the built-in defaults.
-    Where the entry's ``rows`` or ``segments`` layout cannot take the call's segments (entries are tuned with
-    equal splits; unequal all-to-all splits, say), the entry's measured ``fallback``, else the
-    defaults."""
+    Where the entry's ``rows`` or ``segments`` layout cannot take the call's segments (entries are
+    tuned with equal splits; unequal all-to-all splits, say), the entry's measured ``fallback``,
+    else the defaults."""
     key = (torch.cuda.get_device_name(a.device), world, ex.collective, registry.transport(), DTYPES[a.dtype], shape)
     found = registry.lookup(*key)
     if (
