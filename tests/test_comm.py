@@ -95,3 +95,30 @@ def test_partial_sums_add_up_whatever_the_world_size(world):
     out = torch.full((1000,), float("nan"), dtype=torch.bfloat16)
     add_partials(parts, out)
     assert torch.allclose(out.float(), parts.float().sum(0), rtol=1e-2, atol=1e-2)
+
+
+def test_where_each_layout_leaves_its_result():
+    """Which calls need a step per group after the collective (comm.finish_group) and which find
+    their result in the buffers' out (copied out of a symmetric window)."""
+    from flashoverlap.comm import finishes, interleave, lands_in_out
+    from flashoverlap.plan import make_plan
+
+    def plan(layout, segments=1):
+        return make_plan(1024, 256, tile_m=128, tile_n=128, cluster_m=1, ctas=4, layout=layout, interleave=segments)
+
+    ar, local = exchange("all_reduce", 1024, 2), exchange("all_reduce", 1024, 2, reduction="local")
+    rs, a2a = exchange("reduce_scatter", 1024, 2), exchange("all_to_all", 1024, 2)
+    cases = {  # (exchange, layout): (finishes, lands in out)
+        (ar, "rows"): (False, True),
+        (ar, "tiles"): (False, False),
+        (ar, "cols"): (True, False),
+        (local, "rows"): (True, False),
+        (local, "tiles"): (True, False),
+        (rs, "rows"): (False, True),
+        (rs, "cols"): (True, False),
+        (rs, "segments"): (False, True),
+        (a2a, "segments"): (True, False),
+    }
+    for (ex, layout), expected in cases.items():
+        p = plan(layout, interleave(ex, layout))
+        assert (finishes(ex, p), lands_in_out(ex, p)) == expected, (ex.collective, ex.reduction, layout)
