@@ -445,7 +445,8 @@ def tune_shape(
         if cfg.scheduler != "persistent" or wider["comm_sms"] <= cfg.comm_sms or wider in candidates:
             continue
         cfgs.append(for_collective(resolve(wider), collective))
-        preps.append(prepare(m, n, k, dtype, "nk", a[0].device, cfgs[-1], interleave=comm.interleave(ex, cfg.layout)))
+        segments = comm.interleave(ex, cfgs[-1].layout)
+        preps.append(prepare(m, n, k, dtype, "nk", a[0].device, cfgs[-1], interleave=segments))
         candidates.append(wider)
     _progress(f"{m}x{n}x{k}: GEMM per wave for {len(cfgs)} candidates")
     variants = {"gemm": lambda i: a[i % sets] @ w[i % sets].t()}
