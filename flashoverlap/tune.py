@@ -9,8 +9,9 @@ The model (see ../shared/DESIGN.md, "Configs and tuning"):
   communicator while the GEMM runs and on the full one for the last group;
 * collectives run one after another on the communication stream; in the ``rows`` layout of
   reduce-scatter / all-to-all, a group's rows of the rank's own segment are added / copied into
-  the result there instead (``local``, a model of that memory operation by size), and a
-  ``local`` all-reduce adds the gathered partial sums of each group after its all-gather;
+  the result there instead (``local``, a model of that memory operation by size); a ``local``
+  all-reduce adds the gathered partial sums of each group after its all-gather, and the ``cols``
+  layout (``segments`` for all-to-all) copies each group's rows into place after its collective;
 * the host needs ``base_ms + groups * per_group_ms`` (:class:`HostModel`) to enqueue one call,
   and calls run back to back, so a call never takes less than that: small GEMMs are host-bound,
   and every group costs host time (a wait and a collective to enqueue).
@@ -314,8 +315,10 @@ def _progress(message: str) -> None:
 @functools.cache
 def _local_model(collective: str, dtype, rounds: int) -> CommModel:
     """Time by size of what stays on the rank: in the ``rows`` layout of reduce-scatter /
-    all-to-all the own rows, added into the result or copied there; for a ``local`` all-reduce
-    (``collective`` "all_gather") the sum of the world's gathered partial sums (bytes: of the sum)."""
+    all-to-all the own rows, added into the result or copied there (the copy, "all_to_all", also
+    prices what comm.finish_group copies into place: ``cols`` blocks, a ``segments`` all-to-all's
+    rows); for a ``local`` all-reduce (``collective`` "all_gather") the sum of the world's
+    gathered partial sums (bytes: of the sum)."""
     import torch
     import torch.distributed as dist
 
@@ -474,9 +477,11 @@ def tune_shape(
     for j, (cfg, prep, pattern) in enumerate(zip(cfgs, preps, patterns)):
         per_wave_ms = times[f"kernel{j}"] / prep.plan.num_waves
         ranks = world if collective != "all_reduce" else 1
+        sent = wave_bytes(prep.plan, elem, ranks)
         kept = wave_bytes(prep.plan, elem, ranks, own=True)
         local = _local_model(collective, dtype, rounds) if any(kept) else None
-        sent = wave_bytes(prep.plan, elem, ranks)
+        if comm.finishes(ex, prep.plan) and pattern != "all_gather":  # result rows copied into place per group
+            kept, local = tuple(b * ex.rows / m for b in sent), _local_model("all_to_all", dtype, rounds)
         comm_models = during[cfg.comm_sms, pattern, cfg.symmetric], tails[pattern, cfg.symmetric]
         if None in comm_models:
             problems.append(None)
