@@ -72,6 +72,12 @@ def test_rows_layout_takes_equal_segments_of_whole_rotation_steps_only():
     unequal_in = exchange("all_to_all", 10, 2, output_splits=[5, 6])
     with pytest.raises(ValueError, match=r"\[5, 5\] rows sent and \[5, 6\] received"):
         check_layout(unequal_in, "rows", 1)
+    # the segments layout needs the same: equal segments of whole units
+    check_layout(exchange("reduce_scatter", 12, 3), "segments", 4)
+    with pytest.raises(ValueError, match=r"layout 'segments' runs all_to_all .* multiple of 1 rows"):
+        check_layout(uneven, "segments", 1)
+    with pytest.raises(ValueError, match=r"layout 'segments' runs reduce_scatter .* multiple of 8 rows"):
+        check_layout(exchange("reduce_scatter", 12, 3), "segments", 8)
     with pytest.raises(ValueError, match="multiple of 8 rows"):
         check_layout(exchange("reduce_scatter", 24, 2), "rows", 8)  # segments of 12 rows
 
