@@ -264,14 +264,13 @@ def run_overlapped(
             signal.wait_geq(stream, prep.counters, g, target, timeout, prep.report)
             on = tail_group if g == last and tail_group is not None else group
             comm.communicate_group(ex, plan, g, buffer, recv, out, on)
-            if finisher is not None:
+            if finisher is not None:  # the group's own step, on SMs the GEMM leaves (comm_sms) or as it retires;
+                # enqueued with its collective, so that a host behind the GPU cannot hold it back
                 prep.group_done[g].record(stream)
+                finisher.wait_event(prep.group_done[g])
+                with torch.cuda.stream(finisher):
+                    comm.finish_group(ex, plan, g, buffer, recv, result)
         prep.counters.zero_()  # stream-ordered: the next call's GEMM waits for it through `caller`
-    if finisher is not None:  # each group once it has arrived, on SMs the GEMM leaves (comm_sms) or as it retires
-        with torch.cuda.stream(finisher):
-            for g, done in enumerate(prep.group_done):
-                finisher.wait_event(done)
-                comm.finish_group(ex, plan, g, buffer, recv, result)
     # Memory the side streams still use must not be reused before they are done (these are freed
     # on return, or when the plan leaves the cache).
     for side in [stream] if finisher is None else [stream, finisher]:
