@@ -181,16 +181,19 @@ def build(
 
 
 def build_runtime(**kwargs) -> Path:
-    """Build csrc/runtime.cu (restore, spin-wait) for every supported GPU; ``kwargs`` go to :func:`build`."""
+    """Build csrc/runtime.cu (restore, strided copy, spin-wait) for every supported GPU; ``kwargs``
+    go to :func:`build`."""
     return build("fo_runtime", (_PACKAGE_DIR / "csrc" / "runtime.cu").read_text(), arch=RUNTIME_ARCH, **kwargs)
 
 
 @functools.cache
 def runtime_library() -> ctypes.CDLL:
-    """The small runtime kernels (restore, spin-wait fallback) of csrc/runtime.cu."""
+    """The small runtime pieces (restore, strided copy, spin-wait fallback) of csrc/runtime.cu."""
     lib = ctypes.CDLL(str(build_runtime()))
     lib.fo_runtime_error.restype = ctypes.c_char_p
     lib.fo_restore.argtypes = [ctypes.c_void_p] * 3 + [ctypes.c_int] * 7 + [ctypes.c_void_p]
+    # dst, dpitch, src, spitch, width (bytes), height, stream
+    lib.fo_copy_2d.argtypes = [ctypes.c_void_p, ctypes.c_size_t] * 2 + [ctypes.c_size_t] * 2 + [ctypes.c_void_p]
     # counter, target, timeout_ns, report, group, stream
     lib.fo_spin_wait.argtypes = [
         ctypes.c_void_p,

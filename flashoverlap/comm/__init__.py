@@ -384,10 +384,25 @@ def finish_group(ex: Exchange, plan: Plan, g: int, buffer: torch.Tensor, recv: t
     if plan.layout == "cols":
         c0, c1 = plan.columns(g)
         block = buffer if ex.collective == "all_reduce" else recv
-        out[:, c0:c1].copy_(block[ex.rows * c0 : ex.rows * c1].view(ex.rows, c1 - c0))
+        copy_2d(out[:, c0:c1], block[ex.rows * c0 : ex.rows * c1].view(ex.rows, c1 - c0))
     elif plan.layout == "segments" and ex.collective == "all_to_all":
-        r0, r1 = plan.segment_rows(g)
-        out.view(len(ex.recv), -1, plan.n)[:, r0:r1].copy_(recv[lo:hi].view(len(ex.recv), -1, plan.n))
+        (r0, r1), world = plan.segment_rows(g), len(ex.recv)
+        copy_2d(out.view(world, -1)[:, r0 * plan.n : r1 * plan.n], recv[lo:hi].view(world, -1))
+
+
+def copy_2d(dst: torch.Tensor, src: torch.Tensor) -> None:
+    """``dst.copy_(src)`` for 2-D views of one shape with contiguous rows; on CUDA a strided copy on
+    the copy engines (cudaMemcpy2DAsync, no SM) on the current stream."""
+    if not dst.is_cuda:
+        dst.copy_(src)
+        return
+    lib, size = jit.runtime_library(), dst.element_size()
+    stream = torch.cuda.current_stream(dst.device).cuda_stream
+    rows, cols = dst.shape
+    status = lib.fo_copy_2d(
+        dst.data_ptr(), dst.stride(0) * size, src.data_ptr(), src.stride(0) * size, cols * size, rows, stream
+    )
+    jit.check(lib, status, "fo_runtime_error")
 
 
 def lands_in_out(ex: Exchange, plan: Plan) -> bool:

@@ -1,5 +1,6 @@
-// Small runtime kernels: restoring C from packed group buffers, and the spin-wait fallback for
-// devices without stream memory operations. Loaded with ctypes (flashoverlap.jit.runtime_library).
+// Small runtime pieces: restoring C from packed group buffers, strided copies on the copy engines,
+// and the spin-wait fallback for devices without stream memory operations. Loaded with ctypes
+// (flashoverlap.jit.runtime_library).
 #include <cstdint>
 #include <cstdio>
 
@@ -77,6 +78,19 @@ int fo_restore(void const* buffer, void* out, void const* tiles, int num_tiles, 
       static_cast<uint4 const*>(buffer), static_cast<uint4*>(out),
       static_cast<flashoverlap::TileSlot const*>(tiles), m, n, tile_m, tile_n, tiles_n, elem_bytes);
   return check_launch("restore");
+}
+
+// `height` rows of `width` bytes from src (rows `spitch` bytes apart) to dst (`dpitch` apart) on
+// the copy engines: a group's placement uses no SM, so it never competes with NCCL's kernels or
+// the GEMM for one.
+int fo_copy_2d(void* dst, size_t dpitch, void const* src, size_t spitch, size_t width, size_t height, void* stream) {
+  cudaError_t const err = cudaMemcpy2DAsync(dst, dpitch, src, spitch, width, height, cudaMemcpyDeviceToDevice,
+                                            static_cast<cudaStream_t>(stream));
+  if (err != cudaSuccess) {
+    std::snprintf(g_error, sizeof(g_error), "copy_2d: %s", cudaGetErrorString(err));
+    return 1;
+  }
+  return 0;
 }
 
 int fo_spin_wait(void const* counter, unsigned target, unsigned long long timeout_ns, void* report, int group,
