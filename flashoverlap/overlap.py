@@ -264,8 +264,8 @@ def run_overlapped(
             signal.wait_geq(stream, prep.counters, g, target, timeout, prep.report)
             on = tail_group if g == last and tail_group is not None else group
             comm.communicate_group(ex, plan, g, buffer, recv, out, on)
-            if finisher is not None:  # the group's own step, on SMs the GEMM leaves (comm_sms) or as it retires;
-                # enqueued with its collective, so that a host behind the GPU cannot hold it back
+            if finisher is not None:  # the group's own step (copies: copy engines; adds: SMs the GEMM
+                # leaves, or as it retires), enqueued with its collective so that a slow host cannot hold it back
                 prep.group_done[g].record(stream)
                 finisher.wait_event(prep.group_done[g])
                 with torch.cuda.stream(finisher):
