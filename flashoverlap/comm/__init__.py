@@ -24,6 +24,7 @@ COLLECTIVES = ("all_reduce", "reduce_scatter", "all_to_all")
 REDUCTIONS = ("nccl", "local")
 # layouts whose reduce-scatter / all-to-all need equal segments of whole units (rows_carry)
 EQUAL_SEGMENTS = ("rows", "segments")
+MAX_PITCH = 2**31 - 1  # bytes between rows cudaMemcpy2DAsync takes (cudaDevAttrMaxPitch on current GPUs)
 COPY_ENGINE = ("all_to_all", "all_gather")  # comm_patterns NCCL runs on copy engines (windows, CTA policy ZERO)
 
 _budget_groups: dict[tuple, dist.ProcessGroup] = {}
@@ -392,11 +393,13 @@ def finish_group(ex: Exchange, plan: Plan, g: int, buffer: torch.Tensor, recv: t
 
 def copy_2d(dst: torch.Tensor, src: torch.Tensor) -> None:
     """``dst.copy_(src)`` for 2-D views of one shape with contiguous rows; on CUDA a strided copy on
-    the copy engines (cudaMemcpy2DAsync, no SM) on the current stream."""
-    if not dst.is_cuda:
+    the copy engines (cudaMemcpy2DAsync, no SM) on the current stream, where the row pitches fit
+    its limit (2 GiB)."""
+    size = dst.element_size()
+    if not dst.is_cuda or max(dst.stride(0), src.stride(0)) * size > MAX_PITCH:
         dst.copy_(src)
         return
-    lib, size = jit.runtime_library(), dst.element_size()
+    lib = jit.runtime_library()
     stream = torch.cuda.current_stream(dst.device).cuda_stream
     rows, cols = dst.shape
     status = lib.fo_copy_2d(
