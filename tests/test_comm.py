@@ -8,7 +8,7 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from flashoverlap.comm import agree, check_layout, exchange, rows_rotation, segments
+from flashoverlap.comm import agree, check_layout, exchange, rows_rotation
 
 
 def worker(rank: int, world: int, store_path: str):
@@ -87,10 +87,6 @@ def test_rows_rotation_starts_at_the_next_ranks_segment():
     assert [rows_rotation(ex, "rows", r) for r in range(3)] == [4, 8, 0]
     assert rows_rotation(ex, "cols", 1) == 0
     assert rows_rotation(exchange("all_reduce", 12, 3), "rows", 1) == 0
-
-
-def test_segments():
-    assert segments([3, 0, 4]) == [(0, 3), (3, 3), (3, 7)]
 
 
 @pytest.mark.parametrize("world", [1, 2, 3])

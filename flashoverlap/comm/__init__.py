@@ -8,7 +8,6 @@ communicators optionally NCCL's C API (:mod:`comm.nccl`, ``FLASHOVERLAP_NCCL=dir
 from __future__ import annotations
 
 import hashlib
-import itertools
 import os
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -267,11 +266,6 @@ def buffers(ex: Exchange, plan: Plan, alloc) -> tuple[torch.Tensor, torch.Tensor
     if plan.layout == "segments" and ex.collective == "reduce_scatter":  # each group's sums land in place
         return out, alloc((plan.numel,)), None
     return out, alloc((plan.numel,)), alloc((ex.rows * plan.n,))
-
-
-def segments(counts: Sequence[int]) -> list[tuple[int, int]]:
-    """Row ranges [start, end) of consecutive blocks of ``counts`` rows."""
-    return [(end - c, end) for c, end in zip(counts, itertools.accumulate(counts))]
 
 
 def _rows_group(
