@@ -306,7 +306,8 @@ def tuned_config(a: torch.Tensor, world: int, ex: Exchange, shape: tuple[int, in
 
 
 def rotation_unit(cfg: OverlapConfig, shape: tuple[int, int, int]) -> int:
-    """Rows the ``rows`` layout's schedule rotates by under ``cfg`` (plan.rotation_rows)."""
+    """Rows the ``rows`` / ``segments`` schedules rotate or interleave by under ``cfg``
+    (plan.rotation_rows)."""
     return rotation_rows(shape[0], shape[1], cfg.tile_m, cfg.tile_n, cfg.cluster_m, cfg.swizzle)
 
 

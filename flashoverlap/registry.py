@@ -54,7 +54,7 @@ class Entry:
     shape: tuple[int, int, int]
     config: OverlapConfig
     source: str  # file and entry index, for messages
-    fallback: OverlapConfig | None = None  # for calls a ``rows`` config cannot carry
+    fallback: OverlapConfig | None = None  # for calls a ``rows`` / ``segments`` config cannot carry
 
 
 def parse(data: Any, source: str) -> list[Entry]:
@@ -176,7 +176,7 @@ def lookup(
     fallback: bool = False,
 ) -> OverlapConfig | None:
     """The tuned config for a call (see the module doc), or None; ``fallback``: the entry's config
-    for calls its ``rows`` config cannot carry instead (None where it has none)."""
+    for calls its ``rows`` / ``segments`` config cannot carry instead (None where it has none)."""
     return _lookup(tuple(config_dirs()), gpu, world, collective, transport, dtype, tuple(shape), fallback)
 
 
