@@ -12,7 +12,8 @@ device; N and K multiples of 8; every rank passes the same shapes. ``config``: a
 :class:`OverlapConfig`, a dict of its fields, or a YAML path (default: the registry's entry nearest
 the call, see :mod:`flashoverlap.registry`, else the built-in defaults). The result is a
 new tensor, ready on the current stream. Bad input raises ``ValueError``/``TypeError`` before
-anything is launched. A group of one rank runs the plain GEMM.
+anything is launched. A group of one rank runs the plain GEMM; so does a call without ``config``
+whose GEMM is one group (one wave: nothing to overlap).
 """
 
 from __future__ import annotations
@@ -341,6 +342,8 @@ def _gemm_collective(
             )
         rotate = comm.rows_rotation(ex, cfg.layout, dist.get_rank(group))
         prep = prepare(m, n, k, a.dtype, weight_layout, a.device, cfg, rotate, comm.interleave(ex, cfg.layout))
+        if explicit is None and prep.plan.num_groups == 1:  # nothing to overlap: it would only add host time
+            return sequential(a, weight, weight_layout, ex, group)
         full = group if group is not None else dist.group.WORLD
         check_agreement(prep, collective, full)
         budget = budget_communicator(cfg, collective, full, a.device)

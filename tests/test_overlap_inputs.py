@@ -109,3 +109,28 @@ def test_a_config_without_a_kernel_on_this_gpu_fails_before_any_communication(mo
         flashoverlap.gemm_all_to_all(bf16(64, 64), bf16(64, 64), splits=[10, 54], config={"kernel": "sm90"})
     with pytest.raises(ValueError, match=r"cannot run on sm_89: cluster_m 2 not in \(1,\)"):
         flashoverlap.gemm_all_reduce(bf16(64, 64), bf16(64, 64), config={"cluster_m": 2})
+
+
+@pytest.mark.parametrize(
+    ("config", "waves", "path"), [(None, 1, "sequential"), (None, 3, "overlapped"), ({}, 1, "overlapped")]
+)
+def test_a_one_group_call_without_config_runs_sequentially(one_rank_group, monkeypatch, config, waves, path):
+    """One group overlaps nothing, so a call left to the defaults / registry skips the overlap's host
+    time; an explicit config is run as given."""
+    from flashoverlap import overlap
+    from flashoverlap.plan import make_plan
+
+    plan = make_plan(128 * waves, 256, tile_m=128, tile_n=256, cluster_m=1, ctas=1, partition=None, layout="rows")
+    taken = []
+    monkeypatch.setattr(overlap, "check_inputs", lambda a, w, layout: (plan.m, plan.n, 64))
+    monkeypatch.setattr(overlap, "world_size", lambda group: 2)
+    monkeypatch.setattr(torch.cuda, "device", lambda device: contextlib.nullcontext())  # CPU tensors stand in
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (9, 0))
+    monkeypatch.setattr(overlap, "tuned_config", lambda *args: overlap.OverlapConfig())
+    monkeypatch.setattr(overlap, "prepare", lambda *args: overlap.Prepared(plan, *(None,) * 5, 132, None))
+    monkeypatch.setattr(overlap, "check_agreement", lambda *args: None)
+    monkeypatch.setattr(overlap, "budget_communicator", lambda *args: None)
+    monkeypatch.setattr(overlap, "sequential", lambda *args: taken.append("sequential"))
+    monkeypatch.setattr(overlap, "run_overlapped", lambda *args, **kwargs: taken.append("overlapped"))
+    flashoverlap.gemm_all_reduce(bf16(plan.m, 64), bf16(plan.n, 64), config=config)
+    assert plan.num_groups == waves and taken == [path]
