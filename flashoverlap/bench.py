@@ -159,9 +159,13 @@ def kernel_alone(prep, a: Sequence[torch.Tensor], w: Sequence[torch.Tensor]) -> 
 
 
 def time_variants(
-    variants: dict[str, Callable[[int], object]], rounds: int, block: int, warmup: int
+    variants: dict[str, Callable[[int], object]],
+    rounds: int,
+    block: int,
+    warmup: int,
+    group: dist.ProcessGroup | None = None,
 ) -> dict[str, float]:
-    """Steady-state ms per call for each variant (median over rounds, max over ranks).
+    """Steady-state ms per call for each variant (median over rounds, max over the ranks of ``group``).
 
     Each round times ``block`` calls of one variant back to back between two CUDA events, the
     host free to run ahead as in a model's forward pass (launch overhead counts only where it
@@ -173,12 +177,12 @@ def time_variants(
     from . import comm
 
     torch.cuda.synchronize()
-    comm.agree(None, "time_variants: " + ", ".join(variants), torch.device("cuda", torch.cuda.current_device()))
+    comm.agree(group, "time_variants: " + ", ".join(variants), torch.device("cuda", torch.cuda.current_device()))
     for i in range(warmup):
         for fn in variants.values():
             fn(i)
     torch.cuda.synchronize()
-    dist.barrier()
+    dist.barrier(group=group)
     events = []
     for r in range(rounds):
         for name in random.Random(r).sample(list(variants), len(variants)):  # the same order on every rank
@@ -194,7 +198,7 @@ def time_variants(
     for name, start, end in events:
         samples[name].append(start.elapsed_time(end) / block)
     medians = torch.tensor([median_ms(samples[name]) for name in variants], dtype=torch.float64, device="cuda")
-    dist.all_reduce(medians, op=dist.ReduceOp.MAX)
+    dist.all_reduce(medians, op=dist.ReduceOp.MAX, group=group)
     return dict(zip(variants, medians.tolist()))
 
 
@@ -253,7 +257,7 @@ def bench_shape(
     import flashoverlap
 
     from . import comm
-    from .config import for_collective, resolve
+    from .config import OverlapConfig, for_collective, resolve
     from .overlap import prepare, sequential, tuned_config
 
     m, n, k = shape
@@ -279,7 +283,9 @@ def bench_shape(
     if fused is not None:
         variants["asynctp"] = lambda i: fused(a[i % sets], w[i % sets])
     cfgs = [
-        for_collective(resolve(cfg) if cfg is not None else tuned_config(a[0], world, ex, shape), collective)
+        for_collective(
+            resolve(cfg) if cfg is not None else tuned_config(a[0], world, ex, shape) or OverlapConfig(), collective
+        )
         for cfg in configs
     ]
     errors = {}

@@ -13,12 +13,14 @@ device; N and K multiples of 8; every rank passes the same shapes. ``config``: a
 the call, see :mod:`flashoverlap.registry`, else the built-in defaults). The result is a
 new tensor, ready on the current stream. Bad input raises ``ValueError``/``TypeError`` before
 anything is launched. A group of one rank runs the plain GEMM; so does a call without ``config``
-whose GEMM is one group (one wave: nothing to overlap).
+whose GEMM is one group (one wave: nothing to overlap), or that has no tuned config and lost to
+sequential when first timed (:func:`trial_pays`).
 """
 
 from __future__ import annotations
 
 import os
+import sys
 from collections import OrderedDict
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -109,6 +111,7 @@ class Prepared:
     # exchange -> (the window region, its (out, buffer, recv) there): the same every call
     window_views: dict = field(default_factory=dict)
     group_done: list = field(default_factory=list)  # an event per group (comm.finish_group)
+    trials: dict = field(default_factory=dict)  # (exchange, communicators) -> whether overlap won (trial_pays)
 
     def launch(self, a: torch.Tensor, weight: torch.Tensor, buffer: torch.Tensor, stream: torch.cuda.Stream) -> None:
         """Enqueue the signal GEMM on ``stream``, writing the plan's slots of ``buffer``."""
@@ -290,11 +293,10 @@ def run_overlapped(
     return result
 
 
-def tuned_config(a: torch.Tensor, world: int, ex: Exchange, shape: tuple[int, int, int]) -> OverlapConfig:
-    """The registry's config for this call (flashoverlap.registry), else the built-in defaults.
-    Where the entry's ``rows`` or ``segments`` layout cannot take the call's segments (entries are
-    tuned with equal splits; unequal all-to-all splits, say), the entry's measured ``fallback``,
-    else the defaults."""
+def tuned_config(a: torch.Tensor, world: int, ex: Exchange, shape: tuple[int, int, int]) -> OverlapConfig | None:
+    """The registry's config for this call (flashoverlap.registry), None without one. Where the
+    entry's ``rows`` or ``segments`` layout cannot take the call's segments (entries are tuned with
+    equal splits; unequal all-to-all splits, say), the entry's measured ``fallback``, else None."""
     key = (torch.cuda.get_device_name(a.device), world, ex.collective, registry.transport(), DTYPES[a.dtype], shape)
     found = registry.lookup(*key)
     if (
@@ -303,7 +305,7 @@ def tuned_config(a: torch.Tensor, world: int, ex: Exchange, shape: tuple[int, in
         and not comm.rows_carry(ex, rotation_unit(found, shape))
     ):
         found = registry.lookup(*key, fallback=True)
-    return OverlapConfig() if found is None else found
+    return found
 
 
 def rotation_unit(cfg: OverlapConfig, shape: tuple[int, int, int]) -> int:
@@ -329,7 +331,8 @@ def _gemm_collective(
         if explicit is not None and world > 1 and not explicit.sequential:  # no kernel here: fail before communicating
             for_device(explicit, torch.cuda.get_device_capability(a.device))
         ex = comm.exchange(collective, m, world, splits, output_splits, group, a.device)
-        cfg = explicit or for_collective(tuned_config(a, world, ex, (m, n, k)), collective)
+        tuned = None if explicit is not None else tuned_config(a, world, ex, (m, n, k))
+        cfg = explicit or for_collective(tuned or OverlapConfig(), collective)
         if world == 1 or cfg.sequential:
             return sequential(a, weight, weight_layout, ex, group)
         if cfg.reduction != ex.reduction:
@@ -347,7 +350,53 @@ def _gemm_collective(
         full = group if group is not None else dist.group.WORLD
         check_agreement(prep, collective, full)
         budget = budget_communicator(cfg, collective, full, a.device)
+        if explicit is None and tuned is None and not trial_pays(prep, a, weight, weight_layout, ex, budget, full):
+            return sequential(a, weight, weight_layout, ex, group)
         return run_overlapped(prep, a, weight, ex, budget, tail_group=full)
+
+
+TRIAL_MARGIN = 0.02  # overlap must beat sequential by this fraction (as the tuner's --margin)
+
+
+def trial_pays(
+    prep: Prepared,
+    a: torch.Tensor,
+    weight: torch.Tensor,
+    weight_layout: str,
+    ex: Exchange,
+    budget: dist.ProcessGroup | comm.Direct,
+    full: dist.ProcessGroup,
+) -> bool:
+    """Whether the overlapped call beats the sequential one, for a call that has no tuned config
+    (the built-in defaults are not tuned for this GPU, world size, transport or shape: on small
+    GEMMs over NVLink they lose). Timed once per plan, exchange and communicators, on the call's
+    own operands: a few rounds of each, taking turns, the slower rank's median deciding
+    (bench.time_variants), so every rank decides alike. Not timed while a CUDA graph is being
+    captured (overlapped then, without keeping the answer) or with ``FLASHOVERLAP_TRIAL=0``."""
+    key = (ex, budget, full)
+    if key in prep.trials:
+        return prep.trials[key]
+    if os.environ.get("FLASHOVERLAP_TRIAL", "1") == "0" or torch.cuda.is_current_stream_capturing():
+        return True
+    from .bench import time_variants
+
+    variants = {
+        "sequential": lambda i: sequential(a, weight, weight_layout, ex, full),
+        "overlapped": lambda i: run_overlapped(prep, a, weight, ex, budget, tail_group=full),
+    }
+    times = time_variants(variants, rounds=3, block=4, warmup=1, group=full)
+    pays = times["overlapped"] < times["sequential"] * (1 - TRIAL_MARGIN)
+    prep.trials[key] = pays
+    if dist.get_rank(full) == 0:
+        plan = prep.plan
+        print(
+            f"[flashoverlap] {ex.collective} {plan.m}x{plan.n} ({plan.num_groups} groups), no tuned config: "
+            f"defaults {times['overlapped']:.3f} ms, sequential {times['sequential']:.3f} ms per call -> "
+            f"{'overlapped' if pays else 'sequential'} (tune to do better: python -m flashoverlap.tune)",
+            file=sys.stderr,
+            flush=True,
+        )
+    return pays
 
 
 def budget_communicator(

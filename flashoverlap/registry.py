@@ -15,7 +15,8 @@ tuner writes it next to a reduce-scatter / all-to-all ``rows`` or ``segments`` c
 for the calls that layout cannot carry (unequal splits, segments not whole tile rows); ``measured`` is
 free-form information. A call with ``config=None`` takes the entry of its GPU, world size, collective,
 transport and dtype whose shape is nearest (log-distance over M, N, K); a ``partition`` (waves per
-group) is kept only for the exact shape. No matching entry: the built-in defaults.
+group) is kept only for the exact shape. No matching entry: the built-in defaults, timed against
+the sequential call on first use (overlap.trial_pays).
 
 Files are read from ``FLASHOVERLAP_CONFIG_DIRS`` (``os.pathsep``-separated directories, searched
 first) and the repository's ``configs/`` directory.

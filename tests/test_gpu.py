@@ -211,6 +211,26 @@ def test_pipeline_on_one_gpu(nccl_one_rank, monkeypatch, mode, symmetric, nccl, 
         signal.uses_stream_wait.cache_clear()
 
 
+def test_an_untuned_call_is_timed_once_against_sequential(nccl_one_rank, capfd):
+    """overlap.trial_pays on a group of one rank: real timing of both paths, decided once per plan
+    and communicators, the inputs and counters left as they were."""
+    m, n, k = 2048, 4096, 1024
+    a, w, ref = operands(m, n, k, torch.bfloat16, "nk", seed=5)
+    snapshot = a.clone()
+    cfg = for_collective(OverlapConfig(), "all_reduce")
+    prep = prepare(m, n, k, torch.bfloat16, "nk", a.device, cfg)
+    ex = comm.exchange("all_reduce", m, 1)
+    budget = overlap.budget_communicator(cfg, "all_reduce", dist.group.WORLD, a.device)
+    pays = overlap.trial_pays(prep, a, w, "nk", ex, budget, dist.group.WORLD)
+    assert pays in (True, False) and prep.trials == {(ex, budget, dist.group.WORLD): pays}
+    assert "no tuned config" in capfd.readouterr().err
+    prep.trials[ex, budget, dist.group.WORLD] = not pays  # kept: not timed again
+    assert overlap.trial_pays(prep, a, w, "nk", ex, budget, dist.group.WORLD) is (not pays)
+    torch.cuda.synchronize()
+    assert torch.equal(a, snapshot) and prep.counters.tolist() == [0] * prep.plan.num_groups
+    assert rel_err(run_overlapped(prep, a, w, ex, budget, tail_group=dist.group.WORLD), ref) < 1e-2
+
+
 @pytest.mark.parametrize("symmetric", [False, True])
 def test_calls_from_two_streams_do_not_race(nccl_one_rank, symmetric):
     """Back-to-back calls issued from two streams share the counters (and the symmetric window):

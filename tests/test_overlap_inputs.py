@@ -112,25 +112,47 @@ def test_a_config_without_a_kernel_on_this_gpu_fails_before_any_communication(mo
 
 
 @pytest.mark.parametrize(
-    ("config", "waves", "path"), [(None, 1, "sequential"), (None, 3, "overlapped"), ({}, 1, "overlapped")]
+    ("config", "tuned", "waves", "trial", "env", "paths", "timed"),
+    [
+        (None, None, 1, None, None, ["sequential"] * 2, 0),  # one group: nothing to overlap
+        (None, None, 3, 0.9, None, ["overlapped"] * 2, 1),  # untuned: timed once, kept
+        (None, None, 3, 0.99, None, ["sequential"] * 2, 1),  # within the margin: sequential
+        (None, None, 3, 1.2, "0", ["overlapped"] * 2, 0),  # FLASHOVERLAP_TRIAL=0: the defaults as they are
+        (None, {}, 3, 1.2, None, ["overlapped"] * 2, 0),  # a registry entry is the tuner's word
+        ({}, None, 1, 1.2, None, ["overlapped"] * 2, 0),  # an explicit config runs as given
+    ],
 )
-def test_a_one_group_call_without_config_runs_sequentially(one_rank_group, monkeypatch, config, waves, path):
-    """One group overlaps nothing, so a call left to the defaults / registry skips the overlap's host
-    time; an explicit config is run as given."""
-    from flashoverlap import overlap
+def test_which_path_a_call_takes(one_rank_group, monkeypatch, config, tuned, waves, trial, env, paths, timed):
+    """A call without config= skips the overlap where it cannot pay: a GEMM of one group, or an
+    untuned call that lost to sequential when first timed (overlap / sequential time ``trial``)."""
+    from flashoverlap import bench, overlap
     from flashoverlap.plan import make_plan
 
     plan = make_plan(128 * waves, 256, tile_m=128, tile_n=256, cluster_m=1, ctas=1, partition=None, layout="rows")
-    taken = []
+    prep = overlap.Prepared(plan, *(None,) * 5, 132, None)
+    taken, trials = [], []
+
+    def time_variants(variants, rounds, block, warmup, group=None):
+        trials.append(sorted(variants))
+        return {"sequential": 1.0, "overlapped": trial}
+
+    if env is not None:
+        monkeypatch.setenv("FLASHOVERLAP_TRIAL", env)
     monkeypatch.setattr(overlap, "check_inputs", lambda a, w, layout: (plan.m, plan.n, 64))
     monkeypatch.setattr(overlap, "world_size", lambda group: 2)
     monkeypatch.setattr(torch.cuda, "device", lambda device: contextlib.nullcontext())  # CPU tensors stand in
     monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (9, 0))
-    monkeypatch.setattr(overlap, "tuned_config", lambda *args: overlap.OverlapConfig())
-    monkeypatch.setattr(overlap, "prepare", lambda *args: overlap.Prepared(plan, *(None,) * 5, 132, None))
+    monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: False)
+    monkeypatch.setattr(
+        overlap, "tuned_config", lambda *args: None if tuned is None else overlap.OverlapConfig(**tuned)
+    )
+    monkeypatch.setattr(overlap, "prepare", lambda *args: prep)
     monkeypatch.setattr(overlap, "check_agreement", lambda *args: None)
     monkeypatch.setattr(overlap, "budget_communicator", lambda *args: None)
     monkeypatch.setattr(overlap, "sequential", lambda *args: taken.append("sequential"))
     monkeypatch.setattr(overlap, "run_overlapped", lambda *args, **kwargs: taken.append("overlapped"))
-    flashoverlap.gemm_all_reduce(bf16(plan.m, 64), bf16(plan.n, 64), config=config)
-    assert plan.num_groups == waves and taken == [path]
+    monkeypatch.setattr(bench, "time_variants", time_variants)
+    for _ in range(2):
+        flashoverlap.gemm_all_reduce(bf16(plan.m, 64), bf16(plan.n, 64), config=config)
+    assert plan.num_groups == waves and taken == paths
+    assert trials == [["overlapped", "sequential"]] * timed

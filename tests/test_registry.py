@@ -152,7 +152,7 @@ def test_a_rows_entry_is_not_used_for_unequal_all_to_all_splits(tmp_path, monkey
     even = exchange("all_to_all", 4096, 2)
     assert tuned_config(a, 2, even, shape) == OverlapConfig(layout="rows", comm_sms=8, partition=None)
     uneven = exchange("all_to_all", 4096, 2, splits=[1000, 3096], output_splits=[1000, 1000])
-    assert tuned_config(a, 2, uneven, shape) == OverlapConfig()
+    assert tuned_config(a, 2, uneven, shape) is None  # the defaults, timed on first use (overlap.trial_pays)
     # with the fallback the tuner measured for such calls
     write(tmp_path, {"gpu": "NVIDIA H200", "world": 2, "entries": [{**a2a, "fallback": {"sequential": True}}]})
     registry.reload()
