@@ -34,6 +34,7 @@ import torch
 import torch.distributed as dist
 import yaml
 
+from . import signal
 from .comm import COLLECTIVES
 
 TRANSPORTS = {
@@ -152,8 +153,9 @@ def kernel_alone(prep, a: Sequence[torch.Tensor], w: Sequence[torch.Tensor]) -> 
     buf = torch.empty(prep.plan.numel, dtype=a[0].dtype, device=a[0].device)
 
     def run(i: int) -> None:
-        prep.launch(a[i % len(a)], w[i % len(w)], buf, torch.cuda.current_stream())
-        prep.counters.zero_()
+        stream = torch.cuda.current_stream()
+        prep.launch(a[i % len(a)], w[i % len(w)], buf, stream)
+        signal.reset(prep.counters, stream)
 
     return run
 

@@ -216,6 +216,20 @@ def side_stream(device: torch.device, role: str = "comm") -> torch.cuda.Stream:
     return _side_streams[key]
 
 
+_join_events: dict[tuple[int, int, int], torch.cuda.Event] = {}
+
+
+def join(waiter: torch.cuda.Stream, waitee: torch.cuda.Stream, device: torch.device) -> None:
+    """``waiter.wait_stream(waitee)`` with one event per stream pair, kept (a fresh event per wait
+    costs its creation and destruction on every call)."""
+    key = (device.index, waiter.cuda_stream, waitee.cuda_stream)
+    event = _join_events.get(key)
+    if event is None:
+        event = _join_events[key] = torch.cuda.Event()
+    event.record(waitee)
+    waiter.wait_event(event)
+
+
 def run_overlapped(
     prep: Prepared,
     a: torch.Tensor,
@@ -259,8 +273,8 @@ def run_overlapped(
 
     timeout = signal.debug_timeout()
 
-    stream.wait_stream(caller)  # operands ready; earlier users of the buffers done
-    caller.wait_stream(stream)  # a call from another stream may not have reset the counters yet
+    join(stream, caller, device)  # operands ready; earlier users of the buffers done
+    join(caller, stream, device)  # a call from another stream may not have reset the counters yet
     prep.launch(a, weight, buffer, caller)
     with torch.cuda.stream(stream):
         last = len(prep.targets) - 1
@@ -274,14 +288,14 @@ def run_overlapped(
                 finisher.wait_event(prep.group_done[g])
                 with torch.cuda.stream(finisher):
                     comm.finish_group(ex, plan, g, buffer, recv, result)
-        prep.counters.zero_()  # stream-ordered: the next call's GEMM waits for it through `caller`
-    # Memory the side streams still use must not be reused before they are done (these are freed
-    # on return, or when the plan leaves the cache).
+        signal.reset(prep.counters, stream)  # stream-ordered: the next call's GEMM waits for it through `caller`
+    # The caller's stream waits for the side streams, so the buffers of this call (allocated on it,
+    # freed on return) are safe to reuse on it; the plan's counters and report may be freed from
+    # another stream when the plan leaves the cache.
     for side in [stream] if finisher is None else [stream, finisher]:
-        for used in (buffer, recv, prep.counters, prep.report):
-            if used is not None:
-                used.record_stream(side)
-        caller.wait_stream(side)
+        prep.counters.record_stream(side)
+        prep.report.record_stream(side)
+        join(caller, side, device)
     if plan.layout == "tiles":  # every other layout's result is in place (comm.finish_group)
         comm.restore(buffer, result, plan, prep.slots)
     if result is not out and comm.lands_in_out(ex, plan):  # the result is in the window

@@ -3,7 +3,7 @@
 ``cuStreamWaitValue32`` (GEQ) makes the communication stream wait in the GPU's front end,
 costing no SM. Where stream memory operations are unsupported, a one-thread spin kernel does
 the same job. ``FLASHOVERLAP_WAIT=stream|spin`` forces one (default: probe, prefer stream).
-Counters are reset on the stream (``zero_``), so a call can be captured in a CUDA graph (where
+Counters are reset on the stream (:func:`reset`), so a call can be captured in a CUDA graph (where
 waits are spin kernels).
 
 Debug mode (``FLASHOVERLAP_DEBUG=1``): every wait is a spin kernel that gives up after
@@ -99,6 +99,14 @@ def wait_geq(
     lib = jit.runtime_library()
     where = None if report is None else report.data_ptr()
     status = lib.fo_spin_wait(address, target, int(timeout * 1e9), where, index, stream.cuda_stream)
+    jit.check(lib, status, "fo_runtime_error")
+
+
+def reset(counters: torch.Tensor, stream: torch.cuda.Stream) -> None:
+    """Enqueue on ``stream``: zero ``counters`` for the next call (a memset: cheaper to enqueue
+    than a fill kernel)."""
+    lib = jit.runtime_library()
+    status = lib.fo_zero(counters.data_ptr(), counters.numel() * counters.element_size(), stream.cuda_stream)
     jit.check(lib, status, "fo_runtime_error")
 
 
