@@ -111,7 +111,6 @@ class Prepared:
     # exchange -> (the window region, its (out, buffer, recv) there): the same every call
     window_views: dict = field(default_factory=dict)
     group_done: list = field(default_factory=list)  # an event per group (comm.finish_group)
-    trials: dict = field(default_factory=dict)  # (exchange, communicators) -> whether overlap won (trial_pays)
 
     def launch(self, a: torch.Tensor, weight: torch.Tensor, buffer: torch.Tensor, stream: torch.cuda.Stream) -> None:
         """Enqueue the signal GEMM on ``stream``, writing the plan's slots of ``buffer``."""
@@ -364,16 +363,19 @@ def _gemm_collective(
         full = group if group is not None else dist.group.WORLD
         check_agreement(prep, collective, full)
         budget = budget_communicator(cfg, collective, full, a.device)
-        if explicit is None and tuned is None and not trial_pays(prep, a, weight, weight_layout, ex, budget, full):
+        if explicit is None and tuned is None and not trial_pays(prep, cfg, a, weight, weight_layout, ex, budget, full):
             return sequential(a, weight, weight_layout, ex, group)
         return run_overlapped(prep, a, weight, ex, budget, tail_group=full)
 
 
 TRIAL_MARGIN = 0.02  # overlap must beat sequential by this fraction (as the tuner's --margin)
+MAX_TRIALS = 1024
+_trials: OrderedDict[tuple, bool] = OrderedDict()  # trial_pays' answers, most recently used last
 
 
 def trial_pays(
     prep: Prepared,
+    cfg: OverlapConfig,
     a: torch.Tensor,
     weight: torch.Tensor,
     weight_layout: str,
@@ -381,15 +383,31 @@ def trial_pays(
     budget: dist.ProcessGroup | comm.Direct,
     full: dist.ProcessGroup,
 ) -> bool:
-    """Whether the overlapped call beats the sequential one, for a call that has no tuned config
-    (the built-in defaults are not tuned for this GPU, world size, transport or shape: on small
-    GEMMs over NVLink they lose). Timed once per plan, exchange and communicators, on the call's
-    own operands: a few rounds of each, taking turns, the slower rank's median deciding
-    (bench.time_variants), so every rank decides alike. Not timed while a CUDA graph is being
-    captured (overlapped then, without keeping the answer) or with ``FLASHOVERLAP_TRIAL=0``."""
-    key = (ex, budget, full)
-    if key in prep.trials:
-        return prep.trials[key]
+    """Whether the overlapped call (``prep``, config ``cfg``) beats the sequential one, for a call
+    that has no tuned config (the built-in defaults are not tuned for this GPU, world size,
+    transport or shape: on small GEMMs over NVLink they lose). Timed on the call's own operands, a
+    few rounds of each taking turns, the slower rank's median deciding (bench.time_variants), so
+    that every rank decides alike; the answer is kept for every M of the same power of two (with
+    the same N, K, dtype, config, kind of exchange and communicators: a model whose token counts
+    vary times each range once, not each count). Not timed while a CUDA graph is being captured
+    (overlapped then, the answer not kept) or with ``FLASHOVERLAP_TRIAL=0``."""
+    plan = prep.plan
+    key = (
+        plan.m.bit_length(),
+        weight.shape,
+        a.dtype,
+        weight_layout,
+        a.device.index,
+        cfg,
+        ex.collective,
+        ex.even,
+        ex.reduction,
+        budget,
+        full,
+    )
+    if key in _trials:
+        _trials.move_to_end(key)
+        return _trials[key]
     if os.environ.get("FLASHOVERLAP_TRIAL", "1") == "0" or torch.cuda.is_current_stream_capturing():
         return True
     from .bench import time_variants
@@ -400,13 +418,15 @@ def trial_pays(
     }
     times = time_variants(variants, rounds=3, block=4, warmup=1, group=full)
     pays = times["overlapped"] < times["sequential"] * (1 - TRIAL_MARGIN)
-    prep.trials[key] = pays
+    _trials[key] = pays
+    while len(_trials) > MAX_TRIALS:
+        _trials.popitem(last=False)
     if dist.get_rank(full) == 0:
-        plan = prep.plan
         print(
             f"[flashoverlap] {ex.collective} {plan.m}x{plan.n} ({plan.num_groups} groups), no tuned config: "
             f"defaults {times['overlapped']:.3f} ms, sequential {times['sequential']:.3f} ms per call -> "
-            f"{'overlapped' if pays else 'sequential'} (tune to do better: python -m flashoverlap.tune)",
+            f"{'overlapped' if pays else 'sequential'} for M in [{1 << (plan.m.bit_length() - 1)}, "
+            f"{(1 << plan.m.bit_length()) - 1}] (tune to do better: python -m flashoverlap.tune)",
             file=sys.stderr,
             flush=True,
         )

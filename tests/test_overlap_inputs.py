@@ -131,6 +131,7 @@ def test_which_path_a_call_takes(one_rank_group, monkeypatch, config, tuned, wav
     plan = make_plan(128 * waves, 256, tile_m=128, tile_n=256, cluster_m=1, ctas=1, partition=None, layout="rows")
     prep = overlap.Prepared(plan, *(None,) * 5, 132, None)
     taken, trials = [], []
+    monkeypatch.setattr(overlap, "_trials", type(overlap._trials)())
 
     def time_variants(variants, rounds, block, warmup, group=None):
         trials.append(sorted(variants))
@@ -156,3 +157,37 @@ def test_which_path_a_call_takes(one_rank_group, monkeypatch, config, tuned, wav
         flashoverlap.gemm_all_reduce(bf16(plan.m, 64), bf16(plan.n, 64), config=config)
     assert plan.num_groups == waves and taken == paths
     assert trials == [["overlapped", "sequential"]] * timed
+
+
+def test_a_trial_holds_for_every_m_of_its_power_of_two(one_rank_group, monkeypatch):
+    from flashoverlap import bench, overlap
+    from flashoverlap.plan import make_plan
+
+    trials = []
+
+    def time_variants(variants, rounds, block, warmup, group=None):
+        trials.append(plans[-1].m)
+        return {"sequential": 1.0, "overlapped": 0.5}
+
+    plans = []
+
+    def prepare(m, n, *args):
+        plans.append(make_plan(m, n, tile_m=128, tile_n=256, cluster_m=1, ctas=1, partition=None, layout="rows"))
+        return overlap.Prepared(plans[-1], *(None,) * 5, 132, None)
+
+    monkeypatch.setattr(overlap, "_trials", type(overlap._trials)())
+    monkeypatch.setattr(overlap, "world_size", lambda group: 2)
+    monkeypatch.setattr(torch.cuda, "device", lambda device: contextlib.nullcontext())  # CPU tensors stand in
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (9, 0))
+    monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: False)
+    monkeypatch.setattr(overlap, "tuned_config", lambda *args: None)
+    monkeypatch.setattr(overlap, "prepare", prepare)
+    monkeypatch.setattr(overlap, "check_agreement", lambda *args: None)
+    monkeypatch.setattr(overlap, "budget_communicator", lambda *args: None)
+    monkeypatch.setattr(overlap, "run_overlapped", lambda *args, **kwargs: None)
+    monkeypatch.setattr(bench, "time_variants", time_variants)
+    monkeypatch.setattr(overlap, "check_inputs", lambda a, w, layout: (a.shape[0], 256, 64))
+    for m in (512, 700, 1023, 1024, 600, 512):
+        flashoverlap.gemm_all_reduce(bf16(m, 64), bf16(256, 64))
+    flashoverlap.gemm_all_reduce(bf16(512, 64), bf16(256, 128))  # another K: its own trial
+    assert trials == [512, 1024, 512]
