@@ -1,17 +1,24 @@
-"""PyTorch modules: a row-parallel linear whose collective is overlapped with its GEMM.
+"""PyTorch modules: tensor-parallel linears whose collective is overlapped with a GEMM.
 
-A tensor-parallel row-parallel linear (Megatron's ``RowParallelLinear``; ``o_proj`` / ``down_proj``
-of a TP-split Llama block) computes ``x_local @ W_local.T`` on every rank and then all-reduces
-(or, with sequence parallelism, reduce-scatters) the partial sums. :class:`RowParallelLinear` does
-both in one overlapped call; :func:`swap_row_parallel` puts it in place of the ``nn.Linear``
-modules of an existing model.
+A row-parallel linear (Megatron's ``RowParallelLinear``; ``o_proj`` / ``down_proj`` of a TP-split
+Llama block) computes ``x_local @ W_local.T`` on every rank and then all-reduces (or, with
+sequence parallelism, reduce-scatters) the partial sums: :class:`RowParallelLinear` does both in
+one overlapped call. A column-parallel linear (``q/k/v_proj``, ``gate/up_proj``) needs its
+collective in the backward pass: the input gradient ``grad_y_local @ W_local`` is a partial sum,
+all-reduced (reduce-scattered with sequence parallelism), and :class:`ColumnParallelLinear` runs
+that GEMM and collective as one overlapped call. :func:`swap_row_parallel` and
+:func:`swap_column_parallel` put them in place of the ``nn.Linear`` modules of an existing model.
 
 Gradients (autograd), for a loss of the full output:
-* all-reduce: y = sum_r x_r W_r^T + b is replicated, so grad_x_r = grad_y W_r and
+* row-parallel, all-reduce: y = sum_r x_r W_r^T + b is replicated, so grad_x_r = grad_y W_r and
   grad_W_r = grad_y^T x_r need no collective; grad_b = sum of grad_y over rows (replicated).
-* reduce-scatter (``sequence_parallel=True``): rank r holds rows r of y; backward all-gathers
-  grad_y, then grad_x_r = grad_y W_r and grad_W_r = grad_y^T x_r; the bias is added to every
-  shard, so its gradient is all-reduced over the group (every rank gets the full gradient).
+* row-parallel, reduce-scatter (``sequence_parallel=True``): rank r holds rows r of y; backward
+  all-gathers grad_y, then grad_x_r = grad_y W_r and grad_W_r = grad_y^T x_r; the bias is added to
+  every shard, so its gradient is all-reduced over the group (every rank gets the full gradient).
+* column-parallel: y_r = x W_r^T + b_r (x replicated; with ``sequence_parallel=True`` all-gathered
+  from the ranks' sequence shards first); grad_x = sum_r grad_y_r W_r (all-reduced, or
+  reduce-scattered back to the sequence shards: overlapped), grad_W_r = grad_y_r^T x and
+  grad_b_r = grad_y_r summed over rows, no collective.
 
 CPU tensors take the plain path (``F.linear`` + the torch collective, e.g. over gloo) with the
 same autograd, so models can be debugged without GPUs. Under ``torch.compile`` the overlapped call
@@ -23,6 +30,7 @@ from __future__ import annotations
 import fnmatch
 import os
 from collections.abc import Callable, Sequence
+from typing import TypeVar
 
 import torch
 import torch.distributed as dist
@@ -34,11 +42,15 @@ from .overlap import gemm_all_reduce, gemm_reduce_scatter, world_size
 
 
 @torch.compiler.disable
-def _forward(x: torch.Tensor, weight: torch.Tensor, group, config, sequence_parallel: bool) -> torch.Tensor:
+def _reduced(
+    x: torch.Tensor, weight: torch.Tensor, weight_layout: str, group, config, sequence_parallel: bool
+) -> torch.Tensor:
+    """The all-reduce (``sequence_parallel``: reduce-scatter over rows) of ``x @ weight.T``
+    (``weight_layout`` "nk") or ``x @ weight`` ("kn"): overlapped on CUDA, plain on the CPU."""
     if x.is_cuda:
         fn = gemm_reduce_scatter if sequence_parallel else gemm_all_reduce
-        return fn(x, weight, group=group, config=config)
-    partial = F.linear(x, weight)
+        return fn(x, weight, group=group, config=config, weight_layout=weight_layout)
+    partial = F.linear(x, weight) if weight_layout == "nk" else x @ weight
     if sequence_parallel:
         out = partial.new_empty((partial.shape[0] // world_size(group), partial.shape[1]))
         dist.reduce_scatter_tensor(out, partial, group=group)
@@ -47,22 +59,46 @@ def _forward(x: torch.Tensor, weight: torch.Tensor, group, config, sequence_para
     return partial
 
 
+def _gathered_rows(t: torch.Tensor, group) -> torch.Tensor:
+    """Every rank's rows of ``t`` [rows, cols], in rank order (all-gather)."""
+    full = t.new_empty((t.shape[0] * world_size(group), t.shape[1]))
+    dist.all_gather_into_tensor(full, t.contiguous(), group=group)
+    return full
+
+
 class _RowParallel(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, weight, group, config, sequence_parallel):
         ctx.save_for_backward(x, weight)
         ctx.group, ctx.sequence_parallel = group, sequence_parallel
-        return _forward(x, weight, group, config, sequence_parallel)
+        return _reduced(x, weight, "nk", group, config, sequence_parallel)
 
     @staticmethod
     def backward(ctx, grad_out):
         x, weight = ctx.saved_tensors
         grad_out = grad_out.contiguous()
         if ctx.sequence_parallel:
-            full = grad_out.new_empty((x.shape[0], grad_out.shape[1]))
-            dist.all_gather_into_tensor(full, grad_out, group=ctx.group)
-            grad_out = full
+            grad_out = _gathered_rows(grad_out, ctx.group)
         grad_x = grad_out @ weight if ctx.needs_input_grad[0] else None
+        grad_w = grad_out.t() @ x if ctx.needs_input_grad[1] else None
+        return grad_x, grad_w, None, None, None
+
+
+class _ColumnParallel(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, weight, group, config, sequence_parallel):
+        full = _gathered_rows(x, group) if sequence_parallel else x
+        ctx.save_for_backward(full, weight)
+        ctx.group, ctx.config, ctx.sequence_parallel = group, config, sequence_parallel
+        return F.linear(full, weight)
+
+    @staticmethod
+    def backward(ctx, grad_out):
+        x, weight = ctx.saved_tensors
+        grad_out = grad_out.contiguous()
+        grad_x = None
+        if ctx.needs_input_grad[0]:  # weight [out, in] is the [K, N] operand of grad_out @ weight
+            grad_x = _reduced(grad_out, weight, "kn", ctx.group, ctx.config, ctx.sequence_parallel)
         grad_w = grad_out.t() @ x if ctx.needs_input_grad[1] else None
         return grad_x, grad_w, None, None, None
 
@@ -82,15 +118,15 @@ class _AllReduceGrad(torch.autograd.Function):
         return grad, None
 
 
-class RowParallelLinear(nn.Module):
-    """``y = collective(x @ weight.T) + bias`` with the collective overlapped with the GEMM.
+_Linear = TypeVar("_Linear", bound="_ParallelLinear")
 
-    weight: this rank's [out_features, in_features] shard (in_features = the local share of the
-    input features). ``sequence_parallel=False``: all-reduce, y is [..., out_features] on every
-    rank. ``True``: reduce-scatter over the flattened leading dimensions, rank r gets rows
-    [r * T / world, (r + 1) * T / world) of the T tokens, shaped [x.shape[0] / world, *x.shape[1:-1],
-    out_features] (the first dimension, e.g. the sequence of an [s, b, h] input, is split).
-    """
+
+class _ParallelLinear(nn.Module):
+    """What both tensor-parallel linears share: this rank's weight shard [out_features,
+    in_features], an optional bias, the group, sequence parallelism and the overlapped call's
+    config (None: the registry's, see the README)."""
+
+    _collective_of = ""  # what the collective applies to, for extra_repr
 
     def __init__(
         self,
@@ -112,7 +148,7 @@ class RowParallelLinear(nn.Module):
         nn.init.kaiming_uniform_(self.weight, a=5**0.5)
 
     @classmethod
-    def from_linear(cls, linear: nn.Linear, **kwargs) -> RowParallelLinear:
+    def from_linear(cls: type[_Linear], linear: nn.Linear, **kwargs) -> _Linear:
         """A module sharing ``linear``'s parameters (its weight is this rank's shard)."""
         module = cls.__new__(cls)
         nn.Module.__init__(module)
@@ -125,12 +161,35 @@ class RowParallelLinear(nn.Module):
         module.weight, module.bias = linear.weight, linear.bias
         return module
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def _rows(self, x: torch.Tensor) -> tuple[torch.Size, int]:
+        """Check ``x`` [..., in_features]; its leading dimensions and the group's size."""
         if x.shape[-1] != self.in_features:
             raise ValueError(f"expected input [..., {self.in_features}], got {tuple(x.shape)}")
-        lead = x.shape[:-1]
-        world = world_size(self.group)
-        if self.sequence_parallel and (not lead or lead[0] % world):
+        lead, world = x.shape[:-1], world_size(self.group)
+        if self.sequence_parallel and not lead:
+            raise ValueError(
+                f"sequence_parallel splits the first dimension over {world} ranks: got input {tuple(x.shape)}"
+            )
+        return lead, world
+
+    def extra_repr(self) -> str:
+        kind = ("reduce-scatter" if self.sequence_parallel else "all-reduce") + self._collective_of
+        return f"in_features={self.in_features}, out_features={self.out_features}, bias={self.bias is not None}, {kind}"
+
+
+class RowParallelLinear(_ParallelLinear):
+    """``y = collective(x @ weight.T) + bias`` with the collective overlapped with the GEMM.
+
+    weight: this rank's [out_features, in_features] shard (in_features = the local share of the
+    input features). ``sequence_parallel=False``: all-reduce, y is [..., out_features] on every
+    rank. ``True``: reduce-scatter over the flattened leading dimensions, rank r gets rows
+    [r * T / world, (r + 1) * T / world) of the T tokens, shaped [x.shape[0] / world, *x.shape[1:-1],
+    out_features] (the first dimension, e.g. the sequence of an [s, b, h] input, is split).
+    """
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        lead, world = self._rows(x)
+        if self.sequence_parallel and lead[0] % world:
             raise ValueError(
                 f"sequence_parallel splits the first dimension over {world} ranks: got input {tuple(x.shape)}"
             )
@@ -143,9 +202,30 @@ class RowParallelLinear(nn.Module):
             return y.view(lead[0] // world, *lead[1:], self.out_features)
         return y.view(*lead, self.out_features)
 
-    def extra_repr(self) -> str:
-        kind = "reduce-scatter" if self.sequence_parallel else "all-reduce"
-        return f"in_features={self.in_features}, out_features={self.out_features}, bias={self.bias is not None}, {kind}"
+
+class ColumnParallelLinear(_ParallelLinear):
+    """``y = x @ weight.T + bias`` on this rank's output features, the input gradient's collective
+    overlapped with its GEMM in the backward pass.
+
+    weight: this rank's [out_features, in_features] shard (out_features = the local share of the
+    output features); x: [..., in_features], the same on every rank; y: [..., out_features]. Backward:
+    grad x = the all-reduce of grad_y @ weight, one overlapped call (``config`` is that call's).
+    ``sequence_parallel=True``: x is this rank's shard of the first dimension (e.g. of the sequence
+    in [s / world, b, h]), all-gathered (plainly) before the GEMM, so y is [x.shape[0] * world,
+    *x.shape[1:-1], out_features]; grad x is reduce-scattered back to the shards (overlapped).
+    """
+
+    _collective_of = " of the input gradient"
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        lead, world = self._rows(x)
+        x2d = x.reshape(-1, self.in_features).contiguous()
+        y = _ColumnParallel.apply(x2d, self.weight, self.group, self.config, self.sequence_parallel)
+        if self.bias is not None:
+            y = y + self.bias
+        if self.sequence_parallel:
+            return y.view(lead[0] * world, *lead[1:], self.out_features)
+        return y.view(*lead, self.out_features)
 
 
 def swap_row_parallel(
@@ -161,6 +241,25 @@ def swap_row_parallel(
     (or reduce-scatter): remove the collective that followed them in the model's code. ``kwargs``
     go to :meth:`RowParallelLinear.from_linear` (group, sequence_parallel, config).
     """
+    return _swap(model, match, RowParallelLinear, kwargs)
+
+
+def swap_column_parallel(
+    model: nn.Module,
+    match: Sequence[str] | Callable[[str, nn.Module], bool],
+    **kwargs,
+) -> list[str]:
+    """Replace the ``nn.Linear`` modules of ``model`` selected by ``match`` (e.g. ``["*.q_proj",
+    "*.k_proj", "*.v_proj", "*.gate_proj", "*.up_proj"]``) with :class:`ColumnParallelLinear`
+    modules sharing their parameters; returns the replaced names. The replaced layers all-reduce
+    their input gradient themselves: remove the model's own (e.g. a hook or an identity whose
+    backward all-reduces); with ``sequence_parallel=True`` they also all-gather their input.
+    ``match`` as in :func:`swap_row_parallel`; ``kwargs`` go to :meth:`ColumnParallelLinear.from_linear`.
+    """
+    return _swap(model, match, ColumnParallelLinear, kwargs)
+
+
+def _swap(model: nn.Module, match, cls: type[_ParallelLinear], kwargs: dict) -> list[str]:
     if callable(match):
         selected = match
     else:
@@ -176,5 +275,5 @@ def swap_row_parallel(
     for name, module in targets:
         parent_name, _, child = name.rpartition(".")
         parent = model.get_submodule(parent_name) if parent_name else model
-        setattr(parent, child, RowParallelLinear.from_linear(module, **dict(kwargs)))
+        setattr(parent, child, cls.from_linear(module, **dict(kwargs)))
     return [name for name, _ in targets]

@@ -6,6 +6,11 @@ from flashoverlap.config import OverlapConfig, for_collective, for_device
 from flashoverlap.plan import scheduled_tiles, wave_count
 
 
+def rel_err(out, ref) -> float:
+    """Relative error of ``out`` against the reference ``ref`` (float32 or float64), in the 2-norm."""
+    return ((out.to(ref.dtype) - ref).norm() / ref.norm()).item()
+
+
 def random_partition(rng: np.random.Generator, num_waves: int) -> tuple[int, ...]:
     """A random composition of ``num_waves`` into positive group sizes."""
     cuts = sorted(rng.choice(np.arange(1, num_waves), size=int(rng.integers(0, num_waves)), replace=False).tolist())

@@ -15,7 +15,7 @@ from flashoverlap.comm import restore
 from flashoverlap.config import for_collective
 from flashoverlap.overlap import prepare, run_overlapped
 
-from .helpers import runs_on_this_gpu
+from .helpers import rel_err, runs_on_this_gpu
 
 pytestmark = pytest.mark.gpu
 
@@ -53,10 +53,6 @@ def operands(m, n, k, dtype, weight_layout, seed=0):
     w = torch.randn(n, k, device="cuda", generator=gen).to(dtype)
     ref = a.float() @ w.float().t()
     return a, (w if weight_layout == "nk" else w.t().contiguous()), ref
-
-
-def rel_err(out, ref):
-    return ((out.float() - ref).norm() / ref.norm()).item()
 
 
 @pytest.mark.parametrize("dtype, weight_layout, cfg", CONFIGS, ids=lambda v: str(v))
@@ -209,6 +205,24 @@ def test_pipeline_on_one_gpu(nccl_one_rank, monkeypatch, mode, symmetric, nccl, 
             assert rel_err(out, ref) < 1e-2
     finally:
         signal.uses_stream_wait.cache_clear()
+
+
+@pytest.mark.parametrize("sequence_parallel", [False, True])
+def test_column_parallel_linear_on_one_gpu(nccl_one_rank, sequence_parallel):
+    """The CUDA path of ColumnParallelLinear (its backward's gemm_* call with the "kn" weight; a group
+    of one rank runs it as the plain GEMM) against the fp32 layer."""
+    from flashoverlap.nn import ColumnParallelLinear
+
+    t, k, n = 1024, 512, 768
+    x, w, g = (torch.randn(*shape, device="cuda").bfloat16().float() for shape in [(t, k), (n, k), (t, n)])
+    layer = ColumnParallelLinear(k, n, bias=False, sequence_parallel=sequence_parallel, device="cuda")
+    with torch.no_grad():
+        layer.weight.copy_(w)
+    xr = x.bfloat16().requires_grad_()
+    y = layer(xr)
+    assert rel_err(y, x @ w.t()) < 1e-2
+    (y.float() * g).sum().backward()
+    assert rel_err(xr.grad, g @ w) < 1e-2 and rel_err(layer.weight.grad, g.t() @ x) < 1e-2
 
 
 def test_an_untuned_call_is_timed_once_against_sequential(nccl_one_rank, capfd):

@@ -9,7 +9,7 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 from torch import nn
 
-from flashoverlap.nn import RowParallelLinear, swap_row_parallel
+from flashoverlap.nn import ColumnParallelLinear, RowParallelLinear, swap_column_parallel, swap_row_parallel
 
 T, K, N = 12, 16, 10  # tokens, input features (split over ranks), output features
 
@@ -57,6 +57,41 @@ def test_row_parallel_linear_forward_and_backward_match_the_unsharded_layer():
         mp.spawn(worker, args=(2, os.path.join(tmp, "store")), nprocs=2, join=True)
 
 
+def column_worker(rank: int, world: int, store_path: str):
+    """The unsharded layer y = x @ w.T + b, its output features split over the ranks; the loss
+    sums every rank's share (each rank's output columns against the same g)."""
+    dist.init_process_group("gloo", store=dist.FileStore(store_path, world), rank=rank, world_size=world)
+    try:
+        x, w, b, g = full_problem()
+        x, w = x[:, :N].contiguous(), w[:, :N].contiguous()  # N input features, N output features
+        out = slice(rank * N // world, (rank + 1) * N // world)
+        for sequence_parallel in (False, True):
+            layer = ColumnParallelLinear(N, N // world, sequence_parallel=sequence_parallel, dtype=torch.float64)
+            with torch.no_grad():
+                layer.weight.copy_(w[out])
+                layer.bias.copy_(b[out])
+            rows = slice(rank * T // world, (rank + 1) * T // world) if sequence_parallel else slice(None)
+            xr = x[rows].clone().requires_grad_()
+            y = layer(xr)
+            torch.testing.assert_close(y, (x @ w.t() + b)[:, out])
+            (y * g[:, out]).sum().backward()
+            torch.testing.assert_close(xr.grad, (g @ w)[rows])
+            torch.testing.assert_close(layer.weight.grad, (g.t() @ x)[out])
+            torch.testing.assert_close(layer.bias.grad, g.sum(0)[out])
+        layer = ColumnParallelLinear(N, N // world, sequence_parallel=True, dtype=torch.float64)
+        assert layer(torch.randn(2, 3, N, dtype=torch.float64)).shape == (2 * world, 3, N // world)
+        assert "all-reduce of the input gradient" in repr(ColumnParallelLinear(N, 2, dtype=torch.float64))
+        with pytest.raises(ValueError, match=r"expected input \[\.\.\., 10\]"):
+            layer(torch.randn(4, K, dtype=torch.float64))
+    finally:
+        dist.destroy_process_group()
+
+
+def test_column_parallel_linear_forward_and_backward_match_the_unsharded_layer():
+    with tempfile.TemporaryDirectory() as tmp:
+        mp.spawn(column_worker, args=(2, os.path.join(tmp, "store")), nprocs=2, join=True)
+
+
 class Block(nn.Module):
     def __init__(self):
         super().__init__()
@@ -77,3 +112,8 @@ def test_swap_replaces_matching_linears_and_shares_their_parameters():
         swap_row_parallel(model, "*.act")
     with pytest.raises(TypeError, match="unexpected arguments"):
         swap_row_parallel(nn.Sequential(nn.Linear(2, 2)), "0", bogus=1)
+    up = model[0].mlp["up_proj"]
+    assert swap_column_parallel(model, ["*.up_proj"], config={"comm_sms": 8}) == ["0.mlp.up_proj", "1.mlp.up_proj"]
+    swapped = model[0].mlp["up_proj"]
+    assert isinstance(swapped, ColumnParallelLinear) and swapped.weight is up.weight and swapped.bias is up.bias
+    assert swapped.config == {"comm_sms": 8} and not swapped.sequence_parallel
