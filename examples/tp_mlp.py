@@ -39,6 +39,19 @@ class AllReduceGrad(torch.autograd.Function):
         return grad
 
 
+class AllReduce(torch.autograd.Function):
+    """The baseline's row-parallel output: all-reduced forward, identity gradient."""
+
+    @staticmethod
+    def forward(ctx, y):
+        dist.all_reduce(y)
+        return y
+
+    @staticmethod
+    def backward(ctx, grad):
+        return grad
+
+
 class MLP(nn.Module):
     def __init__(self, hidden: int, ffn: int, world: int, overlap: bool) -> None:
         super().__init__()
@@ -53,9 +66,7 @@ class MLP(nn.Module):
             x = AllReduceGrad.apply(x)
         gate, up = self.gate_up(x).chunk(2, dim=-1)
         y = self.down(F.silu(gate) * up)
-        if not self.overlap:
-            dist.all_reduce(y)
-        return y
+        return y if self.overlap else AllReduce.apply(y)
 
 
 def main() -> None:
