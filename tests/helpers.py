@@ -1,6 +1,12 @@
 """Shared test helpers."""
 
+import os
+import tempfile
+import time
+
 import numpy as np
+import pytest
+import torch.multiprocessing as mp
 
 from flashoverlap.config import OverlapConfig, for_collective, for_device
 from flashoverlap.plan import scheduled_tiles, wave_count
@@ -57,3 +63,16 @@ def runs_on_this_gpu(cfg: OverlapConfig, collective: str = "all_reduce") -> bool
     except ValueError:
         return False
     return True
+
+
+def spawn_ranks(world, fn, *args, timeout=300):
+    """Run fn(rank, world, store_path, *args) in ``world`` processes; a run that has not finished
+    after ``timeout`` seconds (a hang) is killed and fails the test."""
+    with tempfile.TemporaryDirectory() as tmp:
+        ctx = mp.start_processes(fn, args=(world, os.path.join(tmp, "store"), *args), nprocs=world, join=False)
+        deadline = time.monotonic() + timeout
+        while not ctx.join(timeout=5):
+            if time.monotonic() > deadline:
+                for process in ctx.processes:
+                    process.kill()
+                pytest.fail(f"{fn.__name__}{args} did not finish within {timeout} s on {world} ranks")

@@ -1,19 +1,17 @@
 """Every visible GPU, one process each (NCCL): each entry point equals matmul + its collective."""
 
 import os
-import tempfile
 import time
 
 import pytest
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 
 import flashoverlap
 from flashoverlap import OverlapConfig, comm, signal
 from flashoverlap.overlap import rotation_unit, sequential
 
-from .helpers import rel_err, runs_on_this_gpu
+from .helpers import rel_err, runs_on_this_gpu, spawn_ranks
 
 pytestmark = pytest.mark.multigpu
 
@@ -55,17 +53,8 @@ def init_rank(rank, world, store_path):
 
 
 def spawn(fn, *args, timeout=300):
-    """Run fn(rank, world, store_path, *args) on every visible GPU, one process each; a run that
-    has not finished after ``timeout`` seconds (a hang) is killed and fails the test."""
-    world = torch.cuda.device_count()
-    with tempfile.TemporaryDirectory() as tmp:
-        ctx = mp.start_processes(fn, args=(world, os.path.join(tmp, "store"), *args), nprocs=world, join=False)
-        deadline = time.monotonic() + timeout
-        while not ctx.join(timeout=5):
-            if time.monotonic() > deadline:
-                for process in ctx.processes:
-                    process.kill()
-                pytest.fail(f"{fn.__name__}{args} did not finish within {timeout} s on {world} GPUs")
+    """Run fn(rank, world, store_path, *args) on every visible GPU, one process each."""
+    spawn_ranks(torch.cuda.device_count(), fn, *args, timeout=timeout)
 
 
 def worker(rank, world, store_path, mode, nccl):

@@ -1,0 +1,107 @@
+"""Two and three ranks on one GPU (gloo, which carries CUDA tensors through host memory): the
+overlapped calls with the real kernels, counters and streams, several ranks exchanging what the
+plan laid out, against the sequential path (cuBLAS + the same collective). Every collective and
+layout whose collectives gloo has: all but the send/receive of the ``rows`` layout for
+reduce-scatter / all-to-all (gloo cannot send CUDA tensors point to point); NCCL's own features
+(symmetric windows, capped communicators, its C API) need the multi-GPU tests. Correctness only:
+the ranks share the GPU, and gloo waits on the host for every collective."""
+
+import pytest
+import torch
+import torch.distributed as dist
+
+import flashoverlap
+from flashoverlap import OverlapConfig, comm
+from flashoverlap.overlap import rotation_unit, sequential
+
+from .helpers import rel_err, runs_on_this_gpu, spawn_ranks
+
+pytestmark = pytest.mark.gpu
+
+CASES = [  # collective, config, keyword arguments
+    ("all_reduce", {}, {}),
+    ("all_reduce", {"layout": "tiles"}, {}),
+    ("all_reduce", {"layout": "cols"}, {}),
+    ("all_reduce", {"reduction": "local"}, {}),
+    ("all_reduce", {"reduction": "local", "layout": "tiles", "comm_sms": 0}, {}),
+    ("all_reduce", {"kernel": "sm80"}, {}),
+    ("all_reduce", {"scheduler": "streamk", "comm_sms": 12}, {}),
+    ("reduce_scatter", {"layout": "cols"}, {}),
+    ("reduce_scatter", {"layout": "segments"}, {}),
+    ("reduce_scatter", {"layout": "segments", "kernel": "sm80"}, {}),
+    ("all_to_all", {"layout": "cols"}, {}),
+    ("all_to_all", {"layout": "segments"}, {}),
+    ("all_to_all", {"layout": "cols"}, {"uneven": True}),
+]
+SHAPES = [(4608, 2048, 512), (1000, 1032, 264)]
+
+
+def worker(rank, world, store_path):
+    torch.cuda.set_device(0)
+    dist.init_process_group("gloo", store=dist.FileStore(store_path, world), rank=rank, world_size=world)
+    try:
+        for collective, config, kwargs in CASES:
+            cfg = OverlapConfig(**config)
+            if not runs_on_this_gpu(cfg, collective):
+                continue
+            fn = getattr(flashoverlap, f"gemm_{collective}")
+            for m, n, k in SHAPES:
+                what = f"{collective} {config} {kwargs} {m}x{n}x{k} world {world}"
+                if collective != "all_reduce" and m % world:
+                    continue
+                # uneven: a third of the rows to the last rank but one, the rest to the last (none to others)
+                splits = [0] * (world - 2) + [m // 3, m - m // 3] if kwargs.get("uneven") else None
+                call = {"splits": splits} if splits else {}
+                ex = comm.exchange(collective, m, world, splits, group=None, device=torch.device("cuda", 0))
+                if cfg.layout == "segments" and not comm.rows_carry(ex, rotation_unit(cfg, (m, n, k))):
+                    continue  # equal segments of whole tile rows
+                gen = torch.Generator(device="cuda").manual_seed(m + rank)
+                a = torch.randn(m, k, device="cuda", generator=gen).bfloat16()
+                w = (torch.randn(n, k, device="cuda", generator=gen) / k**0.5).bfloat16()
+                for _ in range(2):  # back to back: counters reset, buffers reused
+                    out = fn(a, w, config=config, **call)
+                seq = sequential(a, w, "nk", ex, None).float()
+                assert out.shape == seq.shape, what
+                assert not torch.isnan(out).any(), f"{what}: unwritten elements"
+                if seq.numel():
+                    assert rel_err(out, seq) < 1e-2, what
+        torch.cuda.synchronize()
+    finally:
+        dist.destroy_process_group()
+
+
+@pytest.mark.parametrize("world", [2, 3])
+def test_several_ranks_on_one_gpu(world):
+    spawn_ranks(world, worker, timeout=600)
+
+
+def column_worker(rank, world, store_path):
+    """ColumnParallelLinear's backward: the input gradient through gemm_all_reduce /
+    gemm_reduce_scatter with the "kn" weight, against fp32 on the unsharded layer."""
+    from flashoverlap.nn import ColumnParallelLinear
+
+    torch.cuda.set_device(0)
+    dist.init_process_group("gloo", store=dist.FileStore(store_path, world), rank=rank, world_size=world)
+    try:
+        t, k, n = 1024, 1024, 512 * world  # tokens, input features, output features (split)
+        gen = torch.Generator(device="cuda").manual_seed(0)  # the same full problem on every rank
+        x, w, g = (torch.randn(*s, device="cuda", generator=gen).bfloat16().float() for s in [(t, k), (n, k), (t, n)])
+        out = slice(rank * n // world, (rank + 1) * n // world)
+        for sp in (False, True):
+            layer = ColumnParallelLinear(k, n // world, bias=False, sequence_parallel=sp, config={}, device="cuda")
+            with torch.no_grad():
+                layer.weight.copy_(w[out])
+            rows = slice(rank * t // world, (rank + 1) * t // world) if sp else slice(None)
+            xr = x[rows].bfloat16().requires_grad_()
+            y = layer(xr)
+            assert rel_err(y, (x @ w.t())[:, out]) < 1e-2, f"forward sp={sp}"
+            (y.float() * g[:, out]).sum().backward()
+            assert rel_err(xr.grad, (g @ w)[rows]) < 1e-2, f"grad x sp={sp}"
+            assert rel_err(layer.weight.grad, (g.t() @ x)[out]) < 1e-2, f"grad w sp={sp}"
+        torch.cuda.synchronize()
+    finally:
+        dist.destroy_process_group()
+
+
+def test_column_parallel_backward_on_two_ranks_of_one_gpu():
+    spawn_ranks(2, column_worker, timeout=300)
