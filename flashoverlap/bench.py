@@ -259,8 +259,8 @@ def bench_shape(
     import flashoverlap
 
     from . import comm
-    from .config import OverlapConfig, for_collective, resolve
-    from .overlap import prepare, sequential, tuned_config
+    from .config import for_collective, resolve
+    from .overlap import default_config, prepare, sequential, tuned_config
 
     m, n, k = shape
     world = dist.get_world_size()
@@ -286,7 +286,10 @@ def bench_shape(
         variants["asynctp"] = lambda i: fused(a[i % sets], w[i % sets])
     cfgs = [
         for_collective(
-            resolve(cfg) if cfg is not None else tuned_config(a[0], world, ex, shape) or OverlapConfig(), collective
+            resolve(cfg)
+            if cfg is not None
+            else tuned_config(a[0], world, ex, shape) or default_config(collective, ex, shape),
+            collective,
         )
         for cfg in configs
     ]

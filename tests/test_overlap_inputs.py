@@ -191,3 +191,19 @@ def test_a_trial_holds_for_every_m_of_its_power_of_two(one_rank_group, monkeypat
         flashoverlap.gemm_all_reduce(bf16(m, 64), bf16(256, 64))
     flashoverlap.gemm_all_reduce(bf16(512, 64), bf16(256, 128))  # another K: its own trial
     assert trials == [512, 1024, 512]
+
+
+def test_the_default_config_takes_segments_where_they_carry_the_call():
+    from flashoverlap import comm
+    from flashoverlap.overlap import default_config
+
+    shape = (4096, 4096, 1024)
+    even = comm.exchange("reduce_scatter", 4096, 2)
+    assert default_config("reduce_scatter", even, shape).layout == "segments"
+    assert default_config("all_to_all", comm.exchange("all_to_all", 4096, 4), shape).layout == "segments"
+    assert (
+        default_config("reduce_scatter", comm.exchange("reduce_scatter", 4000, 2), (4000, 4096, 1024)).layout == "auto"
+    )
+    uneven = comm.exchange("all_to_all", 4096, 2, splits=[1024, 3072], output_splits=[1024, 1024])
+    assert default_config("all_to_all", uneven, shape).layout == "auto"  # cols
+    assert default_config("all_reduce", comm.exchange("all_reduce", 4096, 2), shape).layout == "auto"  # rows
