@@ -76,3 +76,35 @@ def spawn_ranks(world, fn, *args, timeout=300):
                 for process in ctx.processes:
                     process.kill()
                 pytest.fail(f"{fn.__name__}{args} did not finish within {timeout} s on {world} ranks")
+
+
+def check_column_parallel(rank: int, world: int, device: str = "cuda", tol: float = 1e-2) -> None:
+    """ColumnParallelLinear (all-reduce and sequence parallel) against the unsharded layer in
+    float64: the forward, and the gradients (on CUDA the input's through the overlapped backward
+    call, "kn" weight, in bf16; on the CPU the plain path, in float64). Run by every rank of an
+    initialised group."""
+    import torch
+
+    from flashoverlap.nn import ColumnParallelLinear
+
+    dtype = torch.bfloat16 if device == "cuda" else torch.float64
+    t, k, n = 1024, 1024, 512 * world  # tokens, input features, output features (split)
+    gen = torch.Generator(device=device).manual_seed(0)  # the same full problem on every rank
+    x, w, g = (torch.randn(*s, device=device, generator=gen).to(dtype).double() for s in [(t, k), (n, k), (t, n)])
+    b = torch.randn(n, device=device, generator=gen).to(dtype).double()
+    out = slice(rank * n // world, (rank + 1) * n // world)
+    for sp in (False, True):
+        layer = ColumnParallelLinear(k, n // world, sequence_parallel=sp, config={}, device=device, dtype=dtype)
+        with torch.no_grad():
+            layer.weight.copy_(w[out])
+            layer.bias.copy_(b[out])
+        rows = slice(rank * t // world, (rank + 1) * t // world) if sp else slice(None)
+        xr = x[rows].to(dtype).requires_grad_()
+        y = layer(xr)
+        assert rel_err(y, (x @ w.t() + b)[:, out]) < tol, f"forward sp={sp}"
+        (y.double() * g[:, out]).sum().backward()
+        assert rel_err(xr.grad, (g @ w)[rows]) < tol, f"grad x sp={sp}"
+        assert rel_err(layer.weight.grad, (g.t() @ x)[out]) < tol, f"grad w sp={sp}"
+        assert rel_err(layer.bias.grad, g.sum(0)[out]) < tol, f"grad b sp={sp}"
+    if device == "cuda":
+        torch.cuda.synchronize()

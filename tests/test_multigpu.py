@@ -11,7 +11,7 @@ import flashoverlap
 from flashoverlap import OverlapConfig, comm, signal
 from flashoverlap.overlap import rotation_unit, sequential
 
-from .helpers import rel_err, runs_on_this_gpu, spawn_ranks
+from .helpers import check_column_parallel, rel_err, runs_on_this_gpu, spawn_ranks
 
 pytestmark = pytest.mark.multigpu
 
@@ -239,35 +239,9 @@ def test_row_parallel_linear_on_all_gpus(part):
 
 
 def column_worker(rank, world, store_path):
-    """ColumnParallelLinear (all-reduce and sequence parallel) vs fp32 on the unsharded layer: the
-    forward, and the gradients, the input's through the overlapped backward call ("kn" weight)."""
-    from flashoverlap.nn import ColumnParallelLinear
-
     init_rank(rank, world, store_path)
     try:
-        t, k, n = 2048, 2048, 1024 * world  # tokens, input features, output features (split)
-        gen = torch.Generator(device="cuda").manual_seed(0)  # same full problem on every rank
-        x, w = torch.randn(t, k, device="cuda", generator=gen), torch.randn(n, k, device="cuda", generator=gen)
-        b, g = torch.randn(n, device="cuda", generator=gen), torch.randn(t, n, device="cuda", generator=gen)
-        x, w, b, g = (v.bfloat16().float() for v in (x, w, b, g))  # exactly representable in bf16
-        out = slice(rank * n // world, (rank + 1) * n // world)
-        for sp in (False, True):
-            layer = ColumnParallelLinear(k, n // world, sequence_parallel=sp, config={}, device="cuda")
-            with torch.no_grad():
-                layer.weight.copy_(w[out])
-                layer.bias.copy_(b[out])
-            rows = slice(rank * t // world, (rank + 1) * t // world) if sp else slice(None)
-            xr = x[rows].bfloat16().requires_grad_()
-            y = layer(xr)
-            assert rel_err(y, (x @ w.t() + b)[:, out]) < 1e-2, f"forward sp={sp}"
-            (y.float() * g[:, out]).sum().backward()
-            for got, want, what in [
-                (xr.grad, (g @ w)[rows], "grad x"),
-                (layer.weight.grad, (g.t() @ x)[out], "grad w"),
-                (layer.bias.grad, g.sum(0)[out], "grad b"),
-            ]:
-                assert rel_err(got, want) < 1e-2, f"{what} sp={sp}"
-        torch.cuda.synchronize()
+        check_column_parallel(rank, world)
     finally:
         dist.destroy_process_group()
 

@@ -1,15 +1,13 @@
 """flashoverlap.nn on the CPU (gloo, 2 ranks, the plain path with the same autograd)."""
 
-import os
-import tempfile
-
 import pytest
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 from torch import nn
 
 from flashoverlap.nn import ColumnParallelLinear, RowParallelLinear, swap_column_parallel, swap_row_parallel
+
+from .helpers import check_column_parallel, spawn_ranks
 
 T, K, N = 12, 16, 10  # tokens, input features (split over ranks), output features
 
@@ -24,6 +22,7 @@ def full_problem():
 
 
 def worker(rank: int, world: int, store_path: str):
+    """RowParallelLinear: the unsharded layer's input features split over the ranks."""
     dist.init_process_group("gloo", store=dist.FileStore(store_path, world), rank=rank, world_size=world)
     try:
         x, w, b, g = full_problem()
@@ -52,32 +51,11 @@ def worker(rank: int, world: int, store_path: str):
         dist.destroy_process_group()
 
 
-def test_row_parallel_linear_forward_and_backward_match_the_unsharded_layer():
-    with tempfile.TemporaryDirectory() as tmp:
-        mp.spawn(worker, args=(2, os.path.join(tmp, "store")), nprocs=2, join=True)
-
-
 def column_worker(rank: int, world: int, store_path: str):
-    """The unsharded layer y = x @ w.T + b, its output features split over the ranks; the loss
-    sums every rank's share (each rank's output columns against the same g)."""
+    """ColumnParallelLinear: the unsharded layer's output features split over the ranks."""
     dist.init_process_group("gloo", store=dist.FileStore(store_path, world), rank=rank, world_size=world)
     try:
-        x, w, b, g = full_problem()
-        x, w = x[:, :N].contiguous(), w[:, :N].contiguous()  # N input features, N output features
-        out = slice(rank * N // world, (rank + 1) * N // world)
-        for sequence_parallel in (False, True):
-            layer = ColumnParallelLinear(N, N // world, sequence_parallel=sequence_parallel, dtype=torch.float64)
-            with torch.no_grad():
-                layer.weight.copy_(w[out])
-                layer.bias.copy_(b[out])
-            rows = slice(rank * T // world, (rank + 1) * T // world) if sequence_parallel else slice(None)
-            xr = x[rows].clone().requires_grad_()
-            y = layer(xr)
-            torch.testing.assert_close(y, (x @ w.t() + b)[:, out])
-            (y * g[:, out]).sum().backward()
-            torch.testing.assert_close(xr.grad, (g @ w)[rows])
-            torch.testing.assert_close(layer.weight.grad, (g.t() @ x)[out])
-            torch.testing.assert_close(layer.bias.grad, g.sum(0)[out])
+        check_column_parallel(rank, world, "cpu", tol=1e-12)
         layer = ColumnParallelLinear(N, N // world, sequence_parallel=True, dtype=torch.float64)
         assert layer(torch.randn(2, 3, N, dtype=torch.float64)).shape == (2 * world, 3, N // world)
         assert "all-reduce of the input gradient" in repr(ColumnParallelLinear(N, 2, dtype=torch.float64))
@@ -87,9 +65,9 @@ def column_worker(rank: int, world: int, store_path: str):
         dist.destroy_process_group()
 
 
-def test_column_parallel_linear_forward_and_backward_match_the_unsharded_layer():
-    with tempfile.TemporaryDirectory() as tmp:
-        mp.spawn(column_worker, args=(2, os.path.join(tmp, "store")), nprocs=2, join=True)
+@pytest.mark.parametrize("fn", [worker, column_worker], ids=["row", "column"])
+def test_parallel_linears_forward_and_backward_match_the_unsharded_layer(fn):
+    spawn_ranks(2, fn)
 
 
 class Block(nn.Module):

@@ -14,7 +14,7 @@ import flashoverlap
 from flashoverlap import OverlapConfig, comm
 from flashoverlap.overlap import rotation_unit, sequential
 
-from .helpers import rel_err, runs_on_this_gpu, spawn_ranks
+from .helpers import check_column_parallel, rel_err, runs_on_this_gpu, spawn_ranks
 
 pytestmark = pytest.mark.gpu
 
@@ -32,6 +32,11 @@ CASES = [  # collective, config, keyword arguments
     ("all_to_all", {"layout": "cols"}, {}),
     ("all_to_all", {"layout": "segments"}, {}),
     ("all_to_all", {"layout": "cols"}, {"uneven": True}),
+    # without config=: the registry's entry (two ranks of an H200) or the defaults, timed first
+    ("all_reduce", None, {}),
+    ("reduce_scatter", None, {}),
+    ("all_to_all", None, {}),
+    ("all_to_all", None, {"uneven": True}),
 ]
 SHAPES = [(4608, 2048, 512), (1000, 1032, 264)]
 
@@ -41,8 +46,7 @@ def worker(rank, world, store_path):
     dist.init_process_group("gloo", store=dist.FileStore(store_path, world), rank=rank, world_size=world)
     try:
         for collective, config, kwargs in CASES:
-            cfg = OverlapConfig(**config)
-            if not runs_on_this_gpu(cfg, collective):
+            if config is not None and not runs_on_this_gpu(OverlapConfig(**config), collective):
                 continue
             fn = getattr(flashoverlap, f"gemm_{collective}")
             for m, n, k in SHAPES:
@@ -53,7 +57,8 @@ def worker(rank, world, store_path):
                 splits = [0] * (world - 2) + [m // 3, m - m // 3] if kwargs.get("uneven") else None
                 call = {"splits": splits} if splits else {}
                 ex = comm.exchange(collective, m, world, splits, group=None, device=torch.device("cuda", 0))
-                if cfg.layout == "segments" and not comm.rows_carry(ex, rotation_unit(cfg, (m, n, k))):
+                segments = config is not None and config.get("layout") == "segments"
+                if segments and not comm.rows_carry(ex, rotation_unit(OverlapConfig(**config), (m, n, k))):
                     continue  # equal segments of whole tile rows
                 gen = torch.Generator(device="cuda").manual_seed(m + rank)
                 a = torch.randn(m, k, device="cuda", generator=gen).bfloat16()
@@ -76,29 +81,10 @@ def test_several_ranks_on_one_gpu(world):
 
 
 def column_worker(rank, world, store_path):
-    """ColumnParallelLinear's backward: the input gradient through gemm_all_reduce /
-    gemm_reduce_scatter with the "kn" weight, against fp32 on the unsharded layer."""
-    from flashoverlap.nn import ColumnParallelLinear
-
     torch.cuda.set_device(0)
     dist.init_process_group("gloo", store=dist.FileStore(store_path, world), rank=rank, world_size=world)
     try:
-        t, k, n = 1024, 1024, 512 * world  # tokens, input features, output features (split)
-        gen = torch.Generator(device="cuda").manual_seed(0)  # the same full problem on every rank
-        x, w, g = (torch.randn(*s, device="cuda", generator=gen).bfloat16().float() for s in [(t, k), (n, k), (t, n)])
-        out = slice(rank * n // world, (rank + 1) * n // world)
-        for sp in (False, True):
-            layer = ColumnParallelLinear(k, n // world, bias=False, sequence_parallel=sp, config={}, device="cuda")
-            with torch.no_grad():
-                layer.weight.copy_(w[out])
-            rows = slice(rank * t // world, (rank + 1) * t // world) if sp else slice(None)
-            xr = x[rows].bfloat16().requires_grad_()
-            y = layer(xr)
-            assert rel_err(y, (x @ w.t())[:, out]) < 1e-2, f"forward sp={sp}"
-            (y.float() * g[:, out]).sum().backward()
-            assert rel_err(xr.grad, (g @ w)[rows]) < 1e-2, f"grad x sp={sp}"
-            assert rel_err(layer.weight.grad, (g.t() @ x)[out]) < 1e-2, f"grad w sp={sp}"
-        torch.cuda.synchronize()
+        check_column_parallel(rank, world)
     finally:
         dist.destroy_process_group()
 
