@@ -38,7 +38,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from .config import OverlapConfig
-from .overlap import gemm_all_reduce, gemm_reduce_scatter, world_size
+from .overlap import check_inputs, gemm_all_reduce, gemm_reduce_scatter, world_size
 
 
 @torch.compiler.disable
@@ -219,6 +219,8 @@ class ColumnParallelLinear(_ParallelLinear):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         lead, world = self._rows(x)
+        if x.is_cuda and x.requires_grad and torch.is_grad_enabled():  # refuse here, not midway through backward
+            check_inputs(x.new_empty(1, self.out_features), self.weight, "kn")  # the backward's operands
         x2d = x.reshape(-1, self.in_features).contiguous()
         y = _ColumnParallel.apply(x2d, self.weight, self.group, self.config, self.sequence_parallel)
         if self.bias is not None:

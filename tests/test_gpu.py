@@ -223,6 +223,10 @@ def test_column_parallel_linear_on_one_gpu(nccl_one_rank, sequence_parallel):
     assert rel_err(y, x @ w.t()) < 1e-2
     (y.float() * g).sum().backward()
     assert rel_err(xr.grad, g @ w) < 1e-2 and rel_err(layer.weight.grad, g.t() @ x) < 1e-2
+    odd = ColumnParallelLinear(k, 100, bias=False, device="cuda")  # the backward's K must be a multiple of 8
+    with pytest.raises(ValueError, match="N and K must be multiples of 8"):
+        odd(xr)
+    assert odd(xr.detach()).shape == (t, 100)  # no gradient to x: nothing to refuse
 
 
 def test_an_untuned_call_is_timed_once_against_sequential(nccl_one_rank, capfd):
