@@ -60,7 +60,7 @@ def main() -> None:
 
         def one_rank() -> torch.Tensor:
             group = budget_communicator(cfg, "all_reduce", dist.group.WORLD, a.device)
-            return run_overlapped(prep, a, w, ex, group, tail_group=dist.group.WORLD)
+            return run_overlapped(prep, a, w, ex, group, tail_group=comm.tail_group(dist.group.WORLD, a.device))
 
         cases["overlapped"] = cases["direct"] = one_rank
         print(f"one rank: {prep.plan.num_groups} groups, {cfg}", flush=True)

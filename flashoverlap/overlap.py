@@ -379,9 +379,14 @@ def _gemm_collective(
         full = group if group is not None else dist.group.WORLD
         check_agreement(prep, collective, full)
         budget = budget_communicator(cfg, collective, full, a.device)
-        if explicit is None and tuned is None and not trial_pays(prep, cfg, a, weight, weight_layout, ex, budget, full):
+        tail = comm.tail_group(full, a.device)
+        if (
+            explicit is None
+            and tuned is None
+            and not trial_pays(prep, cfg, a, weight, weight_layout, ex, budget, tail, full)
+        ):
             return sequential(a, weight, weight_layout, ex, group)
-        return run_overlapped(prep, a, weight, ex, budget, tail_group=full)
+        return run_overlapped(prep, a, weight, ex, budget, tail_group=tail)
 
 
 TRIAL_MARGIN = 0.02  # overlap must beat sequential by this fraction (as the tuner's --margin)
@@ -397,11 +402,13 @@ def trial_pays(
     weight_layout: str,
     ex: Exchange,
     budget: dist.ProcessGroup | comm.Direct,
+    tail: dist.ProcessGroup | comm.Direct,
     full: dist.ProcessGroup,
 ) -> bool:
-    """Whether the overlapped call (``prep``, config ``cfg``) beats the sequential one, for a call
-    that has no tuned config (the built-in defaults are not tuned for this GPU, world size,
-    transport or shape: on small GEMMs over NVLink they lose). Timed on the call's own operands, a
+    """Whether the overlapped call (``prep``, config ``cfg``, communicators ``budget`` and ``tail``:
+    :func:`run_overlapped`) beats the sequential one on ``full``, for a call that has no tuned
+    config (the built-in defaults are not tuned for this GPU, world size, transport or shape: on
+    small GEMMs over NVLink they lose). Timed on the call's own operands, a
     few rounds of each taking turns, the slower rank's median deciding (bench.time_variants), so
     that every rank decides alike; the answer is kept for every M of the same power of two (with
     the same N, K, dtype, config, kind of exchange and communicators: a model whose token counts
@@ -430,7 +437,7 @@ def trial_pays(
 
     variants = {
         "sequential": lambda i: sequential(a, weight, weight_layout, ex, full),
-        "overlapped": lambda i: run_overlapped(prep, a, weight, ex, budget, tail_group=full),
+        "overlapped": lambda i: run_overlapped(prep, a, weight, ex, budget, tail_group=tail),
     }
     times = time_variants(variants, rounds=3, block=4, warmup=1, group=full)
     pays = times["overlapped"] < times["sequential"] * (1 - TRIAL_MARGIN)

@@ -187,7 +187,8 @@ def test_pipeline_on_one_gpu(nccl_one_rank, monkeypatch, mode, symmetric, nccl, 
     monkeypatch.setenv("FLASHOVERLAP_NCCL", nccl)
     signal.uses_stream_wait.cache_clear()
     group = comm.direct(comm.budget_group(dist.group.WORLD, 16), torch.device("cuda", 0))
-    assert isinstance(group, comm.Direct) == (nccl == "direct")
+    tail = comm.tail_group(dist.group.WORLD, torch.device("cuda", 0))  # direct: a private communicator
+    assert isinstance(group, comm.Direct) == isinstance(tail, comm.Direct) == (nccl == "direct")
     try:
         cfg = for_collective(OverlapConfig(layout=layout, symmetric=symmetric, reduction=reduction), collective)
         for m, n, k in [(2048, 4096, 1024), (777, 1032, 264)]:
@@ -196,7 +197,7 @@ def test_pipeline_on_one_gpu(nccl_one_rank, monkeypatch, mode, symmetric, nccl, 
             a, w, ref = operands(m, n, k, torch.bfloat16, "nk", seed=m)
             prep = prepare(m, n, k, torch.bfloat16, "nk", a.device, cfg)
             ex = comm.exchange(collective, m, 1, reduction=reduction)
-            outs = [run_overlapped(prep, a, w, ex, group) for _ in range(3)]  # back to back: counters reset
+            outs = [run_overlapped(prep, a, w, ex, group, tail) for _ in range(3)]  # back to back: counters reset
             torch.cuda.synchronize()
             assert len({o.data_ptr() for o in outs}) == 3  # each result its own tensor (none is the window)
             out = outs[0]
@@ -240,12 +241,12 @@ def test_an_untuned_call_is_timed_once_against_sequential(nccl_one_rank, capfd):
     ex = comm.exchange("all_reduce", m, 1)
     budget = overlap.budget_communicator(cfg, "all_reduce", dist.group.WORLD, a.device)
     overlap._trials.clear()
-    pays = overlap.trial_pays(prep, cfg, a, w, "nk", ex, budget, dist.group.WORLD)
+    pays = overlap.trial_pays(prep, cfg, a, w, "nk", ex, budget, dist.group.WORLD, dist.group.WORLD)
     assert pays in (True, False) and list(overlap._trials.values()) == [pays]
     assert "no tuned config" in capfd.readouterr().err
     key = next(iter(overlap._trials))
     overlap._trials[key] = not pays  # kept: not timed again
-    assert overlap.trial_pays(prep, cfg, a, w, "nk", ex, budget, dist.group.WORLD) is (not pays)
+    assert overlap.trial_pays(prep, cfg, a, w, "nk", ex, budget, dist.group.WORLD, dist.group.WORLD) is (not pays)
     torch.cuda.synchronize()
     assert torch.equal(a, snapshot) and prep.counters.tolist() == [0] * prep.plan.num_groups
     assert rel_err(run_overlapped(prep, a, w, ex, budget, tail_group=dist.group.WORLD), ref) < 1e-2

@@ -104,18 +104,37 @@ def process_group(group: dist.ProcessGroup | Direct | None) -> dist.ProcessGroup
     return group if group is not None else dist.group.WORLD
 
 
+def _direct_mode() -> bool:
+    return os.environ.get("FLASHOVERLAP_NCCL", "c10d") == "direct"
+
+
 def direct(group: dist.ProcessGroup, device: torch.device) -> dist.ProcessGroup | Direct:
     """``group`` for the per-group collectives of an overlapped call: where
     ``FLASHOVERLAP_NCCL=direct`` and ``group`` is one of flashoverlap's own communicators
-    (:func:`budget_group`), its NCCL communicator called through the C API
+    (:func:`budget_group`, :func:`tail_group`), its NCCL communicator called through the C API
     (:class:`comm.nccl.Direct`), else the group itself (c10d). Only private communicators: NCCL
     calls on our stream beside c10d's on its own stream could meet on one communicator in
     different orders on different ranks. Created once per (group, device), by every member rank."""
-    if os.environ.get("FLASHOVERLAP_NCCL", "c10d") != "direct" or group not in _budget_groups.values():
+    if not _direct_mode() or group not in _budget_groups.values():
         return group
     if (group, device) not in _direct:
         _direct[group, device] = Direct(group, device)
     return _direct[group, device]
+
+
+def tail_group(group: dist.ProcessGroup, device: torch.device) -> dist.ProcessGroup | Direct:
+    """The communicator of an overlapped call's last group, which runs once the GEMM has freed
+    every SM: ``group`` itself (c10d), or under ``FLASHOVERLAP_NCCL=direct`` a private NCCL
+    communicator over its ranks without a CTA cap, called through the C API (:func:`direct`: not
+    ``group``'s own, which c10d drives from its own stream). Created once per group, by every
+    member rank, on first use."""
+    if not _direct_mode() or dist.get_backend(group) != "nccl":
+        return group
+    key = (group, "tail")
+    if key not in _budget_groups:
+        ranks = dist.get_process_group_ranks(group)
+        _budget_groups[key] = dist.new_group(ranks, backend="nccl", use_local_synchronization=True)
+    return direct(_budget_groups[key], device)
 
 
 @dataclass(frozen=True)
