@@ -252,11 +252,13 @@ def run_overlapped(
     def alloc(shape):
         return torch.empty(shape, dtype=a.dtype, device=device)
 
-    if prep.symmetric:  # communicate in a symmetric window, copy the result out at the end
+    window = None
+    if prep.symmetric:
         groups = tuple(comm.process_group(g) for g in (group, tail_group or group))
         if groups not in _windows:
             _windows[groups] = comm.nccl.Window(groups, device)
-        window = _windows[groups]
+        window = _windows[groups] if _windows[groups].groups else None  # none without an NCCL group
+    if window is not None:  # communicate in a symmetric window, copy the result out at the end
         region, views = prep.window_views.get(ex, (None, None))
         if region is None or region is not window.memory:
             sizes = []
@@ -300,7 +302,7 @@ def run_overlapped(
         comm.restore(buffer, result, plan, prep.slots)
     if result is not out and comm.lands_in_out(ex, plan):  # the result is in the window
         result.copy_(out)
-    if prep.symmetric:
+    if window is not None:
         window.release(caller)
     if timeout is not None:
         signal.raise_on_timeout(prep.report, plan.num_groups, timeout)

@@ -1,12 +1,15 @@
 """Randomised stress run on GPUs (not collected by pytest; run it under torchrun):
 
     torchrun --nproc-per-node 2 tests/stress_overlap.py --calls 10000
+    torchrun --nproc-per-node 2 tests/stress_overlap.py --shared-gpu --calls 1000   # one GPU, gloo
 
 Random shapes (from a pool of random shapes, so that plans are reused as in a model), random
 collectives (all-reduce, reduce-scatter, all-to-all with uneven splits), configs varying with the
 shape (among prebuilt kernel instances, symmetric windows and local reductions among them; shapes x
 collectives stay within the plan cache, so memory must be flat once every pair has run) and two
 process groups, back to back with the host running ahead. FLASHOVERLAP_NCCL=direct: NCCL's C API.
+``--shared-gpu``: every rank on GPU 0 over gloo (which carries CUDA tensors through host memory,
+not point to point: the ``rows`` layout of reduce-scatter / all-to-all is left out).
 Every ``--check-every`` calls the last few outputs -- returned earlier, still held -- are compared
 with matmul + the torch collective (a later call must not have overwritten them). Exits non-zero
 on any error; prints calls, shapes, the largest error and GPU memory after warm-up and at the end.
@@ -113,15 +116,28 @@ def main() -> int:
     parser.add_argument("--check-every", type=int, default=50)
     parser.add_argument("--shapes", type=int, default=16, help="size of the random shape pool")
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--shared-gpu", action="store_true", help="every rank on GPU 0, over gloo")
     args = parser.parse_args()
 
     rank = int(os.environ["RANK"])
-    torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
-    dist.init_process_group("nccl", device_id=torch.device("cuda", torch.cuda.current_device()))
+    if args.shared_gpu:
+        torch.cuda.set_device(0)
+        dist.init_process_group("gloo")
+    else:
+        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
+        dist.init_process_group("nccl", device_id=torch.device("cuda", torch.cuda.current_device()))
     world = dist.get_world_size()
     groups = [None, dist.new_group(list(range(world)))]
-    # the configs this GPU has kernels for (the Hopper ones need sm_90)
-    configs = {c: [cfg for cfg in cfgs if runs_on_this_gpu(OverlapConfig(**cfg), c)] for c, cfgs in CONFIGS.items()}
+    # the configs this GPU has kernels for (the Hopper ones need sm_90), and gloo can carry
+    configs = {
+        c: [
+            cfg
+            for cfg in cfgs
+            if runs_on_this_gpu(OverlapConfig(**cfg), c)
+            and not (args.shared_gpu and c != "all_reduce" and cfg.get("layout") == "rows")
+        ]
+        for c, cfgs in CONFIGS.items()
+    }
     rng = np.random.default_rng(args.seed)  # same stream on every rank: same calls everywhere
     pool = [random_shape(rng, world) for _ in range(args.shapes)]
     gen = torch.Generator(device="cuda").manual_seed(1000 + rank)

@@ -94,7 +94,7 @@ class Window:
     whole stays under twice the largest call. Grow before capturing a graph (a warm-up call)."""
 
     def __init__(self, groups: Sequence[dist.ProcessGroup], device: torch.device):
-        self.groups = [g for g in dict.fromkeys(groups) if dist.get_backend(g) == "nccl"]
+        self.groups = [g for g in dict.fromkeys(groups) if dist.get_backend(g) == "nccl"]  # none: no window
         self.device = device
         self.memory: torch.Tensor | None = None  # uint8, the current region
         self.regions: list[torch.Tensor] = []  # every region allocated, outgrown ones included
@@ -116,8 +116,6 @@ class Window:
     def allocator(self, nbytes: int, dtype: torch.dtype):
         """``alloc(shape)`` carving ``dtype`` tensors out of the window, ``nbytes`` in all (sum of
         :func:`carved_bytes`) from its start; grows the window first where it is smaller."""
-        if not self.groups:
-            return lambda shape: torch.empty(shape, dtype=dtype, device=self.device)
         if self.memory is None or self.memory.numel() < nbytes:
             self._grow(max(nbytes, 2 * self.memory.numel() if self.memory is not None else 0))
         memory, offset = self.memory, 0
