@@ -161,12 +161,13 @@ class _ParallelLinear(nn.Module):
         module.weight, module.bias = linear.weight, linear.bias
         return module
 
-    def _rows(self, x: torch.Tensor) -> tuple[torch.Size, int]:
-        """Check ``x`` [..., in_features]; its leading dimensions and the group's size."""
+    def _rows(self, x: torch.Tensor, split: bool) -> tuple[torch.Size, int]:
+        """Check ``x`` [..., in_features] (with sequence parallelism, a first dimension that is
+        ``split`` over the ranks); its leading dimensions and the group's size."""
         if x.shape[-1] != self.in_features:
             raise ValueError(f"expected input [..., {self.in_features}], got {tuple(x.shape)}")
         lead, world = x.shape[:-1], world_size(self.group)
-        if self.sequence_parallel and not lead:
+        if self.sequence_parallel and (not lead or split and lead[0] % world):
             raise ValueError(
                 f"sequence_parallel splits the first dimension over {world} ranks: got input {tuple(x.shape)}"
             )
@@ -188,11 +189,7 @@ class RowParallelLinear(_ParallelLinear):
     """
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        lead, world = self._rows(x)
-        if self.sequence_parallel and lead[0] % world:
-            raise ValueError(
-                f"sequence_parallel splits the first dimension over {world} ranks: got input {tuple(x.shape)}"
-            )
+        lead, world = self._rows(x, split=True)
         x2d = x.reshape(-1, self.in_features).contiguous()
         y = _RowParallel.apply(x2d, self.weight, self.group, self.config, self.sequence_parallel)
         if self.bias is not None:
@@ -211,14 +208,15 @@ class ColumnParallelLinear(_ParallelLinear):
     output features); x: [..., in_features], the same on every rank; y: [..., out_features]. Backward:
     grad x = the all-reduce of grad_y @ weight, one overlapped call (``config`` is that call's).
     ``sequence_parallel=True``: x is this rank's shard of the first dimension (e.g. of the sequence
-    in [s / world, b, h]), all-gathered (plainly) before the GEMM, so y is [x.shape[0] * world,
-    *x.shape[1:-1], out_features]; grad x is reduce-scattered back to the shards (overlapped).
+    in [s / world, b, h]), all-gathered (plainly) before the GEMM and kept for the backward, so y
+    is [x.shape[0] * world, *x.shape[1:-1], out_features]; grad x is reduce-scattered back to the
+    shards (overlapped).
     """
 
     _collective_of = " of the input gradient"
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        lead, world = self._rows(x)
+        lead, world = self._rows(x, split=False)  # the ranks' shards are gathered
         if x.is_cuda and x.requires_grad and torch.is_grad_enabled():  # refuse here, not midway through backward
             check_inputs(x.new_empty(1, self.out_features), self.weight, "kn")  # the backward's operands
         x2d = x.reshape(-1, self.in_features).contiguous()
