@@ -410,12 +410,12 @@ def trial_pays(
     """Whether the overlapped call (``prep``, config ``cfg``, communicators ``budget`` and ``tail``:
     :func:`run_overlapped`) beats the sequential one on ``full``, for a call that has no tuned
     config (the built-in defaults are not tuned for this GPU, world size, transport or shape: on
-    small GEMMs over NVLink they lose). Timed on the call's own operands, a
-    few rounds of each taking turns, the slower rank's median deciding (bench.time_variants), so
-    that every rank decides alike; the answer is kept for every M of the same power of two (with
-    the same N, K, dtype, config, kind of exchange and communicators: a model whose token counts
-    vary times each range once, not each count). Not timed while a CUDA graph is being captured
-    (overlapped then, the answer not kept) or with ``FLASHOVERLAP_TRIAL=0``."""
+    small GEMMs over NVLink they lose). Timed on the call's own operands, a few rounds of each
+    taking turns, the slower rank's median deciding (bench.time_variants), so that every rank
+    decides alike; the answer is kept for every M of the same power of two (with the same N, K,
+    dtype, config, kind of exchange and communicators: a model whose token counts vary times each
+    range once, not each count). Not timed while a CUDA graph is being captured (overlapped then,
+    the answer not kept) or with ``FLASHOVERLAP_TRIAL=0``."""
     plan = prep.plan
     key = (
         plan.m.bit_length(),
