@@ -374,6 +374,8 @@ def _gemm_collective(
                 "symmetric windows need the same buffer sizes on every rank: equal splits, got "
                 f"splits {list(ex.send)} and output_splits {list(ex.recv)}"
             )
+        if explicit is None and one_wave(cfg, m, n, a.device):  # before planning: decode-sized M varies a lot
+            return sequential(a, weight, weight_layout, ex, group)
         rotate = comm.rows_rotation(ex, cfg.layout, dist.get_rank(group))
         prep = prepare(m, n, k, a.dtype, weight_layout, a.device, cfg, rotate, comm.interleave(ex, cfg.layout))
         if explicit is None and prep.plan.num_groups == 1:  # nothing to overlap: it would only add host time
@@ -389,6 +391,13 @@ def _gemm_collective(
         ):
             return sequential(a, weight, weight_layout, ex, group)
         return run_overlapped(prep, a, weight, ex, budget, tail_group=tail)
+
+
+def one_wave(cfg: OverlapConfig, m: int, n: int, device: torch.device) -> bool:
+    """Whether the GEMM's tiles all fit in one wave of the SMs ``cfg`` leaves it: then its plan is
+    one group, found without planning (the plan says so for the other one-group cases too)."""
+    tiles = -(-m // cfg.tile_m) * -(-n // cfg.tile_n)
+    return tiles <= torch.cuda.get_device_properties(device).multi_processor_count - cfg.comm_sms
 
 
 TRIAL_MARGIN = 0.02  # overlap must beat sequential by this fraction (as the tuner's --margin)

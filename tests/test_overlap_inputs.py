@@ -147,7 +147,8 @@ def test_which_path_a_call_takes(one_rank_group, monkeypatch, config, tuned, wav
     monkeypatch.setattr(
         overlap, "tuned_config", lambda *args: None if tuned is None else overlap.OverlapConfig(**tuned)
     )
-    monkeypatch.setattr(overlap, "prepare", lambda *args: prep)
+    monkeypatch.setattr(overlap, "prepare", lambda *args: taken.append("planned") or prep)
+    monkeypatch.setattr(overlap, "one_wave", lambda cfg, m, n, device: m <= 128)  # the plan's one CTA
     monkeypatch.setattr(overlap, "check_agreement", lambda *args: None)
     monkeypatch.setattr(overlap, "budget_communicator", lambda *args: None)
     monkeypatch.setattr(overlap, "sequential", lambda *args: taken.append("sequential"))
@@ -155,7 +156,8 @@ def test_which_path_a_call_takes(one_rank_group, monkeypatch, config, tuned, wav
     monkeypatch.setattr(bench, "time_variants", time_variants)
     for _ in range(2):
         flashoverlap.gemm_all_reduce(bf16(plan.m, 64), bf16(plan.n, 64), config=config)
-    assert plan.num_groups == waves and taken == paths
+    assert plan.num_groups == waves and [p for p in taken if p != "planned"] == paths
+    assert ("planned" in taken) == (config is not None or waves > 1)  # one wave, no config: not even planned
     assert trials == [["overlapped", "sequential"]] * timed
 
 
@@ -182,6 +184,7 @@ def test_a_trial_holds_for_every_m_of_its_power_of_two(one_rank_group, monkeypat
     monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: False)
     monkeypatch.setattr(overlap, "tuned_config", lambda *args: None)
     monkeypatch.setattr(overlap, "prepare", prepare)
+    monkeypatch.setattr(overlap, "one_wave", lambda *args: False)
     monkeypatch.setattr(overlap, "check_agreement", lambda *args: None)
     monkeypatch.setattr(overlap, "budget_communicator", lambda *args: None)
     monkeypatch.setattr(overlap, "run_overlapped", lambda *args, **kwargs: None)
@@ -207,3 +210,15 @@ def test_the_default_config_takes_segments_where_they_carry_the_call():
     uneven = comm.exchange("all_to_all", 4096, 2, splits=[1024, 3072], output_splits=[1024, 1024])
     assert default_config("all_to_all", uneven, shape).layout == "auto"  # cols
     assert default_config("all_reduce", comm.exchange("all_reduce", 4096, 2), shape).layout == "auto"  # rows
+
+
+def test_one_wave_counts_tiles_against_the_sms_left(monkeypatch):
+    from types import SimpleNamespace
+
+    from flashoverlap.overlap import OverlapConfig, one_wave
+
+    monkeypatch.setattr(torch.cuda, "get_device_properties", lambda device: SimpleNamespace(multi_processor_count=132))
+    cfg = OverlapConfig()  # 128x256 tiles, 16 SMs for NCCL: 116 tiles a wave
+    assert one_wave(cfg, 128, 256 * 116, None) and one_wave(cfg, 1, 1, None)
+    assert not one_wave(cfg, 129, 256 * 116, None) and not one_wave(cfg, 128, 256 * 116 + 1, None)
+    assert one_wave(OverlapConfig(comm_sms=0), 128, 256 * 132, None)
