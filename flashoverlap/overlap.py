@@ -135,6 +135,23 @@ class Prepared:
 # Most recently used plans; bounded so that a stream of new shapes keeps memory flat.
 MAX_PREPARED = 64
 _prepared: OrderedDict[tuple, Prepared] = OrderedDict()
+
+
+def _recent(cache: OrderedDict, key: tuple):
+    """``cache[key]``, marked most recently used; None where absent."""
+    if key not in cache:
+        return None
+    cache.move_to_end(key)
+    return cache[key]
+
+
+def _keep(cache: OrderedDict, key: tuple, value, limit: int) -> None:
+    """Store ``value`` as the most recently used entry, dropping the least recently used beyond ``limit``."""
+    cache[key] = value
+    while len(cache) > limit:
+        cache.popitem(last=False)
+
+
 _side_streams: dict[tuple[int, str], torch.cuda.Stream] = {}
 _windows: dict[tuple, comm.nccl.Window] = {}  # symmetric windows per (budget, tail) group pair
 
@@ -155,9 +172,8 @@ def prepare(
     if cfg.layout == "auto":
         raise ValueError("prepare() takes a config resolved for its collective (config.for_collective)")
     key = (m, n, k, dtype, weight_layout, device.index, cfg, rotate, interleave)
-    if key in _prepared:
-        _prepared.move_to_end(key)
-        return _prepared[key]
+    if (found := _recent(_prepared, key)) is not None:
+        return found
     cfg, spec = kernel_spec(cfg, DTYPES[dtype], weight_layout, torch.cuda.get_device_capability(device))
     total_sms = torch.cuda.get_device_properties(device).multi_processor_count
     sm_count = total_sms - cfg.comm_sms
@@ -187,9 +203,7 @@ def prepare(
     report = torch.zeros(4, dtype=torch.int32, device=device)
     targets = plan.counter_targets(kernel.signals_per_tile)
     prepared = Prepared(plan, kernel, slots, counters, workspace, targets, sm_count, report, cfg.symmetric)
-    _prepared[key] = prepared
-    while len(_prepared) > MAX_PREPARED:
-        _prepared.popitem(last=False)
+    _keep(_prepared, key, prepared, MAX_PREPARED)
     return prepared
 
 
@@ -439,9 +453,8 @@ def trial_pays(
         budget,
         full,
     )
-    if key in _trials:
-        _trials.move_to_end(key)
-        return _trials[key]
+    if (known := _recent(_trials, key)) is not None:
+        return known
     if os.environ.get("FLASHOVERLAP_TRIAL", "1") == "0" or torch.cuda.is_current_stream_capturing():
         return True
     from .bench import time_variants
@@ -452,9 +465,7 @@ def trial_pays(
     }
     times = time_variants(variants, rounds=3, block=4, warmup=1, group=full)
     pays = times["overlapped"] < times["sequential"] * (1 - TRIAL_MARGIN)
-    _trials[key] = pays
-    while len(_trials) > MAX_TRIALS:
-        _trials.popitem(last=False)
+    _keep(_trials, key, pays, MAX_TRIALS)
     if dist.get_rank(full) == 0:
         print(
             f"[flashoverlap] {ex.collective} {plan.m}x{plan.n} ({plan.num_groups} groups), no tuned config: "

@@ -83,9 +83,15 @@ def budget_group(group: dist.ProcessGroup, comm_sms: int, copy_engine: bool = Fa
             if not hasattr(options.config, "cta_policy"):
                 raise RuntimeError(f"copy-engine collectives need NCCLConfig.cta_policy (torch {torch.__version__})")
             options.config.cta_policy = CTA_POLICY_ZERO
-        ranks = dist.get_process_group_ranks(group)
-        _budget_groups[key] = dist.new_group(ranks, backend="nccl", pg_options=options, use_local_synchronization=True)
+        _own_group(key, group, options)
     return _budget_groups[key]
+
+
+def _own_group(key: tuple, group: dist.ProcessGroup, options: dist.ProcessGroupNCCL.Options | None = None) -> None:
+    """A private NCCL communicator over ``group``'s ranks, kept under ``key`` (every member rank
+    creates it, in the same order)."""
+    ranks = dist.get_process_group_ranks(group)
+    _budget_groups[key] = dist.new_group(ranks, backend="nccl", pg_options=options, use_local_synchronization=True)
 
 
 def comm_pattern(collective: str, layout: str, reduction: str = "nccl") -> str:
@@ -132,8 +138,7 @@ def tail_group(group: dist.ProcessGroup, device: torch.device) -> dist.ProcessGr
         return group
     key = (group, "tail")
     if key not in _budget_groups:
-        ranks = dist.get_process_group_ranks(group)
-        _budget_groups[key] = dist.new_group(ranks, backend="nccl", use_local_synchronization=True)
+        _own_group(key, group)
     return direct(_budget_groups[key], device)
 
 
