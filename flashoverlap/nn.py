@@ -87,19 +87,22 @@ class _RowParallel(torch.autograd.Function):
 class _ColumnParallel(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, weight, group, config, sequence_parallel):
-        full = _gathered_rows(x, group) if sequence_parallel else x
-        ctx.save_for_backward(full, weight)
+        # With sequence parallelism only this rank's shard is kept and gathered again for the
+        # weight gradient (as Megatron does): keeping the gathered input would hold world times
+        # the activation memory sequence parallelism exists to save.
+        ctx.save_for_backward(x, weight)
         ctx.group, ctx.config, ctx.sequence_parallel = group, config, sequence_parallel
-        return F.linear(full, weight)
+        return F.linear(_gathered_rows(x, group) if sequence_parallel else x, weight)
 
     @staticmethod
     def backward(ctx, grad_out):
         x, weight = ctx.saved_tensors
         grad_out = grad_out.contiguous()
-        grad_x = None
+        grad_x = grad_w = None
         if ctx.needs_input_grad[0]:  # weight [out, in] is the [K, N] operand of grad_out @ weight
             grad_x = _reduced(grad_out, weight, "kn", ctx.group, ctx.config, ctx.sequence_parallel)
-        grad_w = grad_out.t() @ x if ctx.needs_input_grad[1] else None
+        if ctx.needs_input_grad[1]:
+            grad_w = grad_out.t() @ (_gathered_rows(x, ctx.group) if ctx.sequence_parallel else x)
         return grad_x, grad_w, None, None, None
 
 
@@ -208,9 +211,9 @@ class ColumnParallelLinear(_ParallelLinear):
     output features); x: [..., in_features], the same on every rank; y: [..., out_features]. Backward:
     grad x = the all-reduce of grad_y @ weight, one overlapped call (``config`` is that call's).
     ``sequence_parallel=True``: x is this rank's shard of the first dimension (e.g. of the sequence
-    in [s / world, b, h]), all-gathered (plainly) before the GEMM and kept for the backward, so y
-    is [x.shape[0] * world, *x.shape[1:-1], out_features]; grad x is reduce-scattered back to the
-    shards (overlapped).
+    in [s / world, b, h]), all-gathered (plainly) before the GEMM, and again in the backward for the
+    weight gradient (only the shard is kept), so y is [x.shape[0] * world, *x.shape[1:-1],
+    out_features]; grad x is reduce-scattered back to the shards (overlapped).
     """
 
     _collective_of = " of the input gradient"

@@ -100,7 +100,10 @@ def check_column_parallel(rank: int, world: int, device: str = "cuda", tol: floa
             layer.bias.copy_(b[out])
         rows = slice(rank * t // world, (rank + 1) * t // world) if sp else slice(None)
         xr = x[rows].to(dtype).requires_grad_()
-        y = layer(xr)
+        saved = []  # what autograd keeps: with sequence parallelism the shard, not the gathered input
+        with torch.autograd.graph.saved_tensors_hooks(lambda s: saved.append(s.shape) or s, lambda s: s):
+            y = layer(xr)
+        assert ((t, k) in saved) == (not sp or world == 1), f"saved {saved} sp={sp}"
         assert rel_err(y, (x @ w.t() + b)[:, out]) < tol, f"forward sp={sp}"
         (y.double() * g[:, out]).sum().backward()
         assert rel_err(xr.grad, (g @ w)[rows]) < tol, f"grad x sp={sp}"
