@@ -152,6 +152,7 @@ def _keep(cache: OrderedDict, key: tuple, value, limit: int) -> None:
         cache.popitem(last=False)
 
 
+SIDE_ROLES = ("comm", "finish")  # side_stream
 _side_streams: dict[tuple[int, str], torch.cuda.Stream] = {}
 _windows: dict[tuple, comm.nccl.Window] = {}  # symmetric windows per (budget, tail) group pair
 
@@ -201,6 +202,9 @@ def prepare(
     workspace_bytes = kernel.workspace_size(m, n, k, sm_count, index, along_m, cfg.swizzle)
     workspace = torch.empty(workspace_bytes, dtype=torch.uint8, device=device) if workspace_bytes else None
     report = torch.zeros(4, dtype=torch.int32, device=device)
+    for role in SIDE_ROLES:  # the side streams use them on every call; the plan may be dropped from any stream
+        counters.record_stream(side_stream(device, role))
+        report.record_stream(side_stream(device, role))
     targets = plan.counter_targets(kernel.signals_per_tile)
     prepared = Prepared(plan, kernel, slots, counters, workspace, targets, sm_count, report, cfg.symmetric)
     _keep(_prepared, key, prepared, MAX_PREPARED)
@@ -306,11 +310,8 @@ def run_overlapped(
                     comm.finish_group(ex, plan, g, buffer, recv, result)
         signal.reset(prep.counters, stream)  # stream-ordered: the next call's GEMM waits for it through `caller`
     # The caller's stream waits for the side streams, so the buffers of this call (allocated on it,
-    # freed on return) are safe to reuse on it; the plan's counters and report may be freed from
-    # another stream when the plan leaves the cache.
+    # freed on return) are safe to reuse on it without record_stream.
     for side in [stream] if finisher is None else [stream, finisher]:
-        prep.counters.record_stream(side)
-        prep.report.record_stream(side)
         join(caller, side, device)
     if plan.layout == "tiles":  # every other layout's result is in place (comm.finish_group)
         comm.restore(buffer, result, plan, prep.slots)

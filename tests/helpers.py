@@ -1,11 +1,13 @@
 """Shared test helpers."""
 
+import contextlib
 import os
 import tempfile
 import time
 
 import numpy as np
 import pytest
+import torch
 import torch.multiprocessing as mp
 
 from flashoverlap.config import OverlapConfig, for_collective, for_device
@@ -15,6 +17,17 @@ from flashoverlap.plan import scheduled_tiles, wave_count
 def rel_err(out, ref) -> float:
     """Relative error of ``out`` against the reference ``ref`` (float32 or float64), in the 2-norm."""
     return ((out.to(ref.dtype) - ref).norm() / ref.norm()).item()
+
+
+@contextlib.contextmanager
+def no_host_sync():
+    """Fail on any CUDA call inside that makes the host wait for the GPU (torch's sync debug
+    mode: ``.item()``, blocking copies, stream synchronisations)."""
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        yield
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
 
 
 def random_partition(rng: np.random.Generator, num_waves: int) -> tuple[int, ...]:
@@ -56,8 +69,6 @@ def random_plan_args(
 
 def runs_on_this_gpu(cfg: OverlapConfig, collective: str = "all_reduce") -> bool:
     """Whether the current GPU has a kernel for ``cfg`` (the sm90 configs need a Hopper GPU)."""
-    import torch
-
     try:
         for_device(for_collective(cfg, collective), torch.cuda.get_device_capability())
     except ValueError:
@@ -83,8 +94,6 @@ def check_column_parallel(rank: int, world: int, device: str = "cuda", tol: floa
     float64: the forward, and the gradients (on CUDA the input's through the overlapped backward
     call, "kn" weight, in bf16; on the CPU the plain path, in float64). Run by every rank of an
     initialised group."""
-    import torch
-
     from flashoverlap.nn import ColumnParallelLinear
 
     dtype = torch.bfloat16 if device == "cuda" else torch.float64
@@ -101,7 +110,7 @@ def check_column_parallel(rank: int, world: int, device: str = "cuda", tol: floa
         rows = slice(rank * t // world, (rank + 1) * t // world) if sp else slice(None)
         xr = x[rows].to(dtype).requires_grad_()
         saved = []  # what autograd keeps: with sequence parallelism the shard, not the gathered input
-        with torch.autograd.graph.saved_tensors_hooks(lambda s: saved.append(s.shape) or s, lambda s: s):
+        with torch.autograd.graph.saved_tensors_hooks(lambda s, kept=saved: kept.append(s.shape) or s, lambda s: s):
             y = layer(xr)
         assert ((t, k) in saved) == (not sp or world == 1), f"saved {saved} sp={sp}"
         assert rel_err(y, (x @ w.t() + b)[:, out]) < tol, f"forward sp={sp}"
