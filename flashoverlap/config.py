@@ -15,7 +15,7 @@ from typing import Any
 
 import yaml
 
-from .comm import REDUCTIONS
+from .comm import EQUAL_SEGMENTS, REDUCTIONS
 from .gemm.generator import EPILOGUES, FAMILIES, GemmSpec, validate_instance
 from .plan import LAYOUTS, SWIZZLES
 
@@ -172,6 +172,16 @@ def for_collective(cfg: OverlapConfig, collective: str) -> OverlapConfig:
     if cfg.reduction == "local" and collective != "all_reduce":
         raise ValueError(f"reduction 'local' is for all_reduce (partial sums gathered, then added), not {collective}")
     return dataclasses.replace(cfg, layout=layout)
+
+
+def takes_every_call(cfg: OverlapConfig, collective: str) -> bool:
+    """Whether ``cfg`` runs every call of ``collective`` (as a registry entry's ``fallback`` must):
+    the ``rows`` / ``segments`` layouts of reduce-scatter / all-to-all need equal segments of whole
+    tile rows, and symmetric windows equal all-to-all splits."""
+    if collective == "all_reduce":
+        return True
+    layout = for_collective(cfg, collective).layout
+    return layout not in EQUAL_SEGMENTS and not (cfg.symmetric and collective == "all_to_all")
 
 
 def for_device(cfg: OverlapConfig, capability: tuple[int, int]) -> tuple[OverlapConfig, str]:

@@ -326,17 +326,25 @@ def run_overlapped(
 
 def tuned_config(a: torch.Tensor, world: int, ex: Exchange, shape: tuple[int, int, int]) -> OverlapConfig | None:
     """The registry's config for this call (flashoverlap.registry), None without one. Where the
-    entry's ``rows`` or ``segments`` layout cannot take the call's segments (entries are tuned with
-    equal splits; unequal all-to-all splits, say), the entry's measured ``fallback``, else None."""
+    entry cannot take the call (:func:`carries`; entries are tuned with equal splits: unequal
+    all-to-all splits, say), the entry's measured ``fallback``, else None."""
     key = (torch.cuda.get_device_name(a.device), world, ex.collective, registry.transport(), DTYPES[a.dtype], shape)
     found = registry.lookup(*key)
-    if (
-        found is not None
-        and found.layout in comm.EQUAL_SEGMENTS
-        and not comm.rows_carry(ex, rotation_unit(found, shape))
-    ):
+    if found is not None and not carries(found, ex, shape):
         found = registry.lookup(*key, fallback=True)
     return found
+
+
+def carries(cfg: OverlapConfig, ex: Exchange, shape: tuple[int, int, int]) -> bool:
+    """Whether ``cfg`` can run the call ``ex`` of GEMM ``shape``: the ``rows`` and ``segments``
+    layouts need equal segments of whole scheduling units (comm.rows_carry), symmetric windows
+    the same buffer sizes on every rank."""
+    segments_ok = cfg.layout not in comm.EQUAL_SEGMENTS or comm.rows_carry(ex, rotation_unit(cfg, shape))
+    return segments_ok and (ex.even or not cfg.symmetric)
+
+
+_DEFAULTS = OverlapConfig()  # frozen: built once (each construction validates)
+_SEGMENTS = dataclasses.replace(_DEFAULTS, layout="segments")
 
 
 def default_config(collective: str, ex: Exchange, shape: tuple[int, int, int]) -> OverlapConfig:
@@ -346,12 +354,9 @@ def default_config(collective: str, ex: Exchange, shape: tuple[int, int, int]) -
     (0.87 of cuBLAS against 0.83 for ``cols``, 8192x4096x7168 with 16 SMs left to NCCL, one H200)
     and less to copy (a reduce-scatter lands in place). Either way timed against sequential first
     (:func:`trial_pays`)."""
-    cfg = OverlapConfig()
-    if collective != "all_reduce":
-        segments = dataclasses.replace(cfg, layout="segments")
-        if comm.rows_carry(ex, rotation_unit(segments, shape)):
-            return segments
-    return cfg
+    if collective != "all_reduce" and carries(_SEGMENTS, ex, shape):
+        return _SEGMENTS
+    return _DEFAULTS
 
 
 def rotation_unit(cfg: OverlapConfig, shape: tuple[int, int, int]) -> int:
@@ -373,14 +378,18 @@ def _gemm_collective(
     world = world_size(group)
     explicit = for_collective(resolve(config), collective) if config is not None else None
     m, n, k = check_inputs(a, weight, weight_layout)
+    if explicit is not None and world > 1 and not explicit.sequential:  # no kernel here: fail before communicating
+        for_device(explicit, torch.cuda.get_device_capability(a.device))
+    ex = comm.exchange(collective, m, world, splits, output_splits, group, a.device)
+    if world == 1:  # before any lookup: the same model run without tensor parallelism pays nothing more
+        return sequential(a, weight, weight_layout, ex, group)
+    tuned = None if explicit is not None else tuned_config(a, world, ex, (m, n, k))
+    cfg = explicit or for_collective(tuned or default_config(collective, ex, (m, n, k)), collective)
+    # a GEMM of one wave without config= (decode-sized M, which varies a lot): nothing to overlap, and
+    # found before planning
+    if cfg.sequential or explicit is None and one_wave(cfg, m, n, a.device):
+        return sequential(a, weight, weight_layout, ex, group)
     with torch.cuda.device(a.device):  # the kernels launch on the current device
-        if explicit is not None and world > 1 and not explicit.sequential:  # no kernel here: fail before communicating
-            for_device(explicit, torch.cuda.get_device_capability(a.device))
-        ex = comm.exchange(collective, m, world, splits, output_splits, group, a.device)
-        tuned = None if explicit is not None else tuned_config(a, world, ex, (m, n, k))
-        cfg = explicit or for_collective(tuned or default_config(collective, ex, (m, n, k)), collective)
-        if world == 1 or cfg.sequential:
-            return sequential(a, weight, weight_layout, ex, group)
         if cfg.reduction != ex.reduction:
             ex = comm.exchange(collective, m, world, reduction=cfg.reduction)
         comm.check_layout(ex, cfg.layout, rotation_unit(cfg, (m, n, k)))
@@ -389,8 +398,6 @@ def _gemm_collective(
                 "symmetric windows need the same buffer sizes on every rank: equal splits, got "
                 f"splits {list(ex.send)} and output_splits {list(ex.recv)}"
             )
-        if explicit is None and one_wave(cfg, m, n, a.device):  # before planning: decode-sized M varies a lot
-            return sequential(a, weight, weight_layout, ex, group)
         rotate = comm.rows_rotation(ex, cfg.layout, dist.get_rank(group))
         prep = prepare(m, n, k, a.dtype, weight_layout, a.device, cfg, rotate, comm.interleave(ex, cfg.layout))
         if explicit is None and prep.plan.num_groups == 1:  # nothing to overlap: it would only add host time

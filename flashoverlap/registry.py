@@ -11,8 +11,9 @@ A registry file (``configs/*.yaml``)::
          config: {sequential: true}}
 
 ``config`` holds :class:`~flashoverlap.config.OverlapConfig` fields; ``fallback`` (optional, the
-tuner writes it next to a reduce-scatter / all-to-all ``rows`` or ``segments`` config) the same,
-for the calls that layout cannot carry (unequal splits, segments not whole tile rows); ``measured`` is
+tuner writes it next to a reduce-scatter / all-to-all config that cannot carry every call: ``rows``
+or ``segments``, symmetric all-to-all) the same, for the calls that config cannot carry (unequal
+splits, segments not whole tile rows), itself one that carries every call; ``measured`` is
 free-form information. A call with ``config=None`` takes the entry of its GPU, world size, collective,
 transport and dtype whose shape is nearest (log-distance over M, N, K); a ``partition`` (waves per
 group) is kept only for the exact shape. No matching entry: the built-in defaults, timed against
@@ -35,8 +36,8 @@ from typing import Any
 
 import yaml
 
-from .comm import COLLECTIVES, EQUAL_SEGMENTS
-from .config import OverlapConfig, for_collective
+from .comm import COLLECTIVES
+from .config import OverlapConfig, for_collective, takes_every_call
 
 TRANSPORTS = ("nvlink", "pcie", "net")
 DTYPES = ("bfloat16", "float16")
@@ -55,7 +56,7 @@ class Entry:
     shape: tuple[int, int, int]
     config: OverlapConfig
     source: str  # file and entry index, for messages
-    fallback: OverlapConfig | None = None  # for calls a ``rows`` / ``segments`` config cannot carry
+    fallback: OverlapConfig | None = None  # for calls ``config`` cannot carry (config.takes_every_call)
 
 
 def parse(data: Any, source: str) -> list[Entry]:
@@ -93,9 +94,10 @@ def _entry(item: Any, gpu: str, world: int, where: str) -> Entry:
         raise ValueError(f"{where}: shape must be [M, N, K] of positive integers, got {shape!r}")
     config = _config(item.get("config", {}), item["collective"], f"{where}: config")
     fallback = _config(item["fallback"], item["collective"], f"{where}: fallback") if "fallback" in item else None
-    if fallback is not None and for_collective(fallback, item["collective"]).layout in EQUAL_SEGMENTS:
+    if fallback is not None and not takes_every_call(fallback, item["collective"]):
         raise ValueError(
-            f"{where}: fallback is for calls the rows / segments layouts cannot carry: it must not use them"
+            f"{where}: fallback is for calls the entry's config cannot carry: it must carry every call "
+            "(no rows / segments layout, no symmetric all-to-all)"
         )
     return Entry(
         gpu, world, item["collective"], item["transport"], item["dtype"], tuple(shape), config, where, fallback

@@ -532,14 +532,18 @@ def tune_shape(
 
 def measured_entry(collective: str, transport: str, dtype: str, shape, rows: list[dict], margin: float) -> dict:
     """The registry entry for one shape's measured finalists (summary rows of :func:`tune_shape`):
-    :func:`decide`'s config, and next to a reduce-scatter / all-to-all ``rows`` or ``segments``
-    config the best of the other finalists as ``fallback``, for the calls those layouts cannot carry."""
-    from .comm import EQUAL_SEGMENTS
+    :func:`decide`'s config, and next to one that cannot carry every call (``rows`` or ``segments``
+    reduce-scatter / all-to-all, symmetric all-to-all: config.takes_every_call) the best of the
+    finalists that can as ``fallback``, for the calls it cannot carry."""
+    from .config import OverlapConfig, takes_every_call
+
+    def every_call(config: dict) -> bool:
+        return takes_every_call(OverlapConfig.from_dict(config), collective)
 
     config, speedup = decide(rows, margin)
     result = entry(collective, transport, dtype, shape, config, {"speedup": round(speedup, 3)})
-    if config.get("layout") in EQUAL_SEGMENTS and collective != "all_reduce":
-        others = [r for r in rows if json.loads(r["config"]).get("layout") not in EQUAL_SEGMENTS]
+    if not every_call(config):
+        others = [r for r in rows if every_call(json.loads(r["config"]))]
         result["fallback"] = decide(others, margin)[0] if others else {"sequential": True}
     return result
 

@@ -161,6 +161,26 @@ def test_which_path_a_call_takes(one_rank_group, monkeypatch, config, tuned, wav
     assert trials == [["overlapped", "sequential"]] * timed
 
 
+@pytest.mark.parametrize("config", [None, {}])
+def test_a_group_of_one_rank_runs_the_plain_gemm_before_any_lookup(one_rank_group, monkeypatch, config):
+    """The same model run without tensor parallelism pays only the input checks: no registry
+    lookup, no config resolution for the collective, no device switch."""
+    from flashoverlap import overlap
+
+    def unexpected(*args, **kwargs):
+        raise AssertionError("a one-rank call went past the plain GEMM's checks")
+
+    taken = []
+    monkeypatch.setattr(overlap, "check_inputs", lambda a, w, layout: (256, 256, 64))
+    monkeypatch.setattr(overlap, "tuned_config", unexpected)
+    monkeypatch.setattr(overlap, "default_config", unexpected)
+    monkeypatch.setattr(torch.cuda, "device", unexpected)
+    monkeypatch.setattr(overlap, "sequential", lambda *args: taken.append(args[3].collective))
+    for fn in ENTRY_POINTS:
+        fn(bf16(256, 64), bf16(256, 64), config=config)
+    assert taken == ["all_reduce", "reduce_scatter", "all_to_all"]
+
+
 def test_a_trial_holds_for_every_m_of_its_power_of_two(one_rank_group, monkeypatch):
     from flashoverlap import bench, overlap
     from flashoverlap.plan import make_plan

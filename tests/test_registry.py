@@ -54,7 +54,15 @@ def test_shipped_registry_files_are_valid():
                 "world": 2,
                 "entries": [{**ENTRY, "collective": "all_to_all", "fallback": {"layout": "rows"}}],
             },
-            r"entries\[0\]: fallback is for calls the rows / segments layouts cannot carry",
+            r"entries\[0\]: fallback is for calls the entry's config cannot carry: it must carry every call",
+        ),
+        (
+            {
+                "gpu": "H200",
+                "world": 2,
+                "entries": [{**ENTRY, "collective": "all_to_all", "fallback": {"symmetric": True}}],
+            },
+            r"entries\[0\]: fallback .* no symmetric all-to-all",
         ),
         (
             {"gpu": "H200", "world": 2, "entries": [{**ENTRY, "fallback": {"comm_sms": -1}}]},
@@ -135,14 +143,15 @@ def test_transport_follows_the_nccl_environment(monkeypatch):
     assert registry.transport() == "nvlink"  # no GPUs here to say otherwise
 
 
-def test_a_rows_entry_is_not_used_for_unequal_all_to_all_splits(tmp_path, monkeypatch):
-    """Entries are tuned with equal splits; a call with unequal ones, which the rows layout cannot
-    carry, gets the defaults instead of an error."""
+@pytest.mark.parametrize("config", [{"layout": "rows", "comm_sms": 8}, {"symmetric": True}])
+def test_an_entry_is_not_used_for_unequal_all_to_all_splits_it_cannot_carry(tmp_path, monkeypatch, config):
+    """Entries are tuned with equal splits; a call with unequal ones, which the rows layout and
+    symmetric windows cannot carry, gets the defaults (or the entry's fallback) instead of an error."""
     import torch
 
     from flashoverlap.overlap import tuned_config
 
-    a2a = {**ENTRY, "collective": "all_to_all", "config": {"layout": "rows", "comm_sms": 8}}
+    a2a = {**ENTRY, "collective": "all_to_all", "config": config}
     write(tmp_path, {"gpu": "NVIDIA H200", "world": 2, "entries": [a2a]})
     monkeypatch.setenv("FLASHOVERLAP_CONFIG_DIRS", str(tmp_path))
     monkeypatch.setattr(torch.cuda, "get_device_name", lambda device=None: "NVIDIA H200")
@@ -150,11 +159,11 @@ def test_a_rows_entry_is_not_used_for_unequal_all_to_all_splits(tmp_path, monkey
     a = torch.empty(4096, 8192, dtype=torch.bfloat16)
     shape = (4096, 8192, 8192)
     even = exchange("all_to_all", 4096, 2)
-    assert tuned_config(a, 2, even, shape) == OverlapConfig(layout="rows", comm_sms=8, partition=None)
+    assert tuned_config(a, 2, even, shape) == OverlapConfig(**config)
     uneven = exchange("all_to_all", 4096, 2, splits=[1000, 3096], output_splits=[1000, 1000])
     assert tuned_config(a, 2, uneven, shape) is None  # the defaults, timed on first use (overlap.trial_pays)
     # with the fallback the tuner measured for such calls
     write(tmp_path, {"gpu": "NVIDIA H200", "world": 2, "entries": [{**a2a, "fallback": {"sequential": True}}]})
     registry.reload()
-    assert tuned_config(a, 2, even, shape).layout == "rows"
+    assert tuned_config(a, 2, even, shape) == OverlapConfig(**config)
     assert tuned_config(a, 2, uneven, shape) == OverlapConfig(sequential=True)

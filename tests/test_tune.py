@@ -260,7 +260,7 @@ def test_registry_writing_merges_and_validates(tmp_path):
     assert len(registry.load([path])) == 2  # the rejected write left the file as it was
 
 
-def test_a_rows_entry_carries_the_best_other_finalist_as_its_fallback():
+def test_an_entry_that_cannot_carry_every_call_gets_the_best_finalist_that_can_as_its_fallback():
     from flashoverlap.tune import measured_entry
 
     def row(config, measured_ms, partition=(1, 2)):
@@ -276,6 +276,14 @@ def test_a_rows_entry_carries_the_best_other_finalist_as_its_fallback():
     assert measured_entry("reduce_scatter", "pcie", "bfloat16", (8, 8, 8), slow, 0.02)["fallback"] == {
         "sequential": True
     }
+    # a symmetric all-to-all (equal splits only) falls back to a finalist without windows; a
+    # symmetric reduce-scatter carries every call
+    windows = [row('{"symmetric": true}', 0.8), row('{"layout": "rows"}', 0.85), row('{"comm_sms": 24}', 0.9)]
+    assert measured_entry("all_to_all", "nvlink", "bfloat16", (8, 8, 8), windows, 0.02)["fallback"] == {
+        "comm_sms": 24,
+        "partition": [1, 2],
+    }
+    assert "fallback" not in measured_entry("reduce_scatter", "nvlink", "bfloat16", (8, 8, 8), windows, 0.02)
     # nothing to fall back from
     assert "fallback" not in measured_entry("reduce_scatter", "pcie", "bfloat16", (8, 8, 8), rows[1:], 0.02)
     assert measured_entry("all_to_all", "pcie", "bfloat16", (8, 8, 8), [row("{}", 0.99)], 0.02)["config"] == {
