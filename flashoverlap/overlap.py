@@ -70,8 +70,8 @@ def check_inputs(a: object, weight: object, weight_layout: str, device_type: str
             f"K mismatch: a is {tuple(a.shape)} but weight is {tuple(weight.shape)} "
             f"(weight_layout={weight_layout!r} expects {expected})"
         )
-    if m < 1 or n < 1 or k < 1:
-        raise ValueError(f"empty problem: M={m}, N={n}, K={k}")
+    if n < 1 or k < 1:  # M = 0 is fine: a rank with no rows for this call (an MoE expert without tokens)
+        raise ValueError(f"empty problem: N={n}, K={k}")
     if n % ALIGNMENT or k % ALIGNMENT:
         raise ValueError(f"N and K must be multiples of {ALIGNMENT} (16-byte rows for TMA), got N={n}, K={k}")
     for name, t in (("a", a), ("weight", weight)):
@@ -336,11 +336,11 @@ def tuned_config(a: torch.Tensor, world: int, ex: Exchange, shape: tuple[int, in
 
 
 def carries(cfg: OverlapConfig, ex: Exchange, shape: tuple[int, int, int]) -> bool:
-    """Whether ``cfg`` can run the call ``ex`` of GEMM ``shape``: the ``rows`` and ``segments``
-    layouts need equal segments of whole scheduling units (comm.rows_carry), symmetric windows
-    the same buffer sizes on every rank."""
-    segments_ok = cfg.layout not in comm.EQUAL_SEGMENTS or comm.rows_carry(ex, rotation_unit(cfg, shape))
-    return segments_ok and (ex.even or not cfg.symmetric)
+    """Whether ``cfg`` can run the call ``ex`` of GEMM ``shape``, as every rank sees it (the choice
+    of a call without config=): the ``rows`` and ``segments`` layouts need equal segments of whole
+    scheduling units (comm.rows_carry), symmetric windows the same buffer sizes, on every rank."""
+    segments_ok = cfg.layout not in comm.EQUAL_SEGMENTS or ex.uniform and comm.rows_carry(ex, rotation_unit(cfg, shape))
+    return segments_ok and (ex.uniform or not cfg.symmetric)
 
 
 _DEFAULTS = OverlapConfig()  # frozen: built once (each construction validates)
@@ -381,7 +381,9 @@ def _gemm_collective(
     if explicit is not None and world > 1 and not explicit.sequential:  # no kernel here: fail before communicating
         for_device(explicit, torch.cuda.get_device_capability(a.device))
     ex = comm.exchange(collective, m, world, splits, output_splits, group, a.device)
-    if world == 1:  # before any lookup: the same model run without tensor parallelism pays nothing more
+    # before any lookup: the same model run without tensor parallelism pays nothing more; ranks known to
+    # pass different M (or none) run the plain collective alike (overlapping them: not yet)
+    if world == 1 or m == 0 or ex.ragged:
         return sequential(a, weight, weight_layout, ex, group)
     tuned = None if explicit is not None else tuned_config(a, world, ex, (m, n, k))
     cfg = explicit or for_collective(tuned or default_config(collective, ex, (m, n, k)), collective)
@@ -456,7 +458,7 @@ def trial_pays(
         a.device.index,
         cfg,
         ex.collective,
-        ex.even,
+        ex.uniform,
         ex.reduction,
         budget,
         full,

@@ -41,6 +41,56 @@ def test_exchange_describes_rows_sent_and_received():
     assert uneven.send == (0, 7, 3) and uneven.recv == (5, 0, 2) and uneven.rows == 7
 
 
+# every rank's splits per case: the same M and even everywhere; even on rank 0 only (its sends and
+# receives are, the others' are not); different M per rank, one rank with none
+EXCHANGED = {
+    "uniform": [[2, 2, 2]] * 3,
+    "even_here_only": [[2, 2, 2], [2, 4, 0], [2, 0, 4]],
+    "ragged": [[1, 2, 3], [0, 0, 0], [4, 4, 4]],
+}
+
+
+def exchange_worker(rank: int, world: int, store_path: str):
+    dist.init_process_group("gloo", store=dist.FileStore(store_path, world), rank=rank, world_size=world)
+    try:
+        for case, splits in EXCHANGED.items():
+            ex = exchange("all_to_all", sum(splits[rank]), world, splits[rank], group=None, device=torch.device("cpu"))
+            assert ex.send == tuple(splits[rank]) and ex.recv == tuple(row[rank] for row in splits), case
+            assert ex.rows == sum(ex.recv) and ex.sources == tuple(map(sum, splits)), case
+            assert ex.uniform == (case == "uniform") and ex.ragged == (case == "ragged"), case
+            assert ex.even == (case == "uniform" or case == "even_here_only" and rank == 0), case
+    finally:
+        dist.destroy_process_group()
+
+
+def test_exchanged_counts_tell_every_rank_every_ranks_rows():
+    """Where the counts are exchanged, what every rank must decide alike (equal splits everywhere,
+    different M) rests on every rank's splits, not on this rank's view."""
+    with tempfile.TemporaryDirectory() as tmp:
+        mp.spawn(exchange_worker, args=(3, os.path.join(tmp, "store")), nprocs=3, join=True)
+
+
+def test_what_an_exchange_without_counts_knows_of_the_other_ranks():
+    assert exchange("all_to_all", 12, 3).uniform and exchange("reduce_scatter", 12, 3).uniform
+    assert exchange("all_to_all", 12, 3, output_splits=[4, 4, 4]).uniform  # every rank splits evenly
+    given = exchange("all_to_all", 12, 3, splits=[4, 4, 4], output_splits=[4, 4, 4])
+    assert given.even and not given.uniform  # the others' splits are not known here
+    assert given.sources is None and not given.ragged
+
+
+def test_only_a_uniform_all_to_all_takes_the_equal_split_path(monkeypatch):
+    """c10d's equal-split all-to-all (ncclAlltoAll) and its split-size one (send/receive) must
+    not meet on different ranks: the choice rests on what every rank knows."""
+    from flashoverlap import comm
+
+    calls = []
+    monkeypatch.setattr(dist, "all_to_all_single", lambda out, data, *sizes, group=None: calls.append(sizes))
+    data = torch.zeros(12, 2)
+    comm.collective(exchange("all_to_all", 12, 3), data, None)
+    comm.collective(exchange("all_to_all", 12, 3, splits=[4, 4, 4], output_splits=[4, 4, 4]), data, None)
+    assert calls == [(), ([4, 4, 4], [4, 4, 4])]
+
+
 @pytest.mark.parametrize(
     "args, kwargs, message",
     [

@@ -44,7 +44,7 @@ def test_uninitialised_process_group_is_reported(monkeypatch, fn):
         ([[1.0]], bf16(64, 64), {}, TypeError, "a must be a torch.Tensor"),
         (bf16(64, 60), bf16(64, 60), {}, ValueError, "multiples of 8"),
         (bf16(64, 64), bf16(60, 64), {}, ValueError, "multiples of 8"),
-        (bf16(0, 64), bf16(64, 64), {}, ValueError, "empty problem"),
+        (bf16(64, 64), bf16(0, 64), {}, ValueError, "empty problem: N=0"),
         (bf16(64, 128)[:, ::2], bf16(64, 64), {}, ValueError, "a must be contiguous"),
         (bf16(64, 64), bf16(64, 128)[:, ::2], {}, ValueError, "weight must be contiguous"),
         (bf16(64, 64), bf16(64, 64), {}, ValueError, "a is on cpu, expected a cuda tensor"),
@@ -181,6 +181,29 @@ def test_a_group_of_one_rank_runs_the_plain_gemm_before_any_lookup(one_rank_grou
     assert taken == ["all_reduce", "reduce_scatter", "all_to_all"]
 
 
+@pytest.mark.parametrize("m, sources", [(3000, (3000, 1000)), (0, (0, 3000)), (0, None)])
+def test_ranks_with_different_m_run_the_plain_collective_alike(one_rank_group, monkeypatch, m, sources):
+    """Where every rank knows the ranks pass different M (counts exchanged), or this rank has no
+    rows, the call runs matmul + the collective on every rank, before any lookup or planning."""
+    from flashoverlap import comm, overlap
+
+    def unexpected(*args, **kwargs):
+        raise AssertionError("a call of ranks with different M went past the plain path")
+
+    taken = []
+    ex = comm.Exchange("all_to_all", (m // 2, m - m // 2), (0, 0), 0, uniform=False, sources=sources)
+    monkeypatch.setattr(overlap, "world_size", lambda group: 2)
+    monkeypatch.setattr(overlap, "check_inputs", lambda a, w, layout: (m, 256, 64))
+    monkeypatch.setattr(comm, "exchange", lambda *args, **kwargs: ex)
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (9, 0))
+    monkeypatch.setattr(overlap, "tuned_config", unexpected)
+    monkeypatch.setattr(overlap, "prepare", unexpected)
+    monkeypatch.setattr(overlap, "sequential", lambda *args: taken.append(args[3]))
+    for config in (None, {"layout": "cols"}):
+        flashoverlap.gemm_all_to_all(bf16(max(m, 1), 64), bf16(256, 64), splits=list(ex.send), config=config)
+    assert taken == [ex, ex]
+
+
 def test_a_trial_holds_for_every_m_of_its_power_of_two(one_rank_group, monkeypatch):
     from flashoverlap import bench, overlap
     from flashoverlap.plan import make_plan
@@ -230,6 +253,9 @@ def test_the_default_config_takes_segments_where_they_carry_the_call():
     uneven = comm.exchange("all_to_all", 4096, 2, splits=[1024, 3072], output_splits=[1024, 1024])
     assert default_config("all_to_all", uneven, shape).layout == "auto"  # cols
     assert default_config("all_reduce", comm.exchange("all_reduce", 4096, 2), shape).layout == "auto"  # rows
+    # even here, but other ranks' splits unknown: what all ranks choose alike cannot rest on it
+    given = comm.exchange("all_to_all", 4096, 2, splits=[2048, 2048], output_splits=[2048, 2048])
+    assert default_config("all_to_all", given, shape).layout == "auto"
 
 
 def test_one_wave_counts_tiles_against_the_sms_left(monkeypatch):

@@ -37,6 +37,9 @@ CASES = [  # collective, config, keyword arguments
     ("reduce_scatter", None, {}),
     ("all_to_all", None, {}),
     ("all_to_all", None, {"uneven": True}),
+    # ranks with different M, one with none (MoE experts): the plain collective on every rank
+    ("all_to_all", None, {"ragged": True}),
+    ("all_to_all", {"layout": "cols"}, {"ragged": True}),
 ]
 SHAPES = [(4608, 2048, 512), (1000, 1032, 264)]
 
@@ -50,13 +53,17 @@ def worker(rank, world, store_path):
                 continue
             fn = getattr(flashoverlap, f"gemm_{collective}")
             for m, n, k in SHAPES:
-                what = f"{collective} {config} {kwargs} {m}x{n}x{k} world {world}"
                 if collective != "all_reduce" and m % world:
                     continue
                 # uneven: a third of the rows to the last rank but one, the rest to the last (none to others)
                 splits = [0] * (world - 2) + [m // 3, m - m // 3] if kwargs.get("uneven") else None
+                if kwargs.get("ragged"):  # rank r has M / 2^r rows, the last rank none
+                    m = 0 if rank == world - 1 else m >> rank
+                    splits = [m // world] * (world - 1) + [m - (world - 1) * (m // world)]
                 call = {"splits": splits} if splits else {}
+                what = f"{collective} {config} {kwargs} {m}x{n}x{k} world {world} rank {rank}"
                 ex = comm.exchange(collective, m, world, splits, group=None, device=torch.device("cuda", 0))
+                assert ex.ragged == bool(kwargs.get("ragged")), what
                 segments = config is not None and config.get("layout") == "segments"
                 if segments and not comm.rows_carry(ex, rotation_unit(OverlapConfig(**config), (m, n, k))):
                     continue  # equal segments of whole tile rows

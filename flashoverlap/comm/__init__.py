@@ -154,11 +154,22 @@ class Exchange:
     recv: tuple[int, ...]
     rows: int
     reduction: str = "nccl"
+    # Whether every rank knows that every rank sends and receives as many rows: what a choice
+    # every rank must make alike may rest on (``even`` is this rank's view only: with 3+ ranks an
+    # all-to-all can be even here and not on another rank).
+    uniform: bool = True
+    sources: tuple[int, ...] | None = None  # every rank's M, where the counts were exchanged
 
     @property
     def even(self) -> bool:
-        """Whether every rank sends and receives as many rows (the same buffer sizes everywhere)."""
+        """Whether this rank sends and receives as many rows to and from every rank."""
         return len(set(self.send + self.recv)) == 1
+
+    @property
+    def ragged(self) -> bool:
+        """Whether the ranks are known to pass different M (none for some: MoE experts with
+        different token counts); known only where the counts were exchanged."""
+        return self.sources is not None and len(set(self.sources)) > 1
 
 
 def exchange(
@@ -174,8 +185,9 @@ def exchange(
     """Validate and describe a call's communication; raises ``ValueError`` naming the problem.
 
     all_to_all: ``splits[d]`` rows of C (in order) go to rank d; without ``splits`` the rows are
-    split evenly. ``output_splits[s]`` = rows rank s sends here; when omitted with uneven
-    ``splits`` the counts are exchanged first (one small all-to-all and a host sync).
+    split evenly. ``output_splits[s]`` = rows rank s sends here; when omitted with ``splits`` every
+    rank's splits are exchanged first (one small all-gather and a host sync), so every rank knows
+    every rank's M (``sources``) and whether the call is even (``uniform``).
     """
     if collective not in COLLECTIVES:
         raise ValueError(f"unknown collective {collective!r}; supported: {COLLECTIVES}")
@@ -195,14 +207,18 @@ def exchange(
         raise ValueError(f"splits {list(send)} sum to {sum(send)} rows, but a has M={m} rows")
     if output_splits is not None:
         recv = _counts("output_splits", output_splits, world)
-    elif splits is None:
-        recv = even
-    else:
-        counts = torch.tensor(send, dtype=torch.int64, device=_device_for(group, device))
-        received = torch.empty_like(counts)
-        dist.all_to_all_single(received, counts, group=group)
-        recv = tuple(int(c) for c in received.tolist())
-    return Exchange(collective, send, recv, sum(recv))
+        # without splits every rank splits its M (the same everywhere) evenly: then even is known
+        return Exchange(collective, send, recv, sum(recv), uniform=splits is None and recv == even)
+    if splits is None:
+        return Exchange(collective, send, send, m)
+    mine = torch.tensor(send, dtype=torch.int64, device=_device_for(group, device))
+    matrix = torch.empty(world * world, dtype=torch.int64, device=mine.device)
+    dist.all_gather_into_tensor(matrix, mine, group=group)
+    counts = matrix.tolist()  # row s: what rank s sends to each rank
+    rows = [tuple(counts[s * world : (s + 1) * world]) for s in range(world)]
+    recv = tuple(row[dist.get_rank(group)] for row in rows)
+    uniform = len({c for row in rows for c in row}) == 1
+    return Exchange(collective, send, recv, sum(recv), uniform=uniform, sources=tuple(map(sum, rows)))
 
 
 def _counts(name: str, values: Sequence[int], world: int) -> tuple[int, ...]:
@@ -227,7 +243,7 @@ def collective(
         group.reduce_scatter(out, data) if direct else dist.reduce_scatter_tensor(out, data, group=group)
     elif direct:
         group.all_to_all(out, data, ex.recv, ex.send)
-    elif ex.even:  # c10d's equal-split path: ncclAlltoAll (copy engines in a window)
+    elif ex.uniform:  # c10d's equal-split path (ncclAlltoAll: copy engines in a window) on every rank
         dist.all_to_all_single(out, data, group=group)
     else:
         dist.all_to_all_single(out, data, list(ex.recv), list(ex.send), group=group)
