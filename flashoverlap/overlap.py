@@ -20,6 +20,7 @@ sequential when first timed (:func:`trial_pays`).
 from __future__ import annotations
 
 import dataclasses
+import functools
 import os
 import sys
 from collections import OrderedDict
@@ -31,7 +32,7 @@ import torch.distributed as dist
 
 from . import comm, registry, signal
 from .comm import Exchange
-from .config import OverlapConfig, for_collective, for_device, kernel_spec, resolve
+from .config import OverlapConfig, for_collective, for_device, kernel_spec, resolve, takes_every_call
 from .gemm import SignalGemm, get_kernel
 from .plan import Plan, make_plan, rotation_rows
 
@@ -167,39 +168,20 @@ def prepare(
     cfg: OverlapConfig,
     rotate: int = 0,
     interleave: int = 1,
+    columns: tuple[int, ...] | None = None,
 ) -> Prepared:
     """The plan, kernel and device tables of one call; ``rotate``: rows of C the schedule starts
-    at (comm.rows_rotation); ``interleave``: segments it interleaves (comm.interleave)."""
+    at (comm.rows_rotation); ``interleave``: segments it interleaves (comm.interleave);
+    ``columns``: the ``cols`` groups' tile columns, shared by ranks whose M differ (:func:`shared_columns`)."""
     if cfg.layout == "auto":
         raise ValueError("prepare() takes a config resolved for its collective (config.for_collective)")
-    key = (m, n, k, dtype, weight_layout, device.index, cfg, rotate, interleave)
+    key = (m, n, k, dtype, weight_layout, device.index, cfg, rotate, interleave, columns)
     if (found := _recent(_prepared, key)) is not None:
         return found
-    cfg, spec = kernel_spec(cfg, DTYPES[dtype], weight_layout, torch.cuda.get_device_capability(device))
-    total_sms = torch.cuda.get_device_properties(device).multi_processor_count
-    sm_count = total_sms - cfg.comm_sms
-    if sm_count < 1:
-        raise ValueError(f"comm_sms={cfg.comm_sms} leaves no SM for the GEMM on {device} ({total_sms} SMs)")
-    kernel = get_kernel(spec)
-    index = device.index
-    along_m = cfg.layout == "cols"
-    plan = make_plan(
-        m,
-        n,
-        tile_m=cfg.tile_m,
-        tile_n=cfg.tile_n,
-        cluster_m=cfg.cluster_m,
-        ctas=kernel.num_ctas(m, n, k, sm_count, index, along_m, cfg.swizzle),
-        stream_k_tiles=kernel.stream_k_tiles(m, n, k, sm_count, index, along_m, cfg.swizzle),
-        partition=cfg.partition,
-        layout=cfg.layout,
-        swizzle=cfg.swizzle,
-        rotate=rotate // cfg.tile_m,
-        interleave=interleave,
-    )
+    cfg, kernel, sm_count, plan = _plan(m, n, k, dtype, weight_layout, device, cfg, rotate, interleave, columns)
     slots = torch.from_numpy(plan.slot_table().view("u1")).to(device)
     counters = torch.zeros(plan.num_groups, dtype=torch.int32, device=device)
-    workspace_bytes = kernel.workspace_size(m, n, k, sm_count, index, along_m, cfg.swizzle)
+    workspace_bytes = kernel.workspace_size(m, n, k, sm_count, device.index, plan.along_m, cfg.swizzle)
     workspace = torch.empty(workspace_bytes, dtype=torch.uint8, device=device) if workspace_bytes else None
     report = torch.zeros(4, dtype=torch.int32, device=device)
     for role in SIDE_ROLES:  # the side streams use them on every call; the plan may be dropped from any stream
@@ -211,15 +193,67 @@ def prepare(
     return prepared
 
 
-def check_agreement(prep: Prepared, collective: str, group: dist.ProcessGroup) -> None:
+def _plan(
+    m: int,
+    n: int,
+    k: int,
+    dtype: torch.dtype,
+    weight_layout: str,
+    device: torch.device,
+    cfg: OverlapConfig,
+    rotate: int = 0,
+    interleave: int = 1,
+    columns: tuple[int, ...] | None = None,
+) -> tuple[OverlapConfig, SignalGemm, int, Plan]:
+    """``cfg`` for the device, the kernel, its SMs and the plan of a call (see :func:`prepare`)."""
+    cfg, spec = kernel_spec(cfg, DTYPES[dtype], weight_layout, torch.cuda.get_device_capability(device))
+    total_sms = torch.cuda.get_device_properties(device).multi_processor_count
+    sm_count = total_sms - cfg.comm_sms
+    if sm_count < 1:
+        raise ValueError(f"comm_sms={cfg.comm_sms} leaves no SM for the GEMM on {device} ({total_sms} SMs)")
+    kernel = get_kernel(spec)
+    index, along_m = device.index, cfg.layout == "cols"
+    plan = make_plan(
+        m,
+        n,
+        tile_m=cfg.tile_m,
+        tile_n=cfg.tile_n,
+        cluster_m=cfg.cluster_m,
+        ctas=kernel.num_ctas(m, n, k, sm_count, index, along_m, cfg.swizzle),
+        stream_k_tiles=kernel.stream_k_tiles(m, n, k, sm_count, index, along_m, cfg.swizzle),
+        partition=cfg.partition if columns is None else None,
+        layout=cfg.layout,
+        swizzle=cfg.swizzle,
+        rotate=rotate // cfg.tile_m,
+        interleave=interleave,
+        column_groups=columns,
+    )
+    return cfg, kernel, sm_count, plan
+
+
+@functools.lru_cache(maxsize=MAX_PREPARED)
+def shared_columns(
+    m: int, n: int, k: int, dtype: torch.dtype, weight_layout: str, device: torch.device, cfg: OverlapConfig
+) -> tuple[int, ...]:
+    """The ``cols`` groups' tile columns that ranks whose M differ all plan on: those of the plan
+    for ``m`` rows, the largest M (that rank's GEMM takes longest, so its waves set the pace)."""
+    return _plan(m, n, k, dtype, weight_layout, device, cfg)[3].column_groups
+
+
+def check_agreement(prep: Prepared, collective: str, group: dist.ProcessGroup, ex: Exchange) -> None:
     """On a plan's first use with ``group`` (every use with ``FLASHOVERLAP_DEBUG=1``), check that
     all ranks run the same plan, so that a mismatch fails loudly instead of hanging in NCCL."""
     key = (collective, group)
     if key in prep.agreed and signal.debug_timeout() is None:
         return
     plan = prep.plan
-    # (the rotation differs by rank on purpose: comm.rows_rotation)
-    description = f"{collective} M={plan.m} N={plan.n} {prep.kernel.spec} groups={plan.bounds} ctas={plan.ctas}"
+    # (the rotation differs by rank on purpose: comm.rows_rotation; so do the plans of ranks whose M
+    # differ, on the same columns)
+    if ex.ragged:
+        groups = f"M={ex.sources} columns={plan.column_groups}"
+    else:
+        groups = f"M={plan.m} groups={plan.bounds} ctas={plan.ctas}"
+    description = f"{collective} N={plan.n} {prep.kernel.spec} {groups}"
     comm.agree(group, description, prep.counters.device)
     prep.agreed.add(key)
 
@@ -381,16 +415,25 @@ def _gemm_collective(
     if explicit is not None and world > 1 and not explicit.sequential:  # no kernel here: fail before communicating
         for_device(explicit, torch.cuda.get_device_capability(a.device))
     ex = comm.exchange(collective, m, world, splits, output_splits, group, a.device)
-    # before any lookup: the same model run without tensor parallelism pays nothing more; ranks known to
-    # pass different M (or none) run the plain collective alike (overlapping them: not yet)
-    if world == 1 or m == 0 or ex.ragged:
+    # before any lookup: the same model run without tensor parallelism pays nothing more; so does a
+    # call where this rank, or any rank known to, has no rows
+    if world == 1 or m == 0 or ex.ragged and 0 in ex.sources:
         return sequential(a, weight, weight_layout, ex, group)
-    tuned = None if explicit is not None else tuned_config(a, world, ex, (m, n, k))
-    cfg = explicit or for_collective(tuned or default_config(collective, ex, (m, n, k)), collective)
+    # what every rank decides alike rests on: where the ranks' M differ (known where the counts were
+    # exchanged), the largest, whose GEMM sets the pace
+    shape = (max(ex.sources) if ex.ragged else m, n, k)
+    tuned = None if explicit is not None else tuned_config(a, world, ex, shape)
+    cfg = explicit or for_collective(tuned or default_config(collective, ex, shape), collective)
     # a GEMM of one wave without config= (decode-sized M, which varies a lot): nothing to overlap, and
     # found before planning
-    if cfg.sequential or explicit is None and one_wave(cfg, m, n, a.device):
+    if cfg.sequential or explicit is None and one_wave(cfg, shape[0], n, a.device):
         return sequential(a, weight, weight_layout, ex, group)
+    if ex.ragged and not takes_every_call(cfg, collective):
+        raise ValueError(
+            f"the ranks pass different M ({list(ex.sources)} rows): their groups are whole tile columns "
+            f"(layout 'cols', no symmetric windows), got layout {cfg.layout!r}"
+            + (", symmetric: true" if cfg.symmetric else "")
+        )
     with torch.cuda.device(a.device):  # the kernels launch on the current device
         if cfg.reduction != ex.reduction:
             ex = comm.exchange(collective, m, world, reduction=cfg.reduction)
@@ -401,17 +444,18 @@ def _gemm_collective(
                 f"splits {list(ex.send)} and output_splits {list(ex.recv)}"
             )
         rotate = comm.rows_rotation(ex, cfg.layout, dist.get_rank(group))
-        prep = prepare(m, n, k, a.dtype, weight_layout, a.device, cfg, rotate, comm.interleave(ex, cfg.layout))
+        columns = shared_columns(*shape, a.dtype, weight_layout, a.device, cfg) if ex.ragged else None
+        prep = prepare(m, n, k, a.dtype, weight_layout, a.device, cfg, rotate, comm.interleave(ex, cfg.layout), columns)
         if explicit is None and prep.plan.num_groups == 1:  # nothing to overlap: it would only add host time
             return sequential(a, weight, weight_layout, ex, group)
         full = group if group is not None else dist.group.WORLD
-        check_agreement(prep, collective, full)
+        check_agreement(prep, collective, full, ex)
         budget = budget_communicator(cfg, collective, full, a.device)
         tail = comm.tail_group(full, a.device)
         if (
             explicit is None
             and tuned is None
-            and not trial_pays(prep, cfg, a, weight, weight_layout, ex, budget, tail, full)
+            and not trial_pays(prep, cfg, a, weight, weight_layout, ex, budget, tail, full, shape[0])
         ):
             return sequential(a, weight, weight_layout, ex, group)
         return run_overlapped(prep, a, weight, ex, budget, tail_group=tail)
@@ -439,6 +483,7 @@ def trial_pays(
     budget: dist.ProcessGroup | comm.Direct,
     tail: dist.ProcessGroup | comm.Direct,
     full: dist.ProcessGroup,
+    m: int,
 ) -> bool:
     """Whether the overlapped call (``prep``, config ``cfg``, communicators ``budget`` and ``tail``:
     :func:`run_overlapped`) beats the sequential one on ``full``, for a call that has no tuned
@@ -447,11 +492,12 @@ def trial_pays(
     taking turns, the slower rank's median deciding (bench.time_variants), so that every rank
     decides alike; the answer is kept for every M of the same power of two (with the same N, K,
     dtype, config, kind of exchange and communicators: a model whose token counts vary times each
-    range once, not each count). Not timed while a CUDA graph is being captured (overlapped then,
+    range once, not each count; ``m``: the M every rank decides on, the largest where they differ).
+    Not timed while a CUDA graph is being captured (overlapped then,
     the answer not kept) or with ``FLASHOVERLAP_TRIAL=0``."""
     plan = prep.plan
     key = (
-        plan.m.bit_length(),
+        m.bit_length(),
         weight.shape,
         a.dtype,
         weight_layout,
@@ -459,6 +505,7 @@ def trial_pays(
         cfg,
         ex.collective,
         ex.uniform,
+        ex.ragged,
         ex.reduction,
         budget,
         full,
@@ -478,10 +525,10 @@ def trial_pays(
     _keep(_trials, key, pays, MAX_TRIALS)
     if dist.get_rank(full) == 0:
         print(
-            f"[flashoverlap] {ex.collective} {plan.m}x{plan.n} ({plan.num_groups} groups), no tuned config: "
+            f"[flashoverlap] {ex.collective} {m}x{plan.n} ({plan.num_groups} groups), no tuned config: "
             f"defaults {times['overlapped']:.3f} ms, sequential {times['sequential']:.3f} ms per call -> "
-            f"{'overlapped' if pays else 'sequential'} for M in [{1 << (plan.m.bit_length() - 1)}, "
-            f"{(1 << plan.m.bit_length()) - 1}] (tune to do better: python -m flashoverlap.tune)",
+            f"{'overlapped' if pays else 'sequential'} for M in [{1 << (m.bit_length() - 1)}, "
+            f"{(1 << m.bit_length()) - 1}] (tune to do better: python -m flashoverlap.tune)",
             file=sys.stderr,
             flush=True,
         )

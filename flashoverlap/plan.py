@@ -35,6 +35,7 @@ Layouts of the output buffer:
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import numpy as np
@@ -220,6 +221,13 @@ class Plan:
         """Whether the kernel rasters along M (the ``cols`` layout)."""
         return self.layout == "cols"
 
+    @property
+    def column_groups(self) -> tuple[int, ...]:
+        """The ``cols`` layout's group of each tile column (see :func:`make_plan`)."""
+        if self.layout != "cols":
+            raise ValueError(f"column groups exist in the 'cols' layout, this plan is {self.layout!r}")
+        return tuple(int(g) for g in self.group[: self.tiles_n])
+
     def columns(self, group: int) -> tuple[int, int]:
         """Output columns [c0, c1) of ``group`` in the ``cols`` layout."""
         if self.layout != "cols":
@@ -284,6 +292,7 @@ def make_plan(
     swizzle: int = 1,
     rotate: int = 0,
     interleave: int = 1,
+    column_groups: Sequence[int] | None = None,
 ) -> Plan:
     """Plan C[m, n] computed by a persistent grid of ``ctas`` CTAs; see the module doc.
 
@@ -293,6 +302,10 @@ def make_plan(
     :func:`rotation_rows` / ``tile_m`` below the tile rows (0: none).
     ``interleave``: the ``segments`` layout's segments (ranks); M a multiple of that many units of
     :func:`rotation_rows` rows.
+    ``column_groups``: the ``cols`` layout's group of each tile column, as another plan of the
+    same N gives them (:attr:`Plan.column_groups`) instead of from this plan's waves
+    (``partition`` then unused): ranks whose M differ plan their groups on the same columns, so
+    that every group's all-to-all exchanges blocks of one width.
     """
     for name, value in (
         ("m", m),
@@ -338,10 +351,21 @@ def make_plan(
     if stream_k_tiles and swizzle > 1:
         raise ValueError("stream-K schedules are planned without swizzle")
     num_waves = wave_count(m, n, tile_m, tile_n, cluster_m, ctas, stream_k_tiles, swizzle)
+    if column_groups is not None:
+        column_groups = np.asarray(column_groups, dtype=np.int64)
+        steps = np.diff(column_groups)
+        if layout != "cols" or partition is not None:
+            raise ValueError("column_groups are the 'cols' layout's, given instead of a partition")
+        if column_groups.shape != (tiles_n,) or column_groups[0] != 0 or ((steps != 0) & (steps != 1)).any():
+            raise ValueError(
+                f"column_groups must give each of the {tiles_n} tile columns its group: 0 first, then "
+                f"the same or the next, got {column_groups.tolist()}"
+            )
+        partition = ()  # none requested: the groups are the columns'
     partition = tuple(default_partition(num_waves) if partition is None else partition)
     if any(not isinstance(w, (int, np.integer)) or w < 1 for w in partition):
         raise ValueError(f"group sizes must be positive integers (waves), got {list(partition)}")
-    if sum(partition) != num_waves:
+    if column_groups is None and sum(partition) != num_waves:
         raise ValueError(
             f"group sizes {list(partition)} sum to {sum(partition)} waves, but a {m}x{n} output in "
             f"{tile_m}x{tile_n} tiles on {ctas} CTAs has {num_waves} waves"
@@ -359,7 +383,7 @@ def make_plan(
     if layout == "rows":
         group, offset, ld = _rows_layout(n, tile_m, tile_n, cluster_m, mt, nt, wave, group_of_wave)
     elif layout == "cols":
-        group, offset, ld = _cols_layout(m, n, tile_m, tile_n, mt, nt, wave, group_of_wave)
+        group, offset, ld = _cols_layout(m, n, tile_m, tile_n, mt, nt, wave, group_of_wave, column_groups)
     elif layout == "segments":
         unit = rotation_rows(m, n, tile_m, tile_n, cluster_m, swizzle) // tile_m
         group, offset, ld = _segments_layout(n, tile_m, tile_n, interleave, unit, mt, nt, wave, group_of_wave)
@@ -408,12 +432,13 @@ def _rows_layout(n, tile_m, tile_n, cluster_m, mt, nt, wave, group_of_wave):
     return group, offset, np.full(len(mt), n)
 
 
-def _cols_layout(m, n, tile_m, tile_n, mt, nt, wave, group_of_wave):
+def _cols_layout(m, n, tile_m, tile_n, mt, nt, wave, group_of_wave, col_group=None):
     # A tile column is complete when its last tile is; raster along M completes columns in order,
     # so every group is a run of whole columns [start, end).
-    col_wave = np.zeros(nt.max() + 1, dtype=np.int64)
-    np.maximum.at(col_wave, nt, wave)
-    col_group = group_of_wave[col_wave]
+    if col_group is None:
+        col_wave = np.zeros(nt.max() + 1, dtype=np.int64)
+        np.maximum.at(col_wave, nt, wave)
+        col_group = group_of_wave[col_wave]
     start = np.searchsorted(col_group, col_group, side="left")[nt]
     end = np.searchsorted(col_group, col_group, side="right")[nt]
     width = np.minimum(n, end * tile_n) - start * tile_n

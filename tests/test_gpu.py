@@ -243,12 +243,12 @@ def test_an_untuned_call_is_timed_once_against_sequential(nccl_one_rank, capfd):
     ex = comm.exchange("all_reduce", m, 1)
     budget = overlap.budget_communicator(cfg, "all_reduce", dist.group.WORLD, a.device)
     overlap._trials.clear()
-    pays = overlap.trial_pays(prep, cfg, a, w, "nk", ex, budget, dist.group.WORLD, dist.group.WORLD)
+    pays = overlap.trial_pays(prep, cfg, a, w, "nk", ex, budget, dist.group.WORLD, dist.group.WORLD, m)
     assert pays in (True, False) and list(overlap._trials.values()) == [pays]
     assert "no tuned config" in capfd.readouterr().err
     key = next(iter(overlap._trials))
     overlap._trials[key] = not pays  # kept: not timed again
-    assert overlap.trial_pays(prep, cfg, a, w, "nk", ex, budget, dist.group.WORLD, dist.group.WORLD) is (not pays)
+    assert overlap.trial_pays(prep, cfg, a, w, "nk", ex, budget, dist.group.WORLD, dist.group.WORLD, m) is (not pays)
     torch.cuda.synchronize()
     assert torch.equal(a, snapshot) and prep.counters.tolist() == [0] * prep.plan.num_groups
     assert rel_err(run_overlapped(prep, a, w, ex, budget, tail_group=dist.group.WORLD), ref) < 1e-2

@@ -181,14 +181,14 @@ def test_a_group_of_one_rank_runs_the_plain_gemm_before_any_lookup(one_rank_grou
     assert taken == ["all_reduce", "reduce_scatter", "all_to_all"]
 
 
-@pytest.mark.parametrize("m, sources", [(3000, (3000, 1000)), (0, (0, 3000)), (0, None)])
-def test_ranks_with_different_m_run_the_plain_collective_alike(one_rank_group, monkeypatch, m, sources):
-    """Where every rank knows the ranks pass different M (counts exchanged), or this rank has no
-    rows, the call runs matmul + the collective on every rank, before any lookup or planning."""
+@pytest.mark.parametrize("m, sources", [(3000, (3000, 0)), (0, (0, 3000)), (0, None)])
+def test_a_call_where_a_rank_has_no_rows_runs_the_plain_collective_alike(one_rank_group, monkeypatch, m, sources):
+    """Where this rank, or a rank every rank knows of (counts exchanged), has no rows, the call runs
+    matmul + the collective on every rank, before any lookup or planning."""
     from flashoverlap import comm, overlap
 
     def unexpected(*args, **kwargs):
-        raise AssertionError("a call of ranks with different M went past the plain path")
+        raise AssertionError("a call with a rank without rows went past the plain path")
 
     taken = []
     ex = comm.Exchange("all_to_all", (m // 2, m - m // 2), (0, 0), 0, uniform=False, sources=sources)
@@ -202,6 +202,51 @@ def test_ranks_with_different_m_run_the_plain_collective_alike(one_rank_group, m
     for config in (None, {"layout": "cols"}):
         flashoverlap.gemm_all_to_all(bf16(max(m, 1), 64), bf16(256, 64), splits=list(ex.send), config=config)
     assert taken == [ex, ex]
+
+
+def test_ranks_with_different_m_decide_on_the_largest_and_share_its_columns(one_rank_group, monkeypatch):
+    """Ranks whose M differ (known to all where the counts were exchanged) make every choice on the
+    largest M, and plan their own groups on that M's tile columns; only layouts of whole columns."""
+    from flashoverlap import comm, overlap
+    from flashoverlap.plan import make_plan
+
+    m, n, k, largest = 1000, 4096, 64, 3000
+    ex = comm.Exchange("all_to_all", (500, 500), (500, 1500), 2000, uniform=False, sources=(m, largest))
+    shared = make_plan(largest, n, tile_m=128, tile_n=256, cluster_m=1, ctas=16, layout="cols").column_groups
+    seen = []
+
+    def prepare(*args):
+        seen.append(("prepare", args[0], args[-1]))
+        plan = make_plan(m, n, tile_m=128, tile_n=256, cluster_m=1, ctas=16, layout="cols", column_groups=args[-1])
+        return overlap.Prepared(plan, *(None,) * 5, 132, None)
+
+    monkeypatch.setattr(overlap, "_trials", type(overlap._trials)())
+    monkeypatch.setattr(overlap, "world_size", lambda group: 2)
+    monkeypatch.setattr(overlap, "check_inputs", lambda a, w, layout: (m, n, k))
+    monkeypatch.setattr(comm, "exchange", lambda *args, **kwargs: ex)
+    monkeypatch.setattr(torch.cuda, "device", lambda device: contextlib.nullcontext())
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (9, 0))
+    monkeypatch.setattr(overlap, "tuned_config", lambda a, world, ex, shape: seen.append(("tuned", shape)))
+    monkeypatch.setattr(overlap, "one_wave", lambda cfg, m, n, device: seen.append(("one_wave", m)) and False)
+    monkeypatch.setattr(overlap, "shared_columns", lambda *args: seen.append(("columns", args[0])) or shared)
+    monkeypatch.setattr(overlap, "prepare", prepare)
+    monkeypatch.setattr(overlap, "check_agreement", lambda prep, collective, group, ex: None)
+    monkeypatch.setattr(overlap, "budget_communicator", lambda *args: None)
+    monkeypatch.setattr(overlap, "trial_pays", lambda *args: seen.append(("trial", args[-1])) or True)
+    monkeypatch.setattr(overlap, "run_overlapped", lambda prep, *args, **kwargs: seen.append(("run", prep.plan)))
+    flashoverlap.gemm_all_to_all(bf16(m, k), bf16(n, k), splits=[500, 500])
+    plan = seen[-1][1]
+    assert seen[:-1] == [
+        ("tuned", (largest, n, k)),
+        ("one_wave", largest),
+        ("columns", largest),
+        ("prepare", m, shared),
+        ("trial", largest),
+    ]
+    assert plan.m == m and plan.column_groups == shared
+    for config in ({"layout": "rows"}, {"layout": "segments"}, {"symmetric": True}):
+        with pytest.raises(ValueError, match=r"different M \(\[1000, 3000\] rows\): their groups are whole tile"):
+            flashoverlap.gemm_all_to_all(bf16(m, k), bf16(n, k), splits=[500, 500], config=config)
 
 
 def test_a_trial_holds_for_every_m_of_its_power_of_two(one_rank_group, monkeypatch):

@@ -209,6 +209,44 @@ def test_cols_layout_groups_are_column_blocks_with_contiguous_row_segments():
         make_plan(256, 256, tile_m=128, tile_n=256, cluster_m=1, ctas=1).columns(0)
 
 
+def test_cols_plans_of_another_m_take_the_given_column_groups():
+    """Ranks whose M differ plan their own tiles on the same columns (overlap.shared_columns): same
+    groups of columns, each group's block [M, width] of this plan, every tile once."""
+    for plan in random_plans(60):
+        if plan.layout != "cols":
+            continue
+        for m in (1, plan.m // 3 + 1, 3 * plan.m + 5):
+            other = make_plan(
+                m,
+                plan.n,
+                tile_m=plan.tile_m,
+                tile_n=plan.tile_n,
+                cluster_m=plan.cluster_m,
+                ctas=plan.ctas,
+                layout="cols",
+                swizzle=plan.swizzle,
+                column_groups=plan.column_groups,
+            )
+            assert other.num_groups == plan.num_groups and other.column_groups == plan.column_groups
+            assert [other.columns(g) for g in range(other.num_groups)] == [
+                plan.columns(g) for g in range(plan.num_groups)
+            ]
+            assert np.array_equal(np.sort(other.buffer_index()), np.arange(m * plan.n))
+            assert sum(other.tiles_per_group) == other.num_tiles
+    base = make_plan(512, 1024, tile_m=128, tile_n=256, cluster_m=1, ctas=2, layout="cols")
+    for groups, message in [
+        ((0, 0, 1), "each of the 4 tile columns"),
+        ((1, 1, 2, 2), "0 first"),
+        ((0, 2, 2, 2), "the same or the next"),
+    ]:
+        with pytest.raises(ValueError, match=message):
+            make_plan(512, 1024, tile_m=128, tile_n=256, cluster_m=1, ctas=2, layout="cols", column_groups=groups)
+    with pytest.raises(ValueError, match="column_groups are the 'cols' layout's"):
+        make_plan(512, 1024, tile_m=128, tile_n=256, cluster_m=1, ctas=2, column_groups=base.column_groups)
+    with pytest.raises(ValueError, match="column groups exist in the 'cols' layout"):
+        _ = make_plan(512, 1024, tile_m=128, tile_n=256, cluster_m=1, ctas=2).column_groups
+
+
 def test_stream_k_waves():
     # 10 tiles on 4 CTAs: plain waves 0,0,0,0,1,1,1,1,2,2; stream-K over the first 6 tiles
     # finishes them in one shared wave, then the last 4 run as one whole wave

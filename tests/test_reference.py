@@ -186,3 +186,46 @@ def subgroup_worker(rank: int, world: int, store_path: str):
 def test_rows_layout_on_a_subgroup():
     with tempfile.TemporaryDirectory() as tmp:
         mp.spawn(subgroup_worker, args=(3, os.path.join(tmp, "store")), nprocs=3, join=True)
+
+
+def ragged_worker(rank: int, world: int, store_path: str):
+    """All-to-all whose ranks have different M (MoE experts): each rank plans its own M on the tile
+    columns of the largest M's plan (overlap.shared_columns), the counts exchanged."""
+    dist.init_process_group("gloo", store=dist.FileStore(store_path, world), rank=rank, world_size=world)
+    try:
+        for index in range(8):
+            rng = np.random.default_rng(index)
+            args = random_plan_args(rng, max_tiles=4, ctas_choices=(1, 2, 3, 7), default_share=0.5)
+            args.update(layout="cols", partition=None, stream_k_tiles=0)  # the largest M's default groups
+            sizes = [int(v) for v in np.random.default_rng([index, 7]).integers(1, args["m"] + 1, size=world)]
+            m, k = sizes[rank], 8 * int(rng.integers(1, 20))
+            cuts = np.sort(np.random.default_rng([index, rank]).integers(0, m + 1, size=world - 1))
+            splits = [int(v) for v in np.diff([0, *cuts, m])]
+            ex = comm.exchange("all_to_all", m, world, splits)
+            assert ex.sources == tuple(sizes) and ex.ragged == (len(set(sizes)) > 1)
+            shared = make_plan(**dict(args, m=max(sizes))).column_groups
+            plan = make_plan(**dict(args, m=m), column_groups=shared)
+            a, w = operands(index, rank, m, plan.n, k, torch.bfloat16, "nk")
+            out = run_plan(a, w, plan, ex)
+            products = []
+            for r in range(world):
+                ar, wr = operands(index, r, sizes[r], plan.n, k, torch.bfloat16, "nk")
+                products.append(ar.double() @ wr.double().t())
+            parts = []
+            for s in range(world):
+                cuts_s = np.sort(np.random.default_rng([index, s]).integers(0, sizes[s] + 1, size=world - 1))
+                start = int(([0, *cuts_s])[rank])
+                parts.append(products[s][start : start + ex.recv[s]])
+            expected = torch.cat(parts)
+            what = f"ragged case {index}, M {sizes}, groups {plan.num_groups}"
+            assert out.shape == expected.shape and not torch.isnan(out).any(), what
+            if expected.numel():
+                assert ((out.double() - expected).norm() / expected.norm()).item() < 1e-2, what
+    finally:
+        dist.destroy_process_group()
+
+
+@pytest.mark.parametrize("world", [2, 3])
+def test_ranks_with_different_m_exchange_groups_of_shared_columns(world):
+    with tempfile.TemporaryDirectory() as tmp:
+        mp.spawn(ragged_worker, args=(world, os.path.join(tmp, "store")), nprocs=world, join=True)

@@ -37,9 +37,12 @@ CASES = [  # collective, config, keyword arguments
     ("reduce_scatter", None, {}),
     ("all_to_all", None, {}),
     ("all_to_all", None, {"uneven": True}),
-    # ranks with different M, one with none (MoE experts): the plain collective on every rank
+    # ranks with different M (MoE experts): groups on the largest M's columns; one rank with none:
+    # the plain collective on every rank
     ("all_to_all", None, {"ragged": True}),
     ("all_to_all", {"layout": "cols"}, {"ragged": True}),
+    ("all_to_all", {"layout": "cols", "kernel": "sm80"}, {"ragged": True}),
+    ("all_to_all", None, {"ragged": True, "empty": True}),
 ]
 SHAPES = [(4608, 2048, 512), (1000, 1032, 264)]
 
@@ -57,8 +60,8 @@ def worker(rank, world, store_path):
                     continue
                 # uneven: a third of the rows to the last rank but one, the rest to the last (none to others)
                 splits = [0] * (world - 2) + [m // 3, m - m // 3] if kwargs.get("uneven") else None
-                if kwargs.get("ragged"):  # rank r has M / 2^r rows, the last rank none
-                    m = 0 if rank == world - 1 else m >> rank
+                if kwargs.get("ragged"):  # rank r has M / 2^r rows (the last rank none where "empty")
+                    m = 0 if kwargs.get("empty") and rank == world - 1 else m >> rank
                     splits = [m // world] * (world - 1) + [m - (world - 1) * (m // world)]
                 call = {"splits": splits} if splits else {}
                 what = f"{collective} {config} {kwargs} {m}x{n}x{k} world {world} rank {rank}"
