@@ -1,10 +1,13 @@
 """MoE expert combine with the all-to-all overlapped with the expert's down projection:
 
-    torchrun --nproc-per-node 2 examples/moe_combine.py [--tokens 8192] [--transport pcie]
+    torchrun --nproc-per-node 2 examples/moe_combine.py [--tokens 8192] [--transport pcie] [--ragged]
 
 Each rank ran its experts on tokens that other ranks own (rows grouped by owner, uneven counts).
 The combine multiplies them by the down projection and sends each row back to its owner:
-``torch.matmul`` + ``dist.all_to_all_single`` vs ``flashoverlap.gemm_all_to_all``.
+``torch.matmul`` + ``dist.all_to_all_single`` vs ``flashoverlap.gemm_all_to_all``. With
+``--ragged`` the ranks' experts got different numbers of rows (from half to all of ``--tokens``),
+as routing gives them, and flashoverlap exchanges the counts itself (``splits`` only; that
+all-gather and its host sync are in its time, the plain path's counts are known beforehand).
 """
 
 from __future__ import annotations
@@ -25,6 +28,7 @@ def main() -> None:
     parser.add_argument("--hidden", type=int, default=4096)
     parser.add_argument("--ffn", type=int, default=7168)
     parser.add_argument("--transport", choices=["nvlink", "pcie"], default="nvlink")
+    parser.add_argument("--ragged", action="store_true", help="a different number of expert rows on each rank")
     args = parser.parse_args()
     if args.transport == "pcie":
         os.environ["NCCL_P2P_DISABLE"] = "1"
@@ -33,13 +37,15 @@ def main() -> None:
     dist.init_process_group("nccl", device_id=torch.device("cuda", local_rank))
     rank, world = dist.get_rank(), dist.get_world_size()
     gen = torch.Generator(device="cuda").manual_seed(rank)
+    rows = args.tokens // 2 + int(torch.randint(0, args.tokens // 2 + 1, (1,), generator=gen, device="cuda"))
+    rows = rows if args.ragged else args.tokens
     # uneven routing: how many of this rank's expert rows belong to each owner
-    cuts = torch.sort(torch.randint(0, args.tokens + 1, (world - 1,), generator=gen, device="cuda")).values
-    splits = torch.diff(torch.cat([cuts.new_zeros(1), cuts, cuts.new_full((1,), args.tokens)]))
+    cuts = torch.sort(torch.randint(0, rows + 1, (world - 1,), generator=gen, device="cuda")).values
+    splits = torch.diff(torch.cat([cuts.new_zeros(1), cuts, cuts.new_full((1,), rows)]))
     received = torch.empty_like(splits)
     dist.all_to_all_single(received, splits)
     splits, received = splits.tolist(), received.tolist()
-    h = torch.randn(args.tokens, args.ffn, device="cuda", generator=gen).bfloat16()
+    h = torch.randn(rows, args.ffn, device="cuda", generator=gen).bfloat16()
     w = (torch.randn(args.hidden, args.ffn, device="cuda", generator=gen) / args.ffn**0.5).bfloat16()
 
     def plain():
@@ -47,7 +53,9 @@ def main() -> None:
         dist.all_to_all_single(out, h @ w.t(), received, splits)
         return out
 
-    def overlapped():
+    def overlapped():  # ranks with different M: the counts exchanged by flashoverlap, so all know every M
+        if args.ragged:
+            return flashoverlap.gemm_all_to_all(h, w, splits=splits)
         return flashoverlap.gemm_all_to_all(h, w, splits=splits, output_splits=received)
 
     want, got = plain().float(), overlapped().float()
@@ -56,8 +64,8 @@ def main() -> None:
     t_plain, t_fo = times["plain"], times["fo"]
     if rank == 0:
         print(
-            f"{torch.cuda.get_device_name()} x{world}, {args.transport}: combine of {args.tokens} rows "
-            f"({args.ffn} -> {args.hidden}), rank 0 sends {splits}: matmul + all_to_all {t_plain:.3f} ms, "
+            f"{torch.cuda.get_device_name()} x{world}, {args.transport}: combine of {rows} rows on rank 0 "
+            f"({args.ffn} -> {args.hidden}), sent as {splits}: matmul + all_to_all {t_plain:.3f} ms, "
             f"flashoverlap {t_fo:.3f} ms, speedup {t_plain / t_fo:.3f}, rel err {err:.1e}"
         )
     dist.destroy_process_group()
