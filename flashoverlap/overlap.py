@@ -178,7 +178,8 @@ def prepare(
     key = (m, n, k, dtype, weight_layout, device.index, cfg, rotate, interleave, columns)
     if (found := _recent(_prepared, key)) is not None:
         return found
-    cfg, kernel, sm_count, plan = _plan(m, n, k, dtype, weight_layout, device, cfg, rotate, interleave, columns)
+    cfg, kernel, sm_count = _kernel(dtype, weight_layout, device, cfg)
+    plan = _plan(kernel, cfg, sm_count, (m, n, k), device, rotate, interleave, columns)
     slots = torch.from_numpy(plan.slot_table().view("u1")).to(device)
     counters = torch.zeros(plan.num_groups, dtype=torch.int32, device=device)
     workspace_bytes = kernel.workspace_size(m, n, k, sm_count, device.index, plan.along_m, cfg.swizzle)
@@ -193,27 +194,32 @@ def prepare(
     return prepared
 
 
-def _plan(
-    m: int,
-    n: int,
-    k: int,
-    dtype: torch.dtype,
-    weight_layout: str,
-    device: torch.device,
-    cfg: OverlapConfig,
-    rotate: int = 0,
-    interleave: int = 1,
-    columns: tuple[int, ...] | None = None,
-) -> tuple[OverlapConfig, SignalGemm, int, Plan]:
-    """``cfg`` for the device, the kernel, its SMs and the plan of a call (see :func:`prepare`)."""
+def _kernel(
+    dtype: torch.dtype, weight_layout: str, device: torch.device, cfg: OverlapConfig
+) -> tuple[OverlapConfig, SignalGemm, int]:
+    """``cfg`` completed for the device, its kernel, and the SMs that kernel's grid gets."""
     cfg, spec = kernel_spec(cfg, DTYPES[dtype], weight_layout, torch.cuda.get_device_capability(device))
     total_sms = torch.cuda.get_device_properties(device).multi_processor_count
     sm_count = total_sms - cfg.comm_sms
     if sm_count < 1:
         raise ValueError(f"comm_sms={cfg.comm_sms} leaves no SM for the GEMM on {device} ({total_sms} SMs)")
-    kernel = get_kernel(spec)
+    return cfg, get_kernel(spec), sm_count
+
+
+def _plan(
+    kernel: SignalGemm,
+    cfg: OverlapConfig,
+    sm_count: int,
+    shape: tuple[int, int, int],
+    device: torch.device,
+    rotate: int = 0,
+    interleave: int = 1,
+    columns: tuple[int, ...] | None = None,
+) -> Plan:
+    """The plan of a GEMM ``shape`` on ``kernel``'s grid (see :func:`prepare`)."""
+    m, n, k = shape
     index, along_m = device.index, cfg.layout == "cols"
-    plan = make_plan(
+    return make_plan(
         m,
         n,
         tile_m=cfg.tile_m,
@@ -228,7 +234,6 @@ def _plan(
         interleave=interleave,
         column_groups=columns,
     )
-    return cfg, kernel, sm_count, plan
 
 
 @functools.lru_cache(maxsize=MAX_PREPARED)
@@ -237,7 +242,8 @@ def shared_columns(
 ) -> tuple[int, ...]:
     """The ``cols`` groups' tile columns that ranks whose M differ all plan on: those of the plan
     for ``m`` rows, the largest M (that rank's GEMM takes longest, so its waves set the pace)."""
-    return _plan(m, n, k, dtype, weight_layout, device, cfg)[3].column_groups
+    cfg, kernel, sm_count = _kernel(dtype, weight_layout, device, cfg)
+    return _plan(kernel, cfg, sm_count, (m, n, k), device).column_groups
 
 
 def check_agreement(prep: Prepared, collective: str, group: dist.ProcessGroup, ex: Exchange) -> None:
