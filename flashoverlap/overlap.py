@@ -109,7 +109,6 @@ class Prepared:
     sm_count: int
     report: torch.Tensor  # int32[4]: a debug-mode wait that timed out (see flashoverlap.signal)
     symmetric: bool = False  # buffers in NCCL symmetric windows (OverlapConfig.symmetric)
-    agreed: set = field(default_factory=set)  # (collective, group) pairs whose ranks agreed on this plan
     # exchange -> (the window region, its (out, buffer, recv) there): the same every call
     window_views: dict = field(default_factory=dict)
     group_done: list = field(default_factory=list)  # an event per group (comm.finish_group)
@@ -246,11 +245,21 @@ def shared_columns(
     return _plan(kernel, cfg, sm_count, (m, n, k), device).column_groups
 
 
-def check_agreement(prep: Prepared, collective: str, group: dist.ProcessGroup, ex: Exchange) -> None:
-    """On a plan's first use with ``group`` (every use with ``FLASHOVERLAP_DEBUG=1``), check that
-    all ranks run the same plan, so that a mismatch fails loudly instead of hanging in NCCL."""
-    key = (collective, group)
-    if key in prep.agreed and signal.debug_timeout() is None:
+MAX_AGREED = 1024
+_agreed: OrderedDict[tuple, bool] = OrderedDict()  # calls whose ranks agreed, most recently used last
+
+
+def check_agreement(prep: Prepared, collective: str, group: dist.ProcessGroup, ex: Exchange, call: tuple) -> None:
+    """On the first use of ``call`` with ``group`` (every use with ``FLASHOVERLAP_DEBUG=1``), check
+    that all ranks run the same plan, so that a mismatch fails loudly instead of hanging in NCCL.
+
+    ``call``: what the plan follows from, alike on every rank of a consistent call (never this
+    rank's own state, such as which plans it keeps: ranks whose M differ keep different plans, and a
+    rank that skipped the check while another ran it would leave both hanging). Ranks whose M differ
+    agree once per kind of call, not per call: every rank's M reaches every rank alike (exchanged),
+    and their columns follow from it."""
+    key = (call, group)
+    if _recent(_agreed, key) is not None and signal.debug_timeout() is None:
         return
     plan = prep.plan
     # (the rotation differs by rank on purpose: comm.rows_rotation; so do the plans of ranks whose M
@@ -261,7 +270,7 @@ def check_agreement(prep: Prepared, collective: str, group: dist.ProcessGroup, e
         groups = f"M={plan.m} groups={plan.bounds} ctas={plan.ctas}"
     description = f"{collective} N={plan.n} {prep.kernel.spec} {groups}"
     comm.agree(group, description, prep.counters.device)
-    prep.agreed.add(key)
+    _keep(_agreed, key, True, MAX_AGREED)
 
 
 def side_stream(device: torch.device, role: str = "comm") -> torch.cuda.Stream:
@@ -455,7 +464,8 @@ def _gemm_collective(
         if explicit is None and prep.plan.num_groups == 1:  # nothing to overlap: it would only add host time
             return sequential(a, weight, weight_layout, ex, group)
         full = group if group is not None else dist.group.WORLD
-        check_agreement(prep, collective, full, ex)
+        call = (collective, "ragged" if ex.ragged else m, n, k, a.dtype, weight_layout, a.device.index, cfg)
+        check_agreement(prep, collective, full, ex, call)
         budget = budget_communicator(cfg, collective, full, a.device)
         tail = comm.tail_group(full, a.device)
         if (

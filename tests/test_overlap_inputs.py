@@ -1,6 +1,7 @@
 """Bad input is rejected with a clear message before anything is launched (CPU: gloo, one rank)."""
 
 import contextlib
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -8,6 +9,8 @@ import torch.distributed as dist
 
 import flashoverlap
 from flashoverlap.overlap import check_inputs
+
+from .helpers import spawn_ranks
 
 
 @pytest.fixture(scope="module")
@@ -230,7 +233,7 @@ def test_ranks_with_different_m_decide_on_the_largest_and_share_its_columns(one_
     monkeypatch.setattr(overlap, "one_wave", lambda cfg, m, n, device: seen.append(("one_wave", m)) and False)
     monkeypatch.setattr(overlap, "shared_columns", lambda *args: seen.append(("columns", args[0])) or shared)
     monkeypatch.setattr(overlap, "prepare", prepare)
-    monkeypatch.setattr(overlap, "check_agreement", lambda prep, collective, group, ex: None)
+    monkeypatch.setattr(overlap, "check_agreement", lambda *args: None)
     monkeypatch.setattr(overlap, "budget_communicator", lambda *args: None)
     monkeypatch.setattr(overlap, "trial_pays", lambda *args: seen.append(("trial", args[-1])) or True)
     monkeypatch.setattr(overlap, "run_overlapped", lambda prep, *args, **kwargs: seen.append(("run", prep.plan)))
@@ -247,6 +250,34 @@ def test_ranks_with_different_m_decide_on_the_largest_and_share_its_columns(one_
     for config in ({"layout": "rows"}, {"layout": "segments"}, {"symmetric": True}):
         with pytest.raises(ValueError, match=r"different M \(\[1000, 3000\] rows\): their groups are whole tile"):
             flashoverlap.gemm_all_to_all(bf16(m, k), bf16(n, k), splits=[500, 500], config=config)
+
+
+def agreement_worker(rank: int, world: int, store_path: str):
+    from flashoverlap import comm, overlap
+    from flashoverlap.plan import make_plan
+
+    dist.init_process_group("gloo", store=dist.FileStore(store_path, world), rank=rank, world_size=world)
+    try:
+        agreed = []
+        real_agree = comm.agree
+        comm.agree = lambda *args: agreed.append(args[1]) or real_agree(*args)
+        overlap._agreed.clear()
+        sources = (3000, 1000)
+        ex = comm.Exchange("all_to_all", (500, 500), (500, 500), 1000, uniform=False, sources=sources)
+        shared = make_plan(3000, 1024, tile_m=128, tile_n=256, cluster_m=1, ctas=8, layout="cols").column_groups
+        for m in (sources[rank], sources[rank] // 2 if rank else sources[rank]):  # rank 1's own plan changes
+            plan = make_plan(m, 1024, tile_m=128, tile_n=256, cluster_m=1, ctas=8, layout="cols", column_groups=shared)
+            prep = overlap.Prepared(plan, SimpleNamespace(spec="spec"), None, torch.zeros(1), *(None,) * 4)
+            overlap.check_agreement(prep, "all_to_all", dist.group.WORLD, ex, ("all_to_all", "ragged", 1024))
+        assert len(agreed) == 1, agreed  # once per kind of call, on every rank alike
+    finally:
+        dist.destroy_process_group()
+
+
+def test_ranks_agree_once_per_call_whatever_plans_each_keeps():
+    """Whether a call's ranks check their agreement (a collective) must not rest on this rank's own
+    plans: ranks whose M differ keep different ones, and one checking alone would hang."""
+    spawn_ranks(2, agreement_worker, timeout=120)
 
 
 def test_a_trial_holds_for_every_m_of_its_power_of_two(one_rank_group, monkeypatch):
