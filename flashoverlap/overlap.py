@@ -152,7 +152,7 @@ def _keep(cache: OrderedDict, key: tuple, value, limit: int) -> None:
         cache.popitem(last=False)
 
 
-SIDE_ROLES = ("comm", "finish")  # side_stream
+SIDE_ROLES = ("comm", "finish")  # what side_stream keeps a stream for
 _side_streams: dict[tuple[int, str], torch.cuda.Stream] = {}
 _windows: dict[tuple, comm.nccl.Window] = {}  # symmetric windows per (budget, tail) group pair
 
@@ -509,8 +509,8 @@ def trial_pays(
     decides alike; the answer is kept for every M of the same power of two (with the same N, K,
     dtype, config, kind of exchange and communicators: a model whose token counts vary times each
     range once, not each count; ``m``: the M every rank decides on, the largest where they differ).
-    Not timed while a CUDA graph is being captured (overlapped then,
-    the answer not kept) or with ``FLASHOVERLAP_TRIAL=0``."""
+    Not timed while a CUDA graph is being captured (overlapped then, the answer not kept) or with
+    ``FLASHOVERLAP_TRIAL=0``."""
     plan = prep.plan
     key = (
         m.bit_length(),
