@@ -8,7 +8,8 @@ synchronisation happens inside a call.
 
 Operands of every public entry point: a: [M, K]; weight: [N, K] like ``torch.nn.Linear``
 (``weight_layout="nk"``) or [K, N] (``"kn"``); bf16 or fp16, contiguous, on this rank's CUDA
-device; N and K multiples of 8; every rank passes the same shapes. ``config``: an
+device; N and K multiples of 8; every rank passes the same shapes (but M for an all-to-all whose
+counts are exchanged: ``splits`` without ``output_splits``). ``config``: an
 :class:`OverlapConfig`, a dict of its fields, or a YAML path (default: the registry's entry nearest
 the call, see :mod:`flashoverlap.registry`, else the built-in defaults). The result is a
 new tensor, ready on the current stream. Bad input raises ``ValueError``/``TypeError`` before
@@ -599,5 +600,6 @@ def gemm_all_to_all(
     """``all_to_all_single`` of ``a @ weight.T``: the first ``splits[0]`` rows go to rank 0, the
     next ``splits[1]`` to rank 1, ... (even split when omitted); returns the rows received from
     every rank in rank order -> [sum(output_splits), N]. ``output_splits[s]`` = rows rank s sends
-    here; omitted with uneven ``splits``, the counts are exchanged first (a small collective)."""
+    here; omitted with ``splits``, every rank's splits are exchanged first (a small collective and a
+    host sync), and the ranks may then pass different M (MoE experts; none included)."""
     return _gemm_collective(a, weight, "all_to_all", group, config, weight_layout, splits, output_splits)
