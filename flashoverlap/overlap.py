@@ -374,23 +374,28 @@ def run_overlapped(
     return result
 
 
-def tuned_config(a: torch.Tensor, world: int, ex: Exchange, shape: tuple[int, int, int]) -> OverlapConfig | None:
+def tuned_config(
+    a: torch.Tensor, world: int, ex: Exchange, shape: tuple[int, int, int], p2p: bool = True
+) -> OverlapConfig | None:
     """The registry's config for this call (flashoverlap.registry), None without one. Where the
-    entry cannot take the call (:func:`carries`; entries are tuned with equal splits: unequal
-    all-to-all splits, say), the entry's measured ``fallback``, else None."""
+    entry cannot take the call (:func:`carries`; entries are tuned with equal splits on NCCL:
+    unequal all-to-all splits, say), the entry's measured ``fallback``, else None."""
     key = (torch.cuda.get_device_name(a.device), world, ex.collective, registry.transport(), DTYPES[a.dtype], shape)
     found = registry.lookup(*key)
-    if found is not None and not carries(found, ex, shape):
+    if found is not None and not carries(found, ex, shape, p2p):
         found = registry.lookup(*key, fallback=True)
     return found
 
 
-def carries(cfg: OverlapConfig, ex: Exchange, shape: tuple[int, int, int]) -> bool:
+def carries(cfg: OverlapConfig, ex: Exchange, shape: tuple[int, int, int], p2p: bool = True) -> bool:
     """Whether ``cfg`` can run the call ``ex`` of GEMM ``shape``, as every rank sees it (the choice
     of a call without config=): the ``rows`` and ``segments`` layouts need equal segments of whole
-    scheduling units (comm.rows_carry), symmetric windows the same buffer sizes, on every rank."""
+    scheduling units (comm.rows_carry), symmetric windows the same buffer sizes, on every rank; the
+    ``rows`` layout's send / receive a group that sends CUDA tensors point to point (``p2p``: NCCL,
+    not gloo)."""
     segments_ok = cfg.layout not in comm.EQUAL_SEGMENTS or ex.uniform and comm.rows_carry(ex, rotation_unit(cfg, shape))
-    return segments_ok and (ex.uniform or not cfg.symmetric)
+    sends_ok = p2p or not comm.sends_point_to_point(ex, cfg.layout)
+    return segments_ok and sends_ok and (ex.uniform or not cfg.symmetric)
 
 
 _DEFAULTS = OverlapConfig()  # frozen: built once (each construction validates)
@@ -438,7 +443,13 @@ def _gemm_collective(
     # what every rank decides alike rests on: where the ranks' M differ (known where the counts were
     # exchanged), the largest, whose GEMM sets the pace
     shape = (max(ex.sources) if ex.ragged else m, n, k)
-    tuned = None if explicit is not None else tuned_config(a, world, ex, shape)
+    p2p = dist.get_backend(group) == "nccl"  # gloo carries CUDA tensors in collectives, not point to point
+    if explicit is not None and not p2p and comm.sends_point_to_point(ex, explicit.layout):
+        raise ValueError(
+            f"layout 'rows' sends {collective} groups point to point, which a {dist.get_backend(group)} group cannot "
+            "do with CUDA tensors: use an NCCL group, or layout 'segments' or 'cols'"
+        )
+    tuned = None if explicit is not None else tuned_config(a, world, ex, shape, p2p)
     cfg = explicit or for_collective(tuned or default_config(collective, ex, shape), collective)
     # a GEMM of one wave without config= (decode-sized M, which varies a lot): nothing to overlap, and
     # found before planning

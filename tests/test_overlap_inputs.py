@@ -229,7 +229,8 @@ def test_ranks_with_different_m_decide_on_the_largest_and_share_its_columns(one_
     monkeypatch.setattr(comm, "exchange", lambda *args, **kwargs: ex)
     monkeypatch.setattr(torch.cuda, "device", lambda device: contextlib.nullcontext())
     monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (9, 0))
-    monkeypatch.setattr(overlap, "tuned_config", lambda a, world, ex, shape: seen.append(("tuned", shape)))
+    monkeypatch.setattr(dist, "get_backend", lambda group=None: "nccl")
+    monkeypatch.setattr(overlap, "tuned_config", lambda a, world, ex, shape, p2p: seen.append(("tuned", shape)))
     monkeypatch.setattr(overlap, "one_wave", lambda cfg, m, n, device: seen.append(("one_wave", m)) and False)
     monkeypatch.setattr(overlap, "shared_columns", lambda *args: seen.append(("columns", args[0])) or shared)
     monkeypatch.setattr(overlap, "prepare", prepare)
@@ -250,6 +251,19 @@ def test_ranks_with_different_m_decide_on_the_largest_and_share_its_columns(one_
     for config in ({"layout": "rows"}, {"layout": "segments"}, {"symmetric": True}):
         with pytest.raises(ValueError, match=r"different M \(\[1000, 3000\] rows\): their groups are whole tile"):
             flashoverlap.gemm_all_to_all(bf16(m, k), bf16(n, k), splits=[500, 500], config=config)
+
+
+def test_a_gloo_group_takes_no_point_to_point_layout(one_rank_group, monkeypatch):
+    """gloo carries CUDA tensors in collectives but not point to point: the ``rows`` layout of
+    reduce-scatter / all-to-all is refused before anything runs (a registry entry falls back)."""
+    from flashoverlap import overlap
+
+    monkeypatch.setattr(overlap, "world_size", lambda group: 2)
+    monkeypatch.setattr(overlap, "check_inputs", lambda a, w, layout: (4096, 4096, 512))
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (9, 0))
+    for fn in ENTRY_POINTS[1:]:
+        with pytest.raises(ValueError, match="layout 'rows' sends .* point to point, which a gloo group cannot"):
+            fn(bf16(64, 64), bf16(64, 64), config={"layout": "rows"})
 
 
 def agreement_worker(rank: int, world: int, store_path: str):
