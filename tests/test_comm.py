@@ -76,6 +76,8 @@ def test_what_an_exchange_without_counts_knows_of_the_other_ranks():
     given = exchange("all_to_all", 12, 3, splits=[4, 4, 4], output_splits=[4, 4, 4])
     assert given.even and not given.uniform  # the others' splits are not known here
     assert given.sources is None and not given.ragged
+    alone = exchange("all_to_all", 12, 1, splits=[12])  # one rank: no process group needed, nothing exchanged
+    assert alone.recv == (12,) and alone.uniform and not alone.ragged
 
 
 def test_only_a_uniform_all_to_all_takes_the_equal_split_path(monkeypatch):

@@ -209,7 +209,7 @@ def exchange(
         recv = _counts("output_splits", output_splits, world)
         # without splits every rank splits its M (the same everywhere) evenly: then even is known
         return Exchange(collective, send, recv, sum(recv), uniform=splits is None and recv == even)
-    if splits is None:
+    if splits is None or world == 1:  # (one rank: nothing to exchange)
         return Exchange(collective, send, send, m)
     mine = torch.tensor(send, dtype=torch.int64, device=_device_for(group, device))
     matrix = torch.empty(world * world, dtype=torch.int64, device=mine.device)
