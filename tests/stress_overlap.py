@@ -4,10 +4,10 @@
     torchrun --nproc-per-node 2 tests/stress_overlap.py --shared-gpu --calls 1000   # one GPU, gloo
 
 Random shapes (from a pool of random shapes, so that plans are reused as in a model), random
-collectives (all-reduce, reduce-scatter, all-to-all with uneven splits), configs varying with the
-shape (among prebuilt kernel instances, symmetric windows and local reductions among them; shapes x
-collectives stay within the plan cache, so memory must be flat once every pair has run) and two
-process groups, back to back with the host running ahead. FLASHOVERLAP_NCCL=direct: NCCL's C API.
+collectives (all-reduce, reduce-scatter, all-to-all with uneven splits, and over ranks of different
+M with the counts exchanged), configs varying with the shape (among prebuilt kernel instances,
+symmetric windows and local reductions among them; GPU memory outside the cached plans must be flat
+once every pair has run) and two process groups, back to back with the host running ahead. FLASHOVERLAP_NCCL=direct: NCCL's C API.
 ``--shared-gpu``: every rank on GPU 0 over gloo (which carries CUDA tensors through host memory,
 not point to point: the ``rows`` layout of reduce-scatter / all-to-all is left out).
 Every ``--check-every`` calls the last few outputs -- returned earlier, still held -- are compared
@@ -168,11 +168,18 @@ def main() -> int:
             and config.get("layout") not in ("rows", "segments")
             and not config.get("symmetric")
         ):
-            # every rank draws every rank's splits, so output_splits are known without exchange
-            cuts = np.sort(rng.integers(0, m + 1, size=(world, world - 1)), axis=1)
-            splits = np.diff(np.concatenate([np.zeros((world, 1), int), cuts, np.full((world, 1), m)], axis=1), axis=1)
-            kwargs = {"splits": splits[rank].tolist(), "output_splits": splits[:, rank].tolist()}
+            # every rank draws every rank's splits, so output_splits are known without exchange; or
+            # (ragged) rank r has M / 2^r rows (MoE experts; none where that rounds to 0) and the
+            # counts are exchanged
+            ragged = rng.random() < 0.5
+            rows = np.array([m >> r if ragged else m for r in range(world)])
+            cuts = np.sort((rng.random(size=(world, world - 1)) * (rows[:, None] + 1)).astype(int), axis=1)
+            splits = np.diff(np.concatenate([np.zeros((world, 1), int), cuts, rows[:, None]], axis=1), axis=1)
+            kwargs = {"splits": splits[rank].tolist()}
+            if not ragged:
+                kwargs["output_splits"] = splits[:, rank].tolist()
         a, w = operands[(m, n, k)]
+        a = a[: sum(kwargs["splits"])] if "splits" in kwargs else a  # a ragged rank's rows
         out = getattr(flashoverlap, f"gemm_{collective}")(a, w, group=group, config=config, **kwargs)
         held = [*held, (out, a, w, collective, group, kwargs, config)][-KEEP:]
         del out  # only `held` keeps outputs alive (memory is measured with it empty)
