@@ -7,7 +7,8 @@ Random shapes (from a pool of random shapes, so that plans are reused as in a mo
 collectives (all-reduce, reduce-scatter, all-to-all with uneven splits, and over ranks of different
 M with the counts exchanged), configs varying with the shape (among prebuilt kernel instances,
 symmetric windows and local reductions among them; GPU memory outside the cached plans must be flat
-once every pair has run) and two process groups, back to back with the host running ahead. FLASHOVERLAP_NCCL=direct: NCCL's C API.
+once every pair has run) and two process groups, back to back with the host running ahead.
+FLASHOVERLAP_NCCL=direct: NCCL's C API.
 ``--shared-gpu``: every rank on GPU 0 over gloo (which carries CUDA tensors through host memory,
 not point to point: the ``rows`` layout of reduce-scatter / all-to-all is left out).
 Every ``--check-every`` calls the last few outputs -- returned earlier, still held -- are compared
