@@ -443,11 +443,12 @@ def _gemm_collective(
     # what every rank decides alike rests on: where the ranks' M differ (known where the counts were
     # exchanged), the largest, whose GEMM sets the pace
     shape = (max(ex.sources) if ex.ragged else m, n, k)
-    p2p = dist.get_backend(group) == "nccl"  # gloo carries CUDA tensors in collectives, not point to point
+    backend = comm.cuda_backend(group)
+    p2p = backend == "nccl"  # gloo carries CUDA tensors in collectives, not point to point
     if explicit is not None and not p2p and comm.sends_point_to_point(ex, explicit.layout):
         raise ValueError(
-            f"layout 'rows' sends {collective} groups point to point, which a {dist.get_backend(group)} group cannot "
-            "do with CUDA tensors: use an NCCL group, or layout 'segments' or 'cols'"
+            f"layout 'rows' sends {collective} groups point to point, which a {backend} group cannot do with "
+            "CUDA tensors: use an NCCL group, or layout 'segments' or 'cols'"
         )
     tuned = None if explicit is not None else tuned_config(a, world, ex, shape, p2p)
     cfg = explicit or for_collective(tuned or default_config(collective, ex, shape), collective)

@@ -3,6 +3,7 @@ an overlapped call uses them."""
 
 import pytest
 import torch
+import torch.distributed as dist
 
 from flashoverlap import comm
 from flashoverlap.comm import nccl
@@ -114,7 +115,7 @@ def test_window_carves_the_same_bytes_every_call_and_grows_without_freeing(monke
     lib.ncclMemAlloc = mem_alloc
     monkeypatch.setattr(nccl, "library", lambda: lib)
     monkeypatch.setattr(nccl, "communicator", lambda group, device: group)
-    monkeypatch.setattr(nccl.dist, "get_backend", lambda group: "nccl")
+    monkeypatch.setattr(nccl, "cuda_backend", lambda group: "nccl")
     monkeypatch.setattr(nccl, "device_bytes", lambda ptr, n, device: next(r for r in regions if r.data_ptr() == ptr))
     window = nccl.Window(["budget", "tail", "budget"], torch.device("cpu"))
     shapes = [(3, 5), (1000,)]
@@ -131,3 +132,25 @@ def test_window_carves_the_same_bytes_every_call_and_grows_without_freeing(monke
     bigger((need // 2,))  # need bytes of bfloat16
     with pytest.raises(RuntimeError, match="12288 bytes carved, 8193 announced"):
         bigger((1,))  # more than announced
+
+
+def test_the_backend_that_counts_is_the_one_of_cuda_tensors(tmp_path):
+    """``dist.get_backend`` says "undefined" after ``init_process_group()`` without a backend and
+    "cpu:gloo,cuda:nccl" for a map (torch 2.11), both NCCL for CUDA tensors: what decides the
+    capped communicators, windows and point-to-point layouts is the backend of CUDA tensors."""
+    from types import SimpleNamespace
+
+    class Mapped:  # as torch's default group on GPUs: gloo for CPU tensors, NCCL for CUDA ones
+        def _get_backend(self, device):
+            return SimpleNamespace(name=lambda: "nccl" if device.type == "cuda" else "gloo")
+
+    class CpuOnly:
+        def _get_backend(self, device):
+            raise RuntimeError(f"No backend type associated with device type {device.type}")
+
+    assert nccl.cuda_backend(Mapped()) == "nccl" and nccl.cuda_backend(CpuOnly()) == "none"
+    dist.init_process_group("cpu:gloo,cuda:gloo", store=dist.FileStore(str(tmp_path / "s"), 1), rank=0, world_size=1)
+    try:
+        assert dist.get_backend() == "cpu:gloo,cuda:gloo" and nccl.cuda_backend(None) == "gloo"
+    finally:
+        dist.destroy_process_group()

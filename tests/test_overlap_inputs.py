@@ -229,7 +229,7 @@ def test_ranks_with_different_m_decide_on_the_largest_and_share_its_columns(one_
     monkeypatch.setattr(comm, "exchange", lambda *args, **kwargs: ex)
     monkeypatch.setattr(torch.cuda, "device", lambda device: contextlib.nullcontext())
     monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (9, 0))
-    monkeypatch.setattr(dist, "get_backend", lambda group=None: "nccl")
+    monkeypatch.setattr(comm, "cuda_backend", lambda group: "nccl")
     monkeypatch.setattr(overlap, "tuned_config", lambda a, world, ex, shape, p2p: seen.append(("tuned", shape)))
     monkeypatch.setattr(overlap, "one_wave", lambda cfg, m, n, device: seen.append(("one_wave", m)) and False)
     monkeypatch.setattr(overlap, "shared_columns", lambda *args: seen.append(("columns", args[0])) or shared)

@@ -17,7 +17,7 @@ import torch.distributed as dist
 
 from .. import jit
 from ..plan import Plan, slot_view
-from .nccl import CTA_POLICY_ZERO, Direct
+from .nccl import CTA_POLICY_ZERO, Direct, cuda_backend
 
 COLLECTIVES = ("all_reduce", "reduce_scatter", "all_to_all")
 REDUCTIONS = ("nccl", "local")
@@ -54,7 +54,7 @@ def agree(group: dist.ProcessGroup | None, description: str, device: torch.devic
 
 def _device_for(group: dist.ProcessGroup | None, device: torch.device | None) -> torch.device:
     """Where a small tensor for a collective on ``group`` must live (gloo: CPU, NCCL: a GPU)."""
-    if dist.get_backend(group) == "gloo":
+    if cuda_backend(group) != "nccl":
         return torch.device("cpu")
     return device if device is not None else torch.device("cuda", torch.cuda.current_device())
 
@@ -70,7 +70,7 @@ def budget_group(group: dist.ProcessGroup, comm_sms: int, copy_engine: bool = Fa
     comm_sms, copy_engine) by every member rank, on first use; ``comm_sms == 0`` without
     ``copy_engine``, or a non-NCCL group, keeps ``group`` itself.
     """
-    if (comm_sms == 0 and not copy_engine) or dist.get_backend(group) != "nccl":
+    if (comm_sms == 0 and not copy_engine) or cuda_backend(group) != "nccl":
         return group
     key = (group, comm_sms, copy_engine)
     if key not in _budget_groups:
@@ -134,7 +134,7 @@ def tail_group(group: dist.ProcessGroup, device: torch.device) -> dist.ProcessGr
     communicator over its ranks without a CTA cap, called through the C API (:func:`direct`: not
     ``group``'s own, which c10d drives from its own stream). Created once per group, by every
     member rank, on first use."""
-    if not _direct_mode() or dist.get_backend(group) != "nccl":
+    if not _direct_mode() or cuda_backend(group) != "nccl":
         return group
     key = (group, "tail")
     if key not in _budget_groups:

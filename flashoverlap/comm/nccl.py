@@ -64,6 +64,18 @@ def check(lib: ctypes.CDLL, status: int, what: str) -> None:
         raise RuntimeError(f"{what} failed: {lib.ncclGetErrorString(status).decode()} (NCCL error {status})")
 
 
+def cuda_backend(group: dist.ProcessGroup | None) -> str:
+    """The backend that carries ``group``'s CUDA tensors ("nccl", "gloo"), which
+    ``dist.get_backend`` names only for a group of one backend: it says "undefined" after
+    ``init_process_group()`` without one and "cpu:gloo,cuda:nccl" for a map, both NCCL for CUDA
+    tensors (checked on torch 2.11)."""
+    pg = group if group is not None else dist.group.WORLD
+    try:
+        return pg._get_backend(torch.device("cuda")).name()
+    except (RuntimeError, ValueError):  # no backend for CUDA tensors ("cpu:gloo")
+        return "none"
+
+
 def communicator(group: dist.ProcessGroup, device: torch.device) -> ctypes.c_void_p:
     """The ncclComm_t of ``group`` on ``device``, created first where c10d has not yet."""
     dist.barrier(group=group, device_ids=[device.index])
@@ -94,7 +106,7 @@ class Window:
     whole stays under twice the largest call. Grow before capturing a graph (a warm-up call)."""
 
     def __init__(self, groups: Sequence[dist.ProcessGroup], device: torch.device):
-        self.groups = [g for g in dict.fromkeys(groups) if dist.get_backend(g) == "nccl"]  # none: no window
+        self.groups = [g for g in dict.fromkeys(groups) if cuda_backend(g) == "nccl"]  # none: no window
         self.device = device
         self.memory: torch.Tensor | None = None  # uint8, the current region
         self.regions: list[torch.Tensor] = []  # every region allocated, outgrown ones included
