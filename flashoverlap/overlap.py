@@ -394,7 +394,7 @@ def carries(cfg: OverlapConfig, ex: Exchange, shape: tuple[int, int, int], p2p: 
     ``rows`` layout's send / receive a group that sends CUDA tensors point to point (``p2p``: NCCL,
     not gloo)."""
     segments_ok = cfg.layout not in comm.EQUAL_SEGMENTS or ex.uniform and comm.rows_carry(ex, rotation_unit(cfg, shape))
-    sends_ok = p2p or not comm.sends_point_to_point(ex, cfg.layout)
+    sends_ok = p2p or comm.comm_pattern(ex.collective, cfg.layout) != "exchange"
     return segments_ok and sends_ok and (ex.uniform or not cfg.symmetric)
 
 
@@ -445,7 +445,7 @@ def _gemm_collective(
     shape = (max(ex.sources) if ex.ragged else m, n, k)
     backend = comm.cuda_backend(group)
     p2p = backend == "nccl"  # gloo carries CUDA tensors in collectives, not point to point
-    if explicit is not None and not p2p and comm.sends_point_to_point(ex, explicit.layout):
+    if explicit is not None and not p2p and comm.comm_pattern(collective, explicit.layout) == "exchange":
         raise ValueError(
             f"layout 'rows' sends {collective} groups point to point, which a {backend} group cannot do with "
             "CUDA tensors: use an NCCL group, or layout 'segments' or 'cols'"

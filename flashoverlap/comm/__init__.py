@@ -259,12 +259,6 @@ def rows_carry(ex: Exchange, unit: int) -> bool:
     return ex.even and ex.send[0] % unit == 0
 
 
-def sends_point_to_point(ex: Exchange, layout: str) -> bool:
-    """Whether the call's groups go point to point (grouped send / receive): the ``rows`` layout of
-    reduce-scatter / all-to-all (:func:`_rows_group`); every other call runs collectives."""
-    return layout == "rows" and ex.collective != "all_reduce"
-
-
 def check_layout(ex: Exchange, layout: str, unit: int) -> None:
     """Raise where ``layout`` cannot carry ``ex`` (before anything is launched); ``unit``: see
     :func:`rows_carry`."""
