@@ -12,14 +12,15 @@ namespace {
 
 thread_local char g_error[256] = {0};
 
-int check_launch(char const* what) {
-  cudaError_t err = cudaGetLastError();
+int check(cudaError_t err, char const* what) {
   if (err != cudaSuccess) {
     std::snprintf(g_error, sizeof(g_error), "%s: %s", what, cudaGetErrorString(err));
     return 1;
   }
   return 0;
 }
+
+int check_launch(char const* what) { return check(cudaGetLastError(), what); }
 
 // One CTA per tile copies its rows x cols block from the packed slot into row-major C with
 // 16-byte vectors (the host guarantees 16-byte aligned rows: cols and ld are multiples of 8
@@ -84,24 +85,15 @@ int fo_restore(void const* buffer, void* out, void const* tiles, int num_tiles, 
 // the copy engines: a group's placement uses no SM, so it never competes with NCCL's kernels or
 // the GEMM for one.
 int fo_copy_2d(void* dst, size_t dpitch, void const* src, size_t spitch, size_t width, size_t height, void* stream) {
-  cudaError_t const err = cudaMemcpy2DAsync(dst, dpitch, src, spitch, width, height, cudaMemcpyDeviceToDevice,
-                                            static_cast<cudaStream_t>(stream));
-  if (err != cudaSuccess) {
-    std::snprintf(g_error, sizeof(g_error), "copy_2d: %s", cudaGetErrorString(err));
-    return 1;
-  }
-  return 0;
+  return check(cudaMemcpy2DAsync(dst, dpitch, src, spitch, width, height, cudaMemcpyDeviceToDevice,
+                                 static_cast<cudaStream_t>(stream)),
+               "copy_2d");
 }
 
 // Zeroes `bytes` at ptr on the stream (the group counters between calls: cheaper to enqueue than a
 // fill kernel).
 int fo_zero(void* ptr, size_t bytes, void* stream) {
-  cudaError_t const err = cudaMemsetAsync(ptr, 0, bytes, static_cast<cudaStream_t>(stream));
-  if (err != cudaSuccess) {
-    std::snprintf(g_error, sizeof(g_error), "zero: %s", cudaGetErrorString(err));
-    return 1;
-  }
-  return 0;
+  return check(cudaMemsetAsync(ptr, 0, bytes, static_cast<cudaStream_t>(stream)), "zero");
 }
 
 int fo_spin_wait(void const* counter, unsigned target, unsigned long long timeout_ns, void* report, int group,
