@@ -179,7 +179,7 @@ def lookup(
     fallback: bool = False,
 ) -> OverlapConfig | None:
     """The tuned config for a call (see the module doc), or None; ``fallback``: the entry's config
-    for calls its ``rows`` / ``segments`` config cannot carry instead (None where it has none)."""
+    for calls its config cannot carry instead (None where it has none; overlap.carries)."""
     return _lookup(tuple(config_dirs()), gpu, world, collective, transport, dtype, tuple(shape), fallback)
 
 
