@@ -21,8 +21,9 @@ Gradients (autograd), for a loss of the full output:
   grad_b_r = grad_y_r summed over rows, no collective.
 
 CPU tensors take the plain path (``F.linear`` + the torch collective, e.g. over gloo) with the
-same autograd, so models can be debugged without GPUs. Under ``torch.compile`` the overlapped call
-is a graph break; inside CUDA graphs it can be captured and replayed (see the README).
+same autograd, so models can be debugged without GPUs. Under ``torch.compile`` the layers stay in
+one graph (the overlapped call is one operator in it); inside CUDA graphs they can be captured and
+replayed (see the README).
 """
 
 from __future__ import annotations
@@ -41,7 +42,6 @@ from .config import OverlapConfig
 from .overlap import check_inputs, gemm_all_reduce, gemm_reduce_scatter, world_size
 
 
-@torch.compiler.disable
 def _reduced(
     x: torch.Tensor, weight: torch.Tensor, weight_layout: str, group, config, sequence_parallel: bool
 ) -> torch.Tensor:

@@ -15,13 +15,15 @@ the call, see :mod:`flashoverlap.registry`, else the built-in defaults). The res
 new tensor, ready on the current stream. Bad input raises ``ValueError``/``TypeError`` before
 anything is launched. A group of one rank runs the plain GEMM; so does a call without ``config``
 whose GEMM is one group (one wave: nothing to overlap), or that has no tuned config and lost to
-sequential when first timed (:func:`trial_pays`).
+sequential when first timed (:func:`trial_pays`). Inside a graph ``torch.compile`` traces, a call is
+the one operator ``flashoverlap::gemm_collective`` (:func:`_entry`).
 """
 
 from __future__ import annotations
 
 import dataclasses
 import functools
+import json
 import os
 import sys
 from collections import OrderedDict
@@ -583,7 +585,7 @@ def gemm_all_reduce(
     weight_layout: str = "nk",
 ) -> torch.Tensor:
     """``all_reduce(a @ weight.T)`` over ``group`` -> [M, N], overlapped with the GEMM."""
-    return _gemm_collective(a, weight, "all_reduce", group, config, weight_layout)
+    return _entry(a, weight, "all_reduce", group, config, weight_layout)
 
 
 def gemm_reduce_scatter(
@@ -596,7 +598,7 @@ def gemm_reduce_scatter(
 ) -> torch.Tensor:
     """``reduce_scatter_tensor`` of ``a @ weight.T`` over ``group``: rank r gets the summed rows
     [r * M / world, (r + 1) * M / world) -> [M / world, N]; M must be a multiple of the world size."""
-    return _gemm_collective(a, weight, "reduce_scatter", group, config, weight_layout)
+    return _entry(a, weight, "reduce_scatter", group, config, weight_layout)
 
 
 def gemm_all_to_all(
@@ -614,4 +616,74 @@ def gemm_all_to_all(
     every rank in rank order -> [sum(output_splits), N]. ``output_splits[s]`` = rows rank s sends
     here; omitted with ``splits``, every rank's splits are exchanged first (a small collective and a
     host sync), and the ranks may then pass different M (MoE experts; none included)."""
-    return _gemm_collective(a, weight, "all_to_all", group, config, weight_layout, splits, output_splits)
+    return _entry(a, weight, "all_to_all", group, config, weight_layout, splits, output_splits)
+
+
+def _entry(
+    a: torch.Tensor,
+    weight: torch.Tensor,
+    collective: str,
+    group: dist.ProcessGroup | None,
+    config: OverlapConfig | dict | str | os.PathLike | None,
+    weight_layout: str,
+    splits: Sequence[int] | None = None,
+    output_splits: Sequence[int] | None = None,
+) -> torch.Tensor:
+    """A public call: run eagerly, or, inside a graph ``torch.compile`` traces, as the one operator
+    ``flashoverlap::gemm_collective`` (no graph break, so ``fullgraph=True`` works; its group and
+    config reach it as strings fixed when the graph is traced)."""
+    if torch.compiler.is_compiling():
+        counts = [None if s is None else [int(c) for c in s] for s in (splits, output_splits)]
+        return torch.ops.flashoverlap.gemm_collective(
+            a, weight, collective, _group_name(group), _config_text(config), weight_layout, *counts
+        )
+    return _gemm_collective(a, weight, collective, group, config, weight_layout, splits, output_splits)
+
+
+@torch.compiler.assume_constant_result
+def _group_name(group: dist.ProcessGroup | None) -> str:
+    world_size(group)  # a clear error where no group is initialised, while the graph is traced
+    return (group if group is not None else dist.group.WORLD).group_name
+
+
+@torch.compiler.assume_constant_result
+def _config_text(config: OverlapConfig | dict | str | os.PathLike | None) -> str:
+    """``config`` as the operator takes it: "" for none (the registry's), else the resolved config's
+    fields as JSON (validated, and a YAML file read, once, while the graph is traced)."""
+    return "" if config is None else json.dumps(dataclasses.asdict(resolve(config)))
+
+
+@functools.lru_cache(maxsize=256)
+def _config_of(text: str) -> OverlapConfig | None:
+    return None if text == "" else resolve(json.loads(text))
+
+
+# Defined through torch.library.Library, not custom_op: its wrappers cost a compiled call ~10 us more
+# host time (one CPU); the operator has no autograd formula (the overlapped call has none either).
+_library = torch.library.Library("flashoverlap", "DEF")
+_library.define(
+    "gemm_collective(Tensor a, Tensor weight, str collective, str group, str config, str weight_layout, "
+    "int[]? splits, int[]? output_splits) -> Tensor"
+)
+
+
+def _gemm_collective_op(a, weight, collective, group, config, weight_layout, splits, output_splits):
+    pg = dist.distributed_c10d._resolve_process_group(group)
+    return _gemm_collective(a, weight, collective, pg, _config_of(config), weight_layout, splits, output_splits)
+
+
+_library.impl("gemm_collective", _gemm_collective_op, "CompositeExplicitAutograd")
+
+
+@torch.library.register_fake("flashoverlap::gemm_collective")
+def _(a, weight, collective, group, config, weight_layout, splits, output_splits):
+    m, n, _ = check_inputs(a, weight, weight_layout)
+    if collective == "reduce_scatter":
+        rows = m // dist.distributed_c10d._resolve_process_group(group).size()
+    elif output_splits is not None:
+        rows = sum(output_splits)
+    elif splits is not None:  # exchanged on every call: known only then
+        rows = torch.library.get_ctx().new_dynamic_size()
+    else:
+        rows = m
+    return a.new_empty((rows, n))

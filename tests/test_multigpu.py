@@ -82,7 +82,7 @@ def worker(rank, world, store_path, mode, nccl):
         torch.cuda.synchronize()
     finally:
         dist.destroy_process_group()
-        signal.uses_stream_wait.cache_clear()
+        signal.forget_probes()
 
 
 @pytest.mark.parametrize("mode, nccl", [("stream", "c10d"), ("spin", "c10d"), ("stream", "direct")])
@@ -220,10 +220,13 @@ def nn_worker(rank, world, store_path, part):
                 close(xr.grad, (g @ w)[:, cols], f"grad x sp={sp}")
                 close(layer.weight.grad, (g.t() @ x)[:, cols], f"grad w sp={sp}")
                 close(layer.bias.grad, g.sum(0), f"grad b sp={sp}")
-            elif part == "compile":
-                with torch.no_grad():
-                    compiled = torch.compile(layer, backend="eager")
-                    close(compiled(x[:, cols].bfloat16()), (x @ w.t() + b)[rows], f"torch.compile sp={sp}")
+            elif part == "compile":  # one graph (fullgraph): the overlapped call is one operator in it
+                torch._dynamo.reset()
+                xr = x[:, cols].bfloat16().requires_grad_()
+                y = torch.compile(layer, fullgraph=True)(xr)
+                close(y, (x @ w.t() + b)[rows], f"torch.compile sp={sp}")
+                (y.float() * g[rows]).sum().backward()
+                close(xr.grad, (g @ w)[:, cols], f"torch.compile grad x sp={sp}")
             else:
                 with torch.no_grad():
                     static = x[:, cols].bfloat16().clone()

@@ -70,6 +70,34 @@ def test_parallel_linears_forward_and_backward_match_the_unsharded_layer(fn):
     spawn_ranks(2, fn)
 
 
+def compile_worker(rank: int, world: int, store_path: str):
+    """Both layers compiled whole (``fullgraph=True``: a graph break fails), forward and backward,
+    against the same layers run eagerly."""
+    dist.init_process_group("gloo", store=dist.FileStore(store_path, world), rank=rank, world_size=world)
+    try:
+        gen = torch.Generator().manual_seed(rank)
+        for cls in (RowParallelLinear, ColumnParallelLinear):
+            for sequence_parallel in (False, True):
+                layer = cls(K, N, sequence_parallel=sequence_parallel, dtype=torch.float64)
+                x = torch.randn(T, K, generator=gen, dtype=torch.float64)
+                runs = []
+                for run in (layer, torch.compile(layer, fullgraph=True, backend="aot_eager")):
+                    xr = x.clone().requires_grad_()
+                    y = run(xr)
+                    y.pow(2).sum().backward()
+                    runs.append((y, xr.grad, layer.weight.grad, layer.bias.grad))
+                    layer.zero_grad(set_to_none=True)
+                for eager, traced in zip(*runs):
+                    torch.testing.assert_close(traced, eager)
+        dist.barrier()
+    finally:
+        dist.destroy_process_group()
+
+
+def test_parallel_linears_compile_without_graph_breaks():
+    spawn_ranks(2, compile_worker, timeout=240)
+
+
 class Block(nn.Module):
     def __init__(self):
         super().__init__()

@@ -359,3 +359,90 @@ def test_one_wave_counts_tiles_against_the_sms_left(monkeypatch):
     assert one_wave(cfg, 128, 256 * 116, None) and one_wave(cfg, 1, 1, None)
     assert not one_wave(cfg, 129, 256 * 116, None) and not one_wave(cfg, 128, 256 * 116 + 1, None)
     assert one_wave(OverlapConfig(comm_sms=0), 128, 256 * 132, None)
+
+
+def compiled(fn, *args):
+    """``fn(*args)`` compiled with ``fullgraph=True`` (a graph break fails) on fake CUDA tensors (no
+    GPU needed: the graph is traced, and run on fake tensors); its output and the traced graph."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+    from torch.fx.experimental.symbolic_shapes import ShapeEnv
+
+    graphs = []
+
+    def keep(gm, example_inputs):
+        graphs.append(gm)
+        return gm.forward
+
+    torch._dynamo.reset()
+    with FakeTensorMode(shape_env=ShapeEnv()):
+        fake = [torch.empty(a.shape, dtype=a.dtype, device="cuda") for a in args]
+        out = torch.compile(fn, fullgraph=True, backend=keep)(*fake)
+    (graph,) = graphs
+    return out, graph
+
+
+def op_calls(graph) -> list[tuple]:
+    """The arguments after the tensors of every flashoverlap operator in ``graph``."""
+    op = torch.ops.flashoverlap.gemm_collective
+    return [node.args[2:] for node in graph.graph.nodes if node.target in (op, op.default)]
+
+
+def compile_worker(rank: int, world: int, store_path: str):
+    from flashoverlap.config import resolve
+    from flashoverlap.overlap import _config_of
+
+    dist.init_process_group("gloo", store=dist.FileStore(store_path, world), rank=rank, world_size=world)
+    try:
+        torch._dynamo.config.capture_dynamic_output_shape_ops = True  # the ragged all-to-all's rows
+        a, w = bf16(64, 32), bf16(48, 32)
+        pair = dist.new_group([0, 1])  # not the default group: its name reaches the operator
+        cases = [
+            (flashoverlap.gemm_all_reduce, {"config": {"comm_sms": 4}}, (64, 48)),
+            (flashoverlap.gemm_reduce_scatter, {"group": pair}, (64 // world, 48)),
+            (flashoverlap.gemm_all_to_all, {}, (64, 48)),
+            (flashoverlap.gemm_all_to_all, {"splits": [40, 24], "output_splits": [40, 8]}, (48, 48)),
+            (flashoverlap.gemm_all_to_all, {"splits": [40, 24]}, None),  # rows known once exchanged
+        ]
+        for fn, kwargs, shape in cases:
+            out, graph = compiled(lambda a, w, fn=fn, kwargs=kwargs: fn(torch.relu(a), w, **kwargs) * 2, a, w)
+            if shape is None:
+                assert isinstance(out.shape[0], torch.SymInt) and out.shape[1] == 48, out.shape
+            else:
+                assert tuple(out.shape) == shape and out.device.type == "cuda", (fn.__name__, out.shape)
+            ((collective, group, config, layout, splits, output_splits),) = op_calls(graph)
+            assert collective == fn.__name__.removeprefix("gemm_") and layout == "nk"
+            assert group == (pair if "group" in kwargs else dist.group.WORLD).group_name
+            assert [splits, output_splits] == [kwargs.get("splits"), kwargs.get("output_splits")]
+            wanted = kwargs.get("config")
+            assert _config_of(config) == (None if wanted is None else resolve(wanted)), config
+        dist.barrier()
+    finally:
+        dist.destroy_process_group()
+
+
+def test_compiled_calls_are_one_operator_in_the_graph():
+    """Under torch.compile every entry point is one ``flashoverlap::gemm_collective`` node (no graph
+    break) with its output's shape, and its group and config reach it intact."""
+    spawn_ranks(2, compile_worker, timeout=240)
+
+
+def test_compiled_configs_are_what_the_eager_call_would_use(one_rank_group, tmp_path):
+    from flashoverlap import OverlapConfig
+    from flashoverlap.config import resolve
+    from flashoverlap.overlap import _config_of, _config_text
+
+    path = tmp_path / "c.yaml"
+    path.write_text("comm_sms: 8\npartition: [2, 3]\nlayout: cols\n")
+    for config in [{}, {"partition": [1, 2], "tile_k": 32}, OverlapConfig(symmetric=True), str(path), path]:
+        assert _config_of(_config_text(config)) == resolve(config)
+    assert _config_of(_config_text(None)) is None  # the registry's, decided per call
+
+
+def test_compiled_calls_refuse_bad_input_while_traced(one_rank_group):
+    with pytest.raises(RuntimeError, match="tile_m 96 not in"):
+        compiled(lambda a, w: flashoverlap.gemm_all_reduce(a, w, config={"tile_m": 96}), bf16(64, 32), bf16(48, 32))
+    with pytest.raises(RuntimeError, match="K mismatch"):
+        compiled(flashoverlap.gemm_all_reduce, bf16(64, 32), bf16(48, 40))
+    # run eagerly, the operator checks as the call does
+    with pytest.raises(ValueError, match="a is on cpu, expected a cuda tensor"):
+        torch.ops.flashoverlap.gemm_collective(bf16(64, 32), bf16(48, 32), "all_reduce", "0", "", "nk", None, None)
