@@ -185,7 +185,7 @@ def test_pipeline_on_one_gpu(nccl_one_rank, monkeypatch, mode, symmetric, nccl, 
     through c10d or NCCL's C API (comm.direct); ``reduction`` local: all-gathered, then added."""
     monkeypatch.setenv("FLASHOVERLAP_WAIT", mode)
     monkeypatch.setenv("FLASHOVERLAP_NCCL", nccl)
-    signal.uses_stream_wait.cache_clear()
+    signal.forget_probes()
     group = comm.direct(comm.budget_group(dist.group.WORLD, 16), torch.device("cuda", 0))
     tail = comm.tail_group(dist.group.WORLD, torch.device("cuda", 0))  # direct: a private communicator
     assert isinstance(group, comm.Direct) == isinstance(tail, comm.Direct) == (nccl == "direct")
@@ -207,7 +207,7 @@ def test_pipeline_on_one_gpu(nccl_one_rank, monkeypatch, mode, symmetric, nccl, 
             assert not torch.isnan(out).any()
             assert rel_err(out, ref) < 1e-2
     finally:
-        signal.uses_stream_wait.cache_clear()
+        signal.forget_probes()
 
 
 @pytest.mark.parametrize("sequence_parallel", [False, True])
@@ -334,6 +334,38 @@ def test_cuda_graph_capture_and_replay(nccl_one_rank, collective, layout, symmet
         assert prep.counters.tolist() == [0] * prep.plan.num_groups
     finally:
         graph.reset()  # a live graph holding NCCL work would hang the fixture's destroy_process_group
+
+
+def test_a_captured_wait_is_a_stream_wait_that_holds(monkeypatch):
+    """Inside a CUDA graph the waits are stream waits too (no spin kernel needing an SM beside the
+    GEMM) where the driver captures them, and a replay waits for its counter."""
+    monkeypatch.setenv("FLASHOVERLAP_WAIT", "auto")
+    signal.forget_probes()
+    try:
+        assert signal.stream_waits(0, capturing=True) is False  # not probed yet: a probe would break the capture
+        assert signal.stream_waits(0, capturing=False) and signal.stream_waits(0, capturing=True)
+        counters, flag = torch.zeros(1, dtype=torch.int32, device="cuda"), torch.zeros(1, device="cuda")
+        waiter, producer = torch.cuda.Stream(), torch.cuda.Stream()
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.stream(waiter):
+            graph.capture_begin()
+            signal.wait_geq(waiter, counters, 0, 1)
+            flag.add_(1)
+            graph.capture_end()
+        for _ in range(2):
+            counters.zero_()
+            torch.cuda.synchronize()
+            with torch.cuda.stream(producer):  # enqueued first, as the GEMM is before its waits
+                torch.cuda._sleep(500_000_000)  # ~0.25 s
+                counters.fill_(1)
+            with torch.cuda.stream(waiter):
+                graph.replay()
+            time.sleep(0.05)
+            assert not waiter.query(), "the replayed wait did not wait for its counter"
+            torch.cuda.synchronize()
+        assert flag.item() == 2
+    finally:
+        signal.forget_probes()
 
 
 def test_plan_cache_is_bounded(monkeypatch):

@@ -29,9 +29,9 @@ def test_bad_debug_timeouts_are_named(monkeypatch, value):
 
 def test_bad_wait_mode_is_named(monkeypatch):
     monkeypatch.setenv("FLASHOVERLAP_WAIT", "busy")
-    signal.uses_stream_wait.cache_clear()
+    signal.forget_probes()
     try:
         with pytest.raises(ValueError, match="FLASHOVERLAP_WAIT must be one of"):
-            signal.uses_stream_wait(0)
+            signal.stream_waits(0, capturing=False)
     finally:
-        signal.uses_stream_wait.cache_clear()
+        signal.forget_probes()

@@ -3,8 +3,8 @@
 ``cuStreamWaitValue32`` (GEQ) makes the communication stream wait in the GPU's front end,
 costing no SM. Where stream memory operations are unsupported, a one-thread spin kernel does
 the same job. ``FLASHOVERLAP_WAIT=stream|spin`` forces one (default: probe, prefer stream).
-Counters are reset on the stream (:func:`reset`), so a call can be captured in a CUDA graph (where
-waits are spin kernels).
+Counters are reset on the stream (:func:`reset`), so a call can be captured in a CUDA graph (with
+stream waits where the driver captures them, checked once; else spin kernels).
 
 Debug mode (``FLASHOVERLAP_DEBUG=1``): every wait is a spin kernel that gives up after
 ``FLASHOVERLAP_TIMEOUT_S`` seconds (default 10) and records which group it waited for and the
@@ -13,7 +13,6 @@ counter value it saw; the call then synchronises and raises instead of hanging.
 
 from __future__ import annotations
 
-import functools
 import os
 
 import torch
@@ -42,20 +41,51 @@ def _stream_wait(stream: torch.cuda.Stream, address: int, value: int) -> int:
     return int(err)
 
 
-@functools.cache
-def uses_stream_wait(device: int) -> bool:
-    """Whether waits on ``device`` use cuStreamWaitValue32 (else the spin kernel)."""
+_support: dict[int, tuple[bool, bool]] = {}  # device -> stream waits work (eagerly, in CUDA graphs)
+
+
+def stream_waits(device: int, capturing: bool) -> bool:
+    """Whether a wait enqueued now on ``device`` is a stream wait (else the spin kernel): where
+    stream memory operations work, and, while a CUDA graph is captured, where a captured one was
+    seen to replay. Probed on the first call outside a capture (a probe inside one would break it;
+    waits spin until then)."""
+    if device not in _support:
+        if capturing:
+            return False
+        _support[device] = _probe(device)
+    return _support[device][capturing]
+
+
+def forget_probes() -> None:
+    """Probe again on next use (after ``FLASHOVERLAP_WAIT`` changed)."""
+    _support.clear()
+
+
+def _probe(device: int) -> tuple[bool, bool]:
     mode = _wait_mode()
     if mode != "auto":
-        return mode == "stream"
+        return mode == "stream", mode == "stream"
     try:
         probe = torch.zeros(1, dtype=torch.int32, device=device)
         stream = torch.cuda.Stream(device=device)
-        ok = _stream_wait(stream, probe.data_ptr(), 0) == 0  # 0 >= 0: passes at once
+        if _stream_wait(stream, probe.data_ptr(), 0) != 0:  # 0 >= 0: passes at once
+            return False, False
         stream.synchronize()
-        return ok
     except ImportError:
-        return False
+        return False, False
+    graph = torch.cuda.CUDAGraph()
+    try:  # the same wait captured (in this thread only: other threads' CUDA calls go on) and replayed
+        with torch.cuda.stream(stream):
+            graph.capture_begin(capture_error_mode="thread_local")
+            try:
+                captured = _stream_wait(stream, probe.data_ptr(), 0) == 0
+            finally:
+                graph.capture_end()
+        graph.replay()
+        stream.synchronize()
+    except RuntimeError:
+        return True, False
+    return True, captured
 
 
 def debug_timeout() -> float | None:
@@ -86,10 +116,10 @@ def wait_geq(
     ``{1, index, value, target}`` into ``report`` (int32[4], zero until then).
     """
     address = counters.data_ptr() + 4 * index
-    # The spin kernel (one thread, fits beside a GEMM CTA) without a time limit where stream memory
-    # operations are missing, and inside CUDA-graph capture, where it is the wait sure to capture
-    # on every driver.
-    if timeout is None and (torch.cuda.is_current_stream_capturing() or not uses_stream_wait(counters.device.index)):
+    # The spin kernel (one thread) without a time limit where stream waits
+    # do not work; in a CUDA graph it would need an SM slot beside the GEMM (where the GEMM leaves
+    # no SM free, it may find none before the GEMM's last wave, and no group's collective starts).
+    if timeout is None and not stream_waits(counters.device.index, torch.cuda.is_current_stream_capturing()):
         timeout = 0.0
     if timeout is None:
         err = _stream_wait(stream, address, target)
