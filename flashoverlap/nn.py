@@ -38,50 +38,13 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
+from .comm import gathered_rows
 from .config import OverlapConfig
-from .overlap import check_inputs, gemm_all_reduce, gemm_reduce_scatter, world_size
+from .overlap import check_inputs, with_gradients, world_size
 
 
-def _reduced(
-    x: torch.Tensor, weight: torch.Tensor, weight_layout: str, group, config, sequence_parallel: bool
-) -> torch.Tensor:
-    """The all-reduce (``sequence_parallel``: reduce-scatter over rows) of ``x @ weight.T``
-    (``weight_layout`` "nk") or ``x @ weight`` ("kn"): overlapped on CUDA, plain on the CPU."""
-    if x.is_cuda:
-        fn = gemm_reduce_scatter if sequence_parallel else gemm_all_reduce
-        return fn(x, weight, group=group, config=config, weight_layout=weight_layout)
-    partial = F.linear(x, weight) if weight_layout == "nk" else x @ weight
-    if sequence_parallel:
-        out = partial.new_empty((partial.shape[0] // world_size(group), partial.shape[1]))
-        dist.reduce_scatter_tensor(out, partial, group=group)
-        return out
-    dist.all_reduce(partial, group=group)
-    return partial
-
-
-def _gathered_rows(t: torch.Tensor, group) -> torch.Tensor:
-    """Every rank's rows of ``t`` [rows, cols], in rank order (all-gather)."""
-    full = t.new_empty((t.shape[0] * world_size(group), t.shape[1]))
-    dist.all_gather_into_tensor(full, t.contiguous(), group=group)
-    return full
-
-
-class _RowParallel(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, x, weight, group, config, sequence_parallel):
-        ctx.save_for_backward(x, weight)
-        ctx.group, ctx.sequence_parallel = group, sequence_parallel
-        return _reduced(x, weight, "nk", group, config, sequence_parallel)
-
-    @staticmethod
-    def backward(ctx, grad_out):
-        x, weight = ctx.saved_tensors
-        grad_out = grad_out.contiguous()
-        if ctx.sequence_parallel:
-            grad_out = _gathered_rows(grad_out, ctx.group)
-        grad_x = grad_out @ weight if ctx.needs_input_grad[0] else None
-        grad_w = grad_out.t() @ x if ctx.needs_input_grad[1] else None
-        return grad_x, grad_w, None, None, None
+def _collective(sequence_parallel: bool) -> str:
+    return "reduce_scatter" if sequence_parallel else "all_reduce"
 
 
 class _ColumnParallel(torch.autograd.Function):
@@ -92,7 +55,7 @@ class _ColumnParallel(torch.autograd.Function):
         # the activation memory sequence parallelism exists to save.
         ctx.save_for_backward(x, weight)
         ctx.group, ctx.config, ctx.sequence_parallel = group, config, sequence_parallel
-        return F.linear(_gathered_rows(x, group) if sequence_parallel else x, weight)
+        return F.linear(gathered_rows(x, group) if sequence_parallel else x, weight)
 
     @staticmethod
     def backward(ctx, grad_out):
@@ -100,9 +63,9 @@ class _ColumnParallel(torch.autograd.Function):
         grad_out = grad_out.contiguous()
         grad_x = grad_w = None
         if ctx.needs_input_grad[0]:  # weight [out, in] is the [K, N] operand of grad_out @ weight
-            grad_x = _reduced(grad_out, weight, "kn", ctx.group, ctx.config, ctx.sequence_parallel)
+            grad_x = with_gradients(grad_out, weight, _collective(ctx.sequence_parallel), ctx.group, ctx.config, "kn")
         if ctx.needs_input_grad[1]:
-            grad_w = grad_out.t() @ (_gathered_rows(x, ctx.group) if ctx.sequence_parallel else x)
+            grad_w = grad_out.t() @ (gathered_rows(x, ctx.group) if ctx.sequence_parallel else x)
         return grad_x, grad_w, None, None, None
 
 
@@ -194,7 +157,7 @@ class RowParallelLinear(_ParallelLinear):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         lead, world = self._rows(x, split=True)
         x2d = x.reshape(-1, self.in_features).contiguous()
-        y = _RowParallel.apply(x2d, self.weight, self.group, self.config, self.sequence_parallel)
+        y = with_gradients(x2d, self.weight, _collective(self.sequence_parallel), self.group, self.config)
         if self.bias is not None:
             bias = _AllReduceGrad.apply(self.bias, self.group) if self.sequence_parallel else self.bias
             y = y + bias

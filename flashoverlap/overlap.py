@@ -15,8 +15,9 @@ the call, see :mod:`flashoverlap.registry`, else the built-in defaults). The res
 new tensor, ready on the current stream. Bad input raises ``ValueError``/``TypeError`` before
 anything is launched. A group of one rank runs the plain GEMM; so does a call without ``config``
 whose GEMM is one group (one wave: nothing to overlap), or that has no tuned config and lost to
-sequential when first timed (:func:`trial_pays`). Inside a graph ``torch.compile`` traces, a call is
-the one operator ``flashoverlap::gemm_collective`` (:func:`_entry`).
+sequential when first timed (:func:`trial_pays`). Where an operand requires gradients, the call
+is differentiable (:func:`with_gradients`). Inside a graph ``torch.compile`` traces, a call is the
+one operator ``flashoverlap::gemm_collective`` (:func:`_entry`).
 """
 
 from __future__ import annotations
@@ -431,13 +432,18 @@ def _gemm_collective(
     weight_layout: str,
     splits: Sequence[int] | None = None,
     output_splits: Sequence[int] | None = None,
+    exchanged: list[Exchange] | None = None,
 ) -> torch.Tensor:
+    """The eager call (see the module's docstring); ``exchanged``: where given, the call's
+    :class:`Exchange` is appended to it (for the gradients, :class:`_WithGradients`)."""
     world = world_size(group)
     explicit = for_collective(resolve(config), collective) if config is not None else None
     m, n, k = check_inputs(a, weight, weight_layout)
     if explicit is not None and world > 1 and not explicit.sequential:  # no kernel here: fail before communicating
         for_device(explicit, torch.cuda.get_device_capability(a.device))
     ex = comm.exchange(collective, m, world, splits, output_splits, group, a.device)
+    if exchanged is not None:
+        exchanged.append(ex)
     # before any lookup: the same model run without tensor parallelism pays nothing more; so does a
     # call where this rank, or any rank known to, has no rows
     if world == 1 or m == 0 or ex.ragged and 0 in ex.sources:
@@ -585,7 +591,7 @@ def gemm_all_reduce(
     weight_layout: str = "nk",
 ) -> torch.Tensor:
     """``all_reduce(a @ weight.T)`` over ``group`` -> [M, N], overlapped with the GEMM."""
-    return _entry(a, weight, "all_reduce", group, config, weight_layout)
+    return _call(a, weight, "all_reduce", group, config, weight_layout)
 
 
 def gemm_reduce_scatter(
@@ -598,7 +604,7 @@ def gemm_reduce_scatter(
 ) -> torch.Tensor:
     """``reduce_scatter_tensor`` of ``a @ weight.T`` over ``group``: rank r gets the summed rows
     [r * M / world, (r + 1) * M / world) -> [M / world, N]; M must be a multiple of the world size."""
-    return _entry(a, weight, "reduce_scatter", group, config, weight_layout)
+    return _call(a, weight, "reduce_scatter", group, config, weight_layout)
 
 
 def gemm_all_to_all(
@@ -616,7 +622,80 @@ def gemm_all_to_all(
     every rank in rank order -> [sum(output_splits), N]. ``output_splits[s]`` = rows rank s sends
     here; omitted with ``splits``, every rank's splits are exchanged first (a small collective and a
     host sync), and the ranks may then pass different M (MoE experts; none included)."""
-    return _entry(a, weight, "all_to_all", group, config, weight_layout, splits, output_splits)
+    return _call(a, weight, "all_to_all", group, config, weight_layout, splits, output_splits)
+
+
+def _call(
+    a: torch.Tensor,
+    weight: torch.Tensor,
+    collective: str,
+    group: dist.ProcessGroup | None,
+    config: OverlapConfig | dict | str | os.PathLike | None,
+    weight_layout: str,
+    splits: Sequence[int] | None = None,
+    output_splits: Sequence[int] | None = None,
+) -> torch.Tensor:
+    """A public call, with gradients where autograd asks for them (CUDA tensors; others fail the
+    eager call's checks)."""
+    tensors = all(isinstance(t, torch.Tensor) for t in (a, weight))
+    if tensors and torch.is_grad_enabled() and a.is_cuda and (a.requires_grad or weight.requires_grad):
+        return with_gradients(a, weight, collective, group, config, weight_layout, splits, output_splits)
+    return _entry(a, weight, collective, group, config, weight_layout, splits, output_splits)
+
+
+def with_gradients(
+    a: torch.Tensor,
+    weight: torch.Tensor,
+    collective: str,
+    group: dist.ProcessGroup | None = None,
+    config: OverlapConfig | dict | str | os.PathLike | None = None,
+    weight_layout: str = "nk",
+    splits: Sequence[int] | None = None,
+    output_splits: Sequence[int] | None = None,
+) -> torch.Tensor:
+    """``collective(a @ W^T)`` (``weight_layout`` "nk"; ``a @ W`` for "kn") with autograd: on CUDA the
+    overlapped call, on the CPU (flashoverlap.nn's plain path, e.g. over gloo) matmul then the collective.
+    Backward: the rows' gradient ``comm.adjoint`` of the result's, then plain matmuls for a and W."""
+    return _WithGradients.apply(a, weight, collective, group, config, weight_layout, splits, output_splits)
+
+
+class _WithGradients(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, a, weight, collective, group, config, weight_layout, splits, output_splits):
+        exchanged: list[Exchange] = []
+        if a.is_cuda:
+            out = _entry(a, weight, collective, group, config, weight_layout, splits, output_splits, exchanged)
+        else:  # any dtype: a model debugged on the CPU
+            ex = comm.exchange(collective, a.shape[0], world_size(group), splits, output_splits, group, a.device)
+            exchanged.append(ex)
+            out = sequential(a, weight, weight_layout, ex, group)
+        counts = None
+        if collective == "all_to_all":
+            if exchanged:  # eager: what the call exchanged
+                ex = exchanged[0]
+                counts = None if ex.uniform else (ex.send, ex.recv)
+            elif splits is not None:  # traced by torch.compile, where the call is one operator
+                if output_splits is None:
+                    raise ValueError(
+                        "under torch.compile an all-to-all with gradients needs output_splits (its backward sends "
+                        "the rows back, and the counts the call exchanges stay inside its operator)"
+                    )
+                counts = (tuple(splits), tuple(output_splits))
+        ctx.save_for_backward(a, weight)
+        ctx.call = collective, group, weight_layout, counts
+        return out
+
+    @staticmethod
+    def backward(ctx, grad):
+        a, weight = ctx.saved_tensors
+        collective, group, weight_layout, counts = ctx.call
+        rows = comm.adjoint(collective, grad, group, counts)  # the gradient of a @ W^T (or a @ W)
+        grad_a = grad_w = None
+        if ctx.needs_input_grad[0]:
+            grad_a = rows @ weight if weight_layout == "nk" else rows @ weight.t()
+        if ctx.needs_input_grad[1]:
+            grad_w = rows.t() @ a if weight_layout == "nk" else a.t() @ rows
+        return grad_a, grad_w, None, None, None, None, None, None
 
 
 def _entry(
@@ -628,16 +707,17 @@ def _entry(
     weight_layout: str,
     splits: Sequence[int] | None = None,
     output_splits: Sequence[int] | None = None,
+    exchanged: list[Exchange] | None = None,
 ) -> torch.Tensor:
-    """A public call: run eagerly, or, inside a graph ``torch.compile`` traces, as the one operator
+    """A call run eagerly, or, inside a graph ``torch.compile`` traces, as the one operator
     ``flashoverlap::gemm_collective`` (no graph break, so ``fullgraph=True`` works; its group and
-    config reach it as strings fixed when the graph is traced)."""
+    config reach it as strings fixed when the graph is traced; ``exchanged`` stays empty there)."""
     if torch.compiler.is_compiling():
         counts = [None if s is None else [int(c) for c in s] for s in (splits, output_splits)]
         return torch.ops.flashoverlap.gemm_collective(
             a, weight, collective, _group_name(group), _config_text(config), weight_layout, *counts
         )
-    return _gemm_collective(a, weight, collective, group, config, weight_layout, splits, output_splits)
+    return _gemm_collective(a, weight, collective, group, config, weight_layout, splits, output_splits, exchanged)
 
 
 @torch.compiler.assume_constant_result

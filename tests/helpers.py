@@ -120,3 +120,90 @@ def check_column_parallel(rank: int, world: int, device: str = "cuda", tol: floa
         assert rel_err(layer.bias.grad, g.sum(0)[out]) < tol, f"grad b sp={sp}"
     if device == "cuda":
         torch.cuda.synchronize()
+
+
+def collective_problem(
+    collective: str, world: int, seed: int, ragged: bool = False, uneven: bool = False, size: int = 1
+):
+    """Every rank's operands of ``collective(a_r @ W_r^T)`` and the gradient of one global loss,
+    alike on every rank (float64): a list per rank of (a [M_r, K], w [N, K], splits, output_splits,
+    result, g = d loss / d result, grad_a, grad_w). Loss: <g, y> for the all-reduce (its result, held alike
+    by every rank, counted once), the sum of the ranks' <g_r, y_r> otherwise. ``size`` scales the
+    shapes; operands are bf16 values (a GPU call computes on them exactly)."""
+    gen = torch.Generator().manual_seed(seed)
+    k, n = 24 * size, 16 * size
+
+    def randn(*shape):
+        return torch.randn(*shape, generator=gen).bfloat16().double()
+
+    ms = [8 * world * size + (5 * r * (r % 2) if ragged else 0) for r in range(world)]
+    a = [randn(m, k) for m in ms]
+    w = [randn(n, k) / k**0.5 for _ in range(world)]
+    c = [x @ v.t() for x, v in zip(a, w)]
+    if collective == "all_to_all":
+        if ragged or uneven:  # rank s sends rows to d in proportion (d + 1 + s) % world, some none
+            shares = [[(d + 1 + s) % world for d in range(world)] for s in range(world)]
+            splits = [[m * x // sum(row) for x in row] for m, row in zip(ms, shares)]
+            for s, m in enumerate(ms):
+                splits[s][-1] += m - sum(splits[s])
+        else:
+            splits = [[m // world] * world for m in ms]
+        recv = [[splits[s][r] for s in range(world)] for r in range(world)]
+        blocks = [list(torch.split(c[s], splits[s])) for s in range(world)]
+        y = [torch.cat([blocks[s][r] for s in range(world)]) for r in range(world)]
+        g = [randn(*y[r].shape) for r in range(world)]
+        g_blocks = [list(torch.split(g[r], recv[r])) for r in range(world)]
+        dc = [torch.cat([g_blocks[d][s] for d in range(world)]) for s in range(world)]
+    else:
+        splits = recv = [None] * world
+        total = sum(c)
+        if collective == "all_reduce":
+            y = [total] * world
+            g = [randn(*total.shape)] * world
+            dc = g
+        else:
+            y = list(torch.chunk(total, world))
+            g = [randn(total.shape[0] // world, n) for _ in range(world)]
+            dc = [torch.cat(g)] * world
+    return [(a[r], w[r], splits[r], recv[r], y[r], g[r], dc[r] @ w[r], dc[r].t() @ a[r]) for r in range(world)]
+
+
+GRADIENT_CASES = [  # collective, how the call is made
+    ("all_reduce", "nk"),
+    ("all_reduce", "kn"),
+    ("reduce_scatter", "nk"),
+    ("reduce_scatter", "kn"),
+    ("all_to_all", "even"),
+    ("all_to_all", "splits"),  # uneven, counts exchanged
+    ("all_to_all", "both"),  # uneven, output_splits given
+    ("all_to_all", "ragged"),  # ranks of different M, counts exchanged
+]
+
+
+def check_gradients(
+    rank: int, world: int, call, device: str, size: int = 1, tol: float | None = None, cases=GRADIENT_CASES
+) -> None:
+    """``call(a, weight, collective, weight_layout=, splits=, output_splits=)`` with autograd on every
+    rank of an initialised group, against :func:`collective_problem`: the result and the gradients
+    of a and the weight, every collective and every way all-to-all takes its counts. ``tol``: rel.
+    error bound (None: exact to float64 rounding)."""
+    for collective, how in cases:
+        seed = GRADIENT_CASES.index((collective, how))
+        problem = collective_problem(collective, world, seed, ragged=how == "ragged", uneven=how != "even", size=size)
+        a, w, splits, output_splits, y, g, grad_a, grad_w = problem[rank]
+        dtype = torch.float64 if tol is None else torch.bfloat16
+        kn = how == "kn"
+        x = a.to(device, dtype).requires_grad_()
+        weight = (w.t().contiguous() if kn else w).to(device, dtype).requires_grad_()
+        counts = {}
+        if collective == "all_to_all" and how != "even":
+            counts = {"splits": splits, "output_splits": output_splits if how == "both" else None}
+        out = call(x, weight, collective, weight_layout="kn" if kn else "nk", **counts)
+        (out.double() * g.to(device)).sum().backward()
+        got = {"result": (out, y), "grad a": (x.grad, grad_a), "grad w": (weight.grad, grad_w.t() if kn else grad_w)}
+        for what, (value, want) in got.items():
+            if tol is None:
+                torch.testing.assert_close(value, want, msg=f"{collective} {how}: {what}")
+            else:
+                err = rel_err(value.cpu(), want)
+                assert err < tol, f"{collective} {how} rank {rank}: {what} rel err {err:.2e}"

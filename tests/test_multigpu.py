@@ -12,7 +12,7 @@ import flashoverlap
 from flashoverlap import OverlapConfig, comm, signal
 from flashoverlap.overlap import rotation_unit, sequential
 
-from .helpers import check_column_parallel, no_host_sync, rel_err, runs_on_this_gpu, spawn_ranks
+from .helpers import check_column_parallel, check_gradients, no_host_sync, rel_err, runs_on_this_gpu, spawn_ranks
 
 pytestmark = pytest.mark.multigpu
 
@@ -286,3 +286,21 @@ def mismatch_worker(rank, world, store_path):
 
 def test_mismatched_configs_fail_on_every_rank_instead_of_hanging():
     spawn(mismatch_worker)
+
+
+def gradient_worker(rank, world, store_path):
+    init_rank(rank, world, store_path)
+    try:
+
+        def overlapped(a, weight, collective, **kwargs):  # config={}: overlapped even where one wave
+            return getattr(flashoverlap, f"gemm_{collective}")(a, weight, config={}, **kwargs)
+
+        check_gradients(rank, world, overlapped, "cuda", size=16, tol=1e-2)
+        torch.cuda.synchronize()
+    finally:
+        dist.destroy_process_group()
+
+
+def test_gradients_on_all_gpus():
+    """The public calls with autograd over NCCL: every collective, every way all-to-all takes its counts."""
+    spawn(gradient_worker, timeout=180)

@@ -361,9 +361,10 @@ def test_one_wave_counts_tiles_against_the_sms_left(monkeypatch):
     assert one_wave(OverlapConfig(comm_sms=0), 128, 256 * 132, None)
 
 
-def compiled(fn, *args):
+def compiled(fn, *args, grad: bool = False):
     """``fn(*args)`` compiled with ``fullgraph=True`` (a graph break fails) on fake CUDA tensors (no
-    GPU needed: the graph is traced, and run on fake tensors); its output and the traced graph."""
+    GPU needed: the graph is traced, and run on fake tensors), which require gradients where
+    ``grad``; its output and the traced graph."""
     from torch._subclasses.fake_tensor import FakeTensorMode
     from torch.fx.experimental.symbolic_shapes import ShapeEnv
 
@@ -375,7 +376,7 @@ def compiled(fn, *args):
 
     torch._dynamo.reset()
     with FakeTensorMode(shape_env=ShapeEnv()):
-        fake = [torch.empty(a.shape, dtype=a.dtype, device="cuda") for a in args]
+        fake = [torch.empty(a.shape, dtype=a.dtype, device="cuda", requires_grad=grad) for a in args]
         out = torch.compile(fn, fullgraph=True, backend=keep)(*fake)
     (graph,) = graphs
     return out, graph
@@ -443,6 +444,35 @@ def test_compiled_calls_refuse_bad_input_while_traced(one_rank_group):
         compiled(lambda a, w: flashoverlap.gemm_all_reduce(a, w, config={"tile_m": 96}), bf16(64, 32), bf16(48, 32))
     with pytest.raises(RuntimeError, match="K mismatch"):
         compiled(flashoverlap.gemm_all_reduce, bf16(64, 32), bf16(48, 40))
+    with pytest.raises(RuntimeError, match="needs output_splits"):  # its backward must send rows back
+        compiled(lambda a, w: flashoverlap.gemm_all_to_all(a, w, splits=[64]), bf16(64, 32), bf16(48, 32), grad=True)
     # run eagerly, the operator checks as the call does
     with pytest.raises(ValueError, match="a is on cpu, expected a cuda tensor"):
         torch.ops.flashoverlap.gemm_collective(bf16(64, 32), bf16(48, 32), "all_reduce", "0", "", "nk", None, None)
+
+
+def gradient_worker(rank: int, world: int, store_path: str):
+    from flashoverlap.overlap import with_gradients
+
+    from .helpers import check_gradients
+
+    dist.init_process_group("gloo", store=dist.FileStore(store_path, world), rank=rank, world_size=world)
+    try:
+        check_gradients(rank, world, with_gradients, "cpu")
+        dist.barrier()
+    finally:
+        dist.destroy_process_group()
+
+
+@pytest.mark.parametrize("world", [2, 3])
+def test_gradients_of_every_collective(world):
+    """The calls' autograd (the same Function on CUDA; here its CPU path over gloo): every rank's
+    gradients of one global loss against those of the unsharded problem, every collective and
+    all-to-all's ways of giving its counts."""
+    spawn_ranks(world, gradient_worker, timeout=240)
+
+
+def test_a_call_that_needs_gradients_still_refuses_cpu_tensors(one_rank_group):
+    a = bf16(64, 64).requires_grad_()
+    with pytest.raises(ValueError, match="a is on cpu, expected a cuda tensor"):
+        flashoverlap.gemm_all_reduce(a, bf16(64, 64))

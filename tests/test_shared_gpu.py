@@ -14,7 +14,7 @@ import flashoverlap
 from flashoverlap import OverlapConfig, comm
 from flashoverlap.overlap import rotation_unit, sequential
 
-from .helpers import check_column_parallel, rel_err, runs_on_this_gpu, spawn_ranks
+from .helpers import check_column_parallel, check_gradients, rel_err, runs_on_this_gpu, spawn_ranks
 
 pytestmark = pytest.mark.gpu
 
@@ -167,3 +167,31 @@ def compile_worker(rank, world, store_path, part):
 @pytest.mark.parametrize("part", ["calls", "layers"])
 def test_compiled_calls_on_two_ranks_of_one_gpu(part):
     spawn_ranks(2, compile_worker, part, timeout=600)
+
+
+GRADIENT_CONFIGS = {"all_reduce": {}, "reduce_scatter": {"layout": "cols"}, "all_to_all": {"layout": "cols"}}
+
+
+def overlapped(a, weight, collective, **kwargs):
+    return getattr(flashoverlap, f"gemm_{collective}")(a, weight, config=GRADIENT_CONFIGS[collective], **kwargs)
+
+
+def gradient_worker(rank, world, store_path):
+    """The public calls with autograd, overlapped (explicit configs), every collective and way of
+    giving all-to-all's counts; and an all-reduce compiled (its backward has no collective, which
+    torch would trace and gloo then crash on with CUDA tensors)."""
+    torch.cuda.set_device(0)
+    dist.init_process_group("gloo", store=dist.FileStore(store_path, world), rank=rank, world_size=world)
+    try:
+        check_gradients(rank, world, overlapped, "cuda", size=16, tol=1e-2)
+        compiled = torch.compile(overlapped, fullgraph=True, backend="aot_eager")
+        cases = [("all_reduce", "nk"), ("all_reduce", "kn")]
+        check_gradients(rank, world, compiled, "cuda", size=16, tol=1e-2, cases=cases)
+        torch.cuda.synchronize()
+        dist.barrier()
+    finally:
+        dist.destroy_process_group()
+
+
+def test_gradients_on_two_ranks_of_one_gpu():
+    spawn_ranks(2, gradient_worker, timeout=300)

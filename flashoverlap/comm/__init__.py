@@ -254,6 +254,39 @@ def collective(
     return out
 
 
+def gathered_rows(t: torch.Tensor, group: dist.ProcessGroup | None) -> torch.Tensor:
+    """Every rank's rows of ``t`` [rows, cols], in rank order (all-gather)."""
+    full = t.new_empty((t.shape[0] * dist.get_world_size(group), t.shape[1]))
+    dist.all_gather_into_tensor(full, t.contiguous(), group=group)
+    return full
+
+
+def adjoint(
+    collective: str,
+    grad: torch.Tensor,
+    group: dist.ProcessGroup | None,
+    counts: tuple[tuple[int, ...], tuple[int, ...]] | None = None,
+) -> torch.Tensor:
+    """The gradient of a call's rows of C, from the gradient of its result: all-reduce: ``grad``
+    itself (every rank holds the result alike, as after Megatron's row-parallel linear);
+    reduce-scatter: every rank's ``grad`` all-gathered; all-to-all: the rows sent back, ``counts`` =
+    the call's (send, recv) rows per rank, None where the call split evenly (so every rank takes
+    the same path as in the call: Exchange.uniform)."""
+    grad = grad.contiguous()
+    if collective == "all_reduce":
+        return grad
+    if collective == "reduce_scatter":
+        return gathered_rows(grad, group)
+    if counts is None:
+        back = torch.empty_like(grad)
+        dist.all_to_all_single(back, grad, group=group)
+        return back
+    send, recv = counts
+    back = grad.new_empty((sum(send), grad.shape[1]))
+    dist.all_to_all_single(back, grad, list(send), list(recv), group=group)
+    return back
+
+
 def rows_carry(ex: Exchange, unit: int) -> bool:
     """Whether the ``rows`` or ``segments`` layout can carry ``ex``: an all-reduce, or equal row
     segments to and from every rank, each a whole number of ``unit`` rows (plan.rotation_rows: the
