@@ -17,7 +17,7 @@ anything is launched. A group of one rank runs the plain GEMM; so does a call wi
 whose GEMM is one group (one wave: nothing to overlap), or that has no tuned config and lost to
 sequential when first timed (:func:`trial_pays`). Where an operand requires gradients, the call
 is differentiable (:func:`with_gradients`). Inside a graph ``torch.compile`` traces, a call is the
-one operator ``flashoverlap::gemm_collective`` (:func:`_entry`).
+one operator ``flashoverlap::gemm_collective`` (:func:`_gemm_collective`).
 """
 
 from __future__ import annotations
@@ -434,8 +434,19 @@ def _gemm_collective(
     output_splits: Sequence[int] | None = None,
     exchanged: list[Exchange] | None = None,
 ) -> torch.Tensor:
-    """The eager call (see the module's docstring); ``exchanged``: where given, the call's
-    :class:`Exchange` is appended to it (for the gradients, :class:`_WithGradients`)."""
+    """A call (see the module's docstring): with gradients where autograd asks for them (CUDA
+    tensors; others fail the checks below), inside a graph ``torch.compile`` traces the one operator
+    ``flashoverlap::gemm_collective`` (no graph break, so ``fullgraph=True`` works; its group and
+    config reach it as strings fixed when the graph is traced), else run here. ``exchanged``: where
+    given, the call's :class:`Exchange` is appended to it (for the gradients; not where traced)."""
+    tensors = all(isinstance(t, torch.Tensor) for t in (a, weight))
+    if tensors and torch.is_grad_enabled() and a.is_cuda and (a.requires_grad or weight.requires_grad):
+        return with_gradients(a, weight, collective, group, config, weight_layout, splits, output_splits)
+    if torch.compiler.is_compiling():
+        counts = [None if s is None else [int(c) for c in s] for s in (splits, output_splits)]
+        return torch.ops.flashoverlap.gemm_collective(
+            a, weight, collective, _group_name(group), _config_text(config), weight_layout, *counts
+        )
     world = world_size(group)
     explicit = for_collective(resolve(config), collective) if config is not None else None
     m, n, k = check_inputs(a, weight, weight_layout)
@@ -591,7 +602,7 @@ def gemm_all_reduce(
     weight_layout: str = "nk",
 ) -> torch.Tensor:
     """``all_reduce(a @ weight.T)`` over ``group`` -> [M, N], overlapped with the GEMM."""
-    return _call(a, weight, "all_reduce", group, config, weight_layout)
+    return _gemm_collective(a, weight, "all_reduce", group, config, weight_layout)
 
 
 def gemm_reduce_scatter(
@@ -604,7 +615,7 @@ def gemm_reduce_scatter(
 ) -> torch.Tensor:
     """``reduce_scatter_tensor`` of ``a @ weight.T`` over ``group``: rank r gets the summed rows
     [r * M / world, (r + 1) * M / world) -> [M / world, N]; M must be a multiple of the world size."""
-    return _call(a, weight, "reduce_scatter", group, config, weight_layout)
+    return _gemm_collective(a, weight, "reduce_scatter", group, config, weight_layout)
 
 
 def gemm_all_to_all(
@@ -622,25 +633,7 @@ def gemm_all_to_all(
     every rank in rank order -> [sum(output_splits), N]. ``output_splits[s]`` = rows rank s sends
     here; omitted with ``splits``, every rank's splits are exchanged first (a small collective and a
     host sync), and the ranks may then pass different M (MoE experts; none included)."""
-    return _call(a, weight, "all_to_all", group, config, weight_layout, splits, output_splits)
-
-
-def _call(
-    a: torch.Tensor,
-    weight: torch.Tensor,
-    collective: str,
-    group: dist.ProcessGroup | None,
-    config: OverlapConfig | dict | str | os.PathLike | None,
-    weight_layout: str,
-    splits: Sequence[int] | None = None,
-    output_splits: Sequence[int] | None = None,
-) -> torch.Tensor:
-    """A public call, with gradients where autograd asks for them (CUDA tensors; others fail the
-    eager call's checks)."""
-    tensors = all(isinstance(t, torch.Tensor) for t in (a, weight))
-    if tensors and torch.is_grad_enabled() and a.is_cuda and (a.requires_grad or weight.requires_grad):
-        return with_gradients(a, weight, collective, group, config, weight_layout, splits, output_splits)
-    return _entry(a, weight, collective, group, config, weight_layout, splits, output_splits)
+    return _gemm_collective(a, weight, "all_to_all", group, config, weight_layout, splits, output_splits)
 
 
 def with_gradients(
@@ -664,7 +657,8 @@ class _WithGradients(torch.autograd.Function):
     def forward(ctx, a, weight, collective, group, config, weight_layout, splits, output_splits):
         exchanged: list[Exchange] = []
         if a.is_cuda:
-            out = _entry(a, weight, collective, group, config, weight_layout, splits, output_splits, exchanged)
+            call = (a, weight, collective, group, config, weight_layout, splits, output_splits)
+            out = _gemm_collective(*call, exchanged)
         else:  # any dtype: a model debugged on the CPU
             ex = comm.exchange(collective, a.shape[0], world_size(group), splits, output_splits, group, a.device)
             exchanged.append(ex)
@@ -696,28 +690,6 @@ class _WithGradients(torch.autograd.Function):
         if ctx.needs_input_grad[1]:
             grad_w = rows.t() @ a if weight_layout == "nk" else a.t() @ rows
         return grad_a, grad_w, None, None, None, None, None, None
-
-
-def _entry(
-    a: torch.Tensor,
-    weight: torch.Tensor,
-    collective: str,
-    group: dist.ProcessGroup | None,
-    config: OverlapConfig | dict | str | os.PathLike | None,
-    weight_layout: str,
-    splits: Sequence[int] | None = None,
-    output_splits: Sequence[int] | None = None,
-    exchanged: list[Exchange] | None = None,
-) -> torch.Tensor:
-    """A call run eagerly, or, inside a graph ``torch.compile`` traces, as the one operator
-    ``flashoverlap::gemm_collective`` (no graph break, so ``fullgraph=True`` works; its group and
-    config reach it as strings fixed when the graph is traced; ``exchanged`` stays empty there)."""
-    if torch.compiler.is_compiling():
-        counts = [None if s is None else [int(c) for c in s] for s in (splits, output_splits)]
-        return torch.ops.flashoverlap.gemm_collective(
-            a, weight, collective, _group_name(group), _config_text(config), weight_layout, *counts
-        )
-    return _gemm_collective(a, weight, collective, group, config, weight_layout, splits, output_splits, exchanged)
 
 
 @torch.compiler.assume_constant_result
