@@ -181,20 +181,21 @@ def build(
 
 
 def build_runtime(**kwargs) -> Path:
-    """Build csrc/runtime.cu (restore, strided copy, spin-wait) for every supported GPU; ``kwargs``
+    """Build csrc/runtime.cu (restore, strided copy, counter reset, waits) for every supported GPU; ``kwargs``
     go to :func:`build`."""
     return build("fo_runtime", (_PACKAGE_DIR / "csrc" / "runtime.cu").read_text(), arch=RUNTIME_ARCH, **kwargs)
 
 
 @functools.cache
 def runtime_library() -> ctypes.CDLL:
-    """The small runtime pieces (restore, strided copy, counter reset, spin-wait fallback) of csrc/runtime.cu."""
+    """The small runtime pieces (restore, strided copy, counter reset, waits) of csrc/runtime.cu."""
     lib = ctypes.CDLL(str(build_runtime()))
     lib.fo_runtime_error.restype = ctypes.c_char_p
     lib.fo_restore.argtypes = [ctypes.c_void_p] * 3 + [ctypes.c_int] * 7 + [ctypes.c_void_p]
     # dst, dpitch, src, spitch, width (bytes), height, stream
     lib.fo_copy_2d.argtypes = [ctypes.c_void_p, ctypes.c_size_t] * 2 + [ctypes.c_size_t] * 2 + [ctypes.c_void_p]
     lib.fo_zero.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_void_p]  # ptr, bytes, stream
+    lib.fo_stream_wait.argtypes = [ctypes.c_void_p, ctypes.c_uint, ctypes.c_void_p]  # counter, target, stream
     # counter, target, timeout_ns, report, group, stream
     lib.fo_spin_wait.argtypes = [
         ctypes.c_void_p,

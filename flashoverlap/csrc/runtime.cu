@@ -1,9 +1,10 @@
 // Small runtime pieces: restoring C from packed group buffers, strided copies on the copy engines,
-// the counter reset, and the spin-wait fallback for devices without stream memory operations.
-// Loaded with ctypes (flashoverlap.jit.runtime_library).
+// the counter reset, the stream wait on a group counter, and the spin-wait fallback for devices
+// without stream memory operations. Loaded with ctypes (flashoverlap.jit.runtime_library).
 #include <cstdint>
 #include <cstdio>
 
+#include <cuda.h>
 #include <cuda_runtime.h>
 
 #include "tile_slot.cuh"
@@ -67,6 +68,24 @@ __global__ void spin_wait(uint32_t const* counter, uint32_t target, uint64_t tim
   }
 }
 
+using WaitValue32 = CUresult (*)(CUstream, CUdeviceptr, cuuint32_t, unsigned int);
+
+// cuStreamWaitValue32 from the driver the runtime uses (no link to libcuda, no Python bindings to
+// match the driver's version); null where the driver lacks it.
+WaitValue32 wait_value32() {
+  static WaitValue32 const fn = [] {
+    void* found = nullptr;
+    cudaDriverEntryPointQueryResult status;
+#if CUDART_VERSION >= 12050
+    cudaError_t err = cudaGetDriverEntryPointByVersion("cuStreamWaitValue32", &found, 12000, cudaEnableDefault, &status);
+#else
+    cudaError_t err = cudaGetDriverEntryPoint("cuStreamWaitValue32", &found, cudaEnableDefault, &status);
+#endif
+    return err == cudaSuccess && status == cudaDriverEntryPointSuccess ? reinterpret_cast<WaitValue32>(found) : nullptr;
+  }();
+  return fn;
+}
+
 }  // namespace
 
 extern "C" {
@@ -94,6 +113,23 @@ int fo_copy_2d(void* dst, size_t dpitch, void const* src, size_t spitch, size_t 
 // fill kernel).
 int fo_zero(void* ptr, size_t bytes, void* stream) {
   return check(cudaMemsetAsync(ptr, 0, bytes, static_cast<cudaStream_t>(stream)), "zero");
+}
+
+// Makes the stream wait (in the GPU's front end, no SM) until *counter >= target, cyclic; returns
+// non-zero where stream memory operations are missing or refused.
+int fo_stream_wait(void const* counter, unsigned target, void* stream) {
+  WaitValue32 const fn = wait_value32();
+  if (fn == nullptr) {
+    std::snprintf(g_error, sizeof(g_error), "stream_wait: the driver has no cuStreamWaitValue32");
+    return 1;
+  }
+  CUresult const err = fn(static_cast<CUstream>(stream), reinterpret_cast<CUdeviceptr>(counter), target,
+                          CU_STREAM_WAIT_VALUE_GEQ);
+  if (err != CUDA_SUCCESS) {
+    std::snprintf(g_error, sizeof(g_error), "stream_wait: cuStreamWaitValue32 returned CUresult %d", int(err));
+    return 1;
+  }
+  return 0;
 }
 
 int fo_spin_wait(void const* counter, unsigned target, unsigned long long timeout_ns, void* report, int group,

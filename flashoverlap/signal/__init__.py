@@ -30,15 +30,8 @@ def _wait_mode() -> str:
 
 
 def _stream_wait(stream: torch.cuda.Stream, address: int, value: int) -> int:
-    from cuda.bindings import driver
-
-    (err,) = driver.cuStreamWaitValue32(
-        driver.CUstream(stream.cuda_stream),
-        driver.CUdeviceptr(address),
-        value,
-        driver.CUstreamWaitValue_flags.CU_STREAM_WAIT_VALUE_GEQ,
-    )
-    return int(err)
+    """cuStreamWaitValue32 (GEQ) through the runtime library; non-zero where it failed."""
+    return jit.runtime_library().fo_stream_wait(address, value, stream.cuda_stream)
 
 
 _support: dict[int, tuple[bool, bool]] = {}  # device -> stream waits work (eagerly, in CUDA graphs)
@@ -65,14 +58,11 @@ def _probe(device: int) -> tuple[bool, bool]:
     mode = _wait_mode()
     if mode != "auto":
         return mode == "stream", mode == "stream"
-    try:
-        probe = torch.zeros(1, dtype=torch.int32, device=device)
-        stream = torch.cuda.Stream(device=device)
-        if _stream_wait(stream, probe.data_ptr(), 0) != 0:  # 0 >= 0: passes at once
-            return False, False
-        stream.synchronize()
-    except ImportError:
+    probe = torch.zeros(1, dtype=torch.int32, device=device)
+    stream = torch.cuda.Stream(device=device)
+    if _stream_wait(stream, probe.data_ptr(), 0) != 0:  # 0 >= 0: passes at once
         return False, False
+    stream.synchronize()
     graph = torch.cuda.CUDAGraph()
     try:  # the same wait captured (in this thread only: other threads' CUDA calls go on) and replayed
         with torch.cuda.stream(stream):
@@ -121,12 +111,10 @@ def wait_geq(
     # no SM free, it may find none before the GEMM's last wave, and no group's collective starts).
     if timeout is None and not stream_waits(counters.device.index, torch.cuda.is_current_stream_capturing()):
         timeout = 0.0
-    if timeout is None:
-        err = _stream_wait(stream, address, target)
-        if err != 0:
-            raise RuntimeError(f"cuStreamWaitValue32 failed with CUresult {err}")
-        return
     lib = jit.runtime_library()
+    if timeout is None:
+        jit.check(lib, _stream_wait(stream, address, target), "fo_runtime_error")
+        return
     where = None if report is None else report.data_ptr()
     status = lib.fo_spin_wait(address, target, int(timeout * 1e9), where, index, stream.cuda_stream)
     jit.check(lib, status, "fo_runtime_error")
