@@ -1,6 +1,7 @@
 """Bad input is rejected with a clear message before anything is launched (CPU: gloo, one rank)."""
 
 import contextlib
+from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
@@ -389,6 +390,7 @@ def op_calls(graph) -> list[tuple]:
 
 
 def compile_worker(rank: int, world: int, store_path: str):
+    from flashoverlap import OverlapConfig
     from flashoverlap.config import resolve
     from flashoverlap.overlap import _config_of
 
@@ -397,9 +399,12 @@ def compile_worker(rank: int, world: int, store_path: str):
         torch._dynamo.config.capture_dynamic_output_shape_ops = True  # the ragged all-to-all's rows
         a, w = bf16(64, 32), bf16(48, 32)
         pair = dist.new_group([0, 1])  # not the default group: its name reaches the operator
-        cases = [
+        assert world == 2
+        yaml_path = Path(__file__).parent.parent / "configs" / "example.yaml"
+        cases = [  # every kind of config: a dict, a YAML path, an OverlapConfig
             (flashoverlap.gemm_all_reduce, {"config": {"comm_sms": 4}}, (64, 48)),
-            (flashoverlap.gemm_reduce_scatter, {"group": pair}, (64 // world, 48)),
+            (flashoverlap.gemm_all_reduce, {"config": yaml_path}, (64, 48)),
+            (flashoverlap.gemm_reduce_scatter, {"group": pair, "config": OverlapConfig(layout="cols")}, (32, 48)),
             (flashoverlap.gemm_all_to_all, {}, (64, 48)),
             (flashoverlap.gemm_all_to_all, {"splits": [40, 24], "output_splits": [40, 8]}, (48, 48)),
             (flashoverlap.gemm_all_to_all, {"splits": [40, 24]}, None),  # rows known once exchanged
