@@ -106,9 +106,9 @@ def wait_geq(
     ``{1, index, value, target}`` into ``report`` (int32[4], zero until then).
     """
     address = counters.data_ptr() + 4 * index
-    # The spin kernel (one thread) without a time limit where stream waits
-    # do not work; in a CUDA graph it would need an SM slot beside the GEMM (where the GEMM leaves
-    # no SM free, it may find none before the GEMM's last wave, and no group's collective starts).
+    # The spin kernel (one thread) without a time limit where stream waits do not work. It fits
+    # beside the GEMM's CTAs (one H200, every SM to the GEMM: group 0 released at 0.119 ms by both),
+    # but holds a thread polling memory for the whole wait: stream waits in CUDA graphs too.
     if timeout is None and not stream_waits(counters.device.index, torch.cuda.is_current_stream_capturing()):
         timeout = 0.0
     lib = jit.runtime_library()
