@@ -71,7 +71,7 @@ def _probe(device: int) -> tuple[bool, bool]:
                 captured = _stream_wait(stream, probe.data_ptr(), 0) == 0
             finally:
                 graph.capture_end()
-        graph.replay()
+            graph.replay()
         stream.synchronize()
     except RuntimeError:
         return True, False
