@@ -390,7 +390,7 @@ def _comm_model(pattern: str, comm_sms: int, dtype, rounds: int, symmetric: bool
         if pattern == "exchange":
             return (lambda i: exchange(data, into)), rows * 1024 * elem
         if pattern == "all_gather":
-            return (lambda i: dist.all_gather_into_tensor(into, data, group)), rows * 1024 * elem
+            return (lambda i: comm.all_gather_single(into, data, group)), rows * 1024 * elem
         ex = comm.exchange(pattern, rows, world)
         return (lambda i: comm.collective(ex, data, group, into[: ex.rows])), rows * 1024 * elem
 

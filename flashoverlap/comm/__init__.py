@@ -30,6 +30,11 @@ _budget_groups: dict[tuple, dist.ProcessGroup] = {}
 _direct: dict[tuple, Direct] = {}
 
 
+# torch 2.13 renamed these two (the old names warn there); older torch has only the old names.
+all_gather_single = getattr(dist, "all_gather_single", dist.all_gather_into_tensor)
+reduce_scatter_single = getattr(dist, "reduce_scatter_single", dist.reduce_scatter_tensor)
+
+
 def agree(group: dist.ProcessGroup | None, description: str, device: torch.device) -> None:
     """Check that every rank of ``group`` describes the same call; raise on all of them if not.
 
@@ -217,7 +222,7 @@ def exchange(
         return Exchange(collective, send, send, m)
     mine = torch.tensor(send, dtype=torch.int64, device=_device_for(group, device))
     matrix = torch.empty(world * world, dtype=torch.int64, device=mine.device)
-    dist.all_gather_into_tensor(matrix, mine, group=group)
+    all_gather_single(matrix, mine, group=group)
     counts = matrix.tolist()  # row s: what rank s sends to each rank
     rows = [tuple(counts[s * world : (s + 1) * world]) for s in range(world)]
     recv = tuple(row[dist.get_rank(group)] for row in rows)
@@ -244,7 +249,7 @@ def collective(
     if out is None:
         out = data.new_empty((ex.rows, data.shape[1]))
     if ex.collective == "reduce_scatter":
-        group.reduce_scatter(out, data) if direct else dist.reduce_scatter_tensor(out, data, group=group)
+        group.reduce_scatter(out, data) if direct else reduce_scatter_single(out, data, group=group)
     elif direct:
         group.all_to_all(out, data, ex.recv, ex.send)
     elif ex.uniform:  # c10d's equal-split path (ncclAlltoAll: copy engines in a window) on every rank
@@ -257,7 +262,7 @@ def collective(
 def gathered_rows(t: torch.Tensor, group: dist.ProcessGroup | None) -> torch.Tensor:
     """Every rank's rows of ``t`` [rows, cols], in rank order (all-gather)."""
     full = t.new_empty((t.shape[0] * dist.get_world_size(group), t.shape[1]))
-    dist.all_gather_into_tensor(full, t.contiguous(), group=group)
+    all_gather_single(full, t.contiguous(), group=group)
     return full
 
 
@@ -415,7 +420,7 @@ def communicate_group(
     chunk = buffer[plan.bounds[g] : plan.bounds[g + 1]]
     if ex.reduction == "local":  # every rank's partial sums of the group, rank after rank
         into = recv[len(ex.recv) * plan.bounds[g] : len(ex.recv) * plan.bounds[g + 1]]
-        group.all_gather(into, chunk) if isinstance(group, Direct) else dist.all_gather_into_tensor(into, chunk, group)
+        group.all_gather(into, chunk) if isinstance(group, Direct) else all_gather_single(into, chunk, group)
         return
     if ex.collective == "all_reduce" and plan.layout != "cols":
         collective(ex, chunk.view(1, -1), group)  # any shape, in place
