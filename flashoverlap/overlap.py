@@ -458,6 +458,7 @@ def _gemm_collective(
     # before any lookup: the same model run without tensor parallelism pays nothing more; so does a
     # call where this rank, or any rank known to, has no rows
     if world == 1 or m == 0 or ex.ragged and 0 in ex.sources:
+        _say(ex, (m, n, k), a.dtype, group, "sequential: one rank" if world == 1 else "sequential: a rank has no rows")
         return sequential(a, weight, weight_layout, ex, group)
     # what every rank decides alike rests on: where the ranks' M differ (known where the counts were
     # exchanged), the largest, whose GEMM sets the pace
@@ -473,7 +474,10 @@ def _gemm_collective(
     cfg = explicit or for_collective(tuned or default_config(collective, ex, shape), collective)
     # a GEMM of one wave without config= (decode-sized M, which varies a lot): nothing to overlap, and
     # found before planning
+    source = "your config" if explicit is not None else "the registry's config" if tuned else "the defaults"
     if cfg.sequential or explicit is None and one_wave(cfg, shape[0], n, a.device):
+        why = f"{source} says sequential" if cfg.sequential else "one wave of tiles, nothing to overlap"
+        _say(ex, shape, a.dtype, group, f"sequential: {why}")
         return sequential(a, weight, weight_layout, ex, group)
     if ex.ragged and not takes_every_call(cfg, collective):
         raise ValueError(
@@ -494,6 +498,7 @@ def _gemm_collective(
         columns = shared_columns(*shape, a.dtype, weight_layout, a.device, cfg) if ex.ragged else None
         prep = prepare(m, n, k, a.dtype, weight_layout, a.device, cfg, rotate, comm.interleave(ex, cfg.layout), columns)
         if explicit is None and prep.plan.num_groups == 1:  # nothing to overlap: it would only add host time
+            _say(ex, shape, a.dtype, group, f"sequential: {source} make one group, nothing to overlap")
             return sequential(a, weight, weight_layout, ex, group)
         full = group if group is not None else dist.group.WORLD
         call = (collective, "ragged" if ex.ragged else m, n, k, a.dtype, weight_layout, a.device.index, cfg)
@@ -505,8 +510,35 @@ def _gemm_collective(
             and tuned is None
             and not trial_pays(prep, cfg, a, weight, weight_layout, ex, budget, tail, full, shape[0])
         ):
+            _say(ex, shape, a.dtype, group, "sequential: the defaults lost to it when timed")
             return sequential(a, weight, weight_layout, ex, group)
+        groups = prep.plan.num_groups
+        _say(ex, shape, a.dtype, group, f"overlapped, {source} {_changed(cfg)}: {groups} group{'s' * (groups > 1)}")
         return run_overlapped(prep, a, weight, ex, budget, tail_group=tail)
+
+
+MAX_SAID = 1024
+_said: OrderedDict[tuple, bool] = OrderedDict()  # what FLASHOVERLAP_LOG=1 reported, most recent last
+
+
+def _say(ex: Exchange, shape: tuple[int, int, int], dtype: torch.dtype, group, path: str) -> None:
+    """With ``FLASHOVERLAP_LOG=1``: which path a kind of call took and why, once (stderr, rank 0:
+    every rank decides alike)."""
+    if os.environ.get("FLASHOVERLAP_LOG") != "1":
+        return
+    key = (ex.collective, shape, dtype, ex.ragged, path)
+    if _recent(_said, key) is not None:
+        return
+    _keep(_said, key, True, MAX_SAID)
+    if dist.get_rank(group) == 0:
+        world = dist.get_world_size(group)
+        what = f"{ex.collective} {'x'.join(map(str, shape))} {DTYPES[dtype]}, {world} rank{'s' * (world > 1)}"
+        print(f"[flashoverlap] {what}{' (M differs by rank)' * ex.ragged}: {path}", file=sys.stderr, flush=True)
+
+
+def _changed(cfg: OverlapConfig) -> str:
+    """``cfg``'s fields that differ from the defaults, as a dict."""
+    return str({f.name: getattr(cfg, f.name) for f in dataclasses.fields(cfg) if getattr(cfg, f.name) != f.default})
 
 
 def one_wave(cfg: OverlapConfig, m: int, n: int, device: torch.device) -> bool:

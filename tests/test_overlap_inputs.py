@@ -116,19 +116,29 @@ def test_a_config_without_a_kernel_on_this_gpu_fails_before_any_communication(mo
 
 
 @pytest.mark.parametrize(
-    ("config", "tuned", "waves", "trial", "env", "paths", "timed"),
+    ("config", "tuned", "waves", "trial", "env", "paths", "timed", "said"),
     [
-        (None, None, 1, None, None, ["sequential"] * 2, 0),  # one group: nothing to overlap
-        (None, None, 3, 0.9, None, ["overlapped"] * 2, 1),  # untuned: timed once, kept
-        (None, None, 3, 0.99, None, ["sequential"] * 2, 1),  # within the margin: sequential
-        (None, None, 3, 1.2, "0", ["overlapped"] * 2, 0),  # FLASHOVERLAP_TRIAL=0: the defaults as they are
-        (None, {}, 3, 1.2, None, ["overlapped"] * 2, 0),  # a registry entry is the tuner's word
-        ({}, None, 1, 1.2, None, ["overlapped"] * 2, 0),  # an explicit config runs as given
+        # one group: nothing to overlap
+        (None, None, 1, None, None, ["sequential"] * 2, 0, "sequential: one wave of tiles"),
+        # untuned: timed once, kept
+        (None, None, 3, 0.9, None, ["overlapped"] * 2, 1, "overlapped, the defaults {'layout': 'rows'"),
+        # within the margin: sequential
+        (None, None, 3, 0.99, None, ["sequential"] * 2, 1, "sequential: the defaults lost to it when timed"),
+        # FLASHOVERLAP_TRIAL=0: the defaults as they are
+        (None, None, 3, 1.2, "0", ["overlapped"] * 2, 0, "overlapped, the defaults"),
+        # a registry entry is the tuner's word
+        (None, {}, 3, 1.2, None, ["overlapped"] * 2, 0, "overlapped, the registry's config"),
+        (None, {"sequential": True}, 3, 1.2, None, ["sequential"] * 2, 0, "the registry's config says sequential"),
+        # an explicit config runs as given
+        ({}, None, 1, 1.2, None, ["overlapped"] * 2, 0, "overlapped, your config {'layout': 'rows'"),
     ],
 )
-def test_which_path_a_call_takes(one_rank_group, monkeypatch, config, tuned, waves, trial, env, paths, timed):
+def test_which_path_a_call_takes(
+    one_rank_group, monkeypatch, capfd, config, tuned, waves, trial, env, paths, timed, said
+):
     """A call without config= skips the overlap where it cannot pay: a GEMM of one group, or an
-    untuned call that lost to sequential when first timed (overlap / sequential time ``trial``)."""
+    untuned call that lost to sequential when first timed (overlap / sequential time ``trial``).
+    ``FLASHOVERLAP_LOG=1`` says which path it took and why, once."""
     from flashoverlap import bench, overlap
     from flashoverlap.plan import make_plan
 
@@ -143,6 +153,8 @@ def test_which_path_a_call_takes(one_rank_group, monkeypatch, config, tuned, wav
 
     if env is not None:
         monkeypatch.setenv("FLASHOVERLAP_TRIAL", env)
+    monkeypatch.setenv("FLASHOVERLAP_LOG", "1")
+    monkeypatch.setattr(overlap, "_said", type(overlap._said)())
     monkeypatch.setattr(overlap, "check_inputs", lambda a, w, layout: (plan.m, plan.n, 64))
     monkeypatch.setattr(overlap, "world_size", lambda group: 2)
     monkeypatch.setattr(torch.cuda, "device", lambda device: contextlib.nullcontext())  # CPU tensors stand in
@@ -161,15 +173,22 @@ def test_which_path_a_call_takes(one_rank_group, monkeypatch, config, tuned, wav
     for _ in range(2):
         flashoverlap.gemm_all_reduce(bf16(plan.m, 64), bf16(plan.n, 64), config=config)
     assert plan.num_groups == waves and [p for p in taken if p != "planned"] == paths
-    assert ("planned" in taken) == (config is not None or waves > 1)  # one wave, no config: not even planned
+    # one wave without config, or a sequential entry: not even planned
+    assert ("planned" in taken) == ((config is not None or waves > 1) and not (tuned or {}).get("sequential"))
     assert trials == [["overlapped", "sequential"]] * timed
+    what = f"[flashoverlap] all_reduce {plan.m}x{plan.n}x64 bfloat16, 1 rank: "
+    lines = [line for line in capfd.readouterr().err.splitlines() if line.startswith(what)]
+    assert len(lines) == 1 and said in lines[0], lines  # once, for both calls
 
 
 @pytest.mark.parametrize("config", [None, {}])
-def test_a_group_of_one_rank_runs_the_plain_gemm_before_any_lookup(one_rank_group, monkeypatch, config):
+def test_a_group_of_one_rank_runs_the_plain_gemm_before_any_lookup(one_rank_group, monkeypatch, capfd, config):
     """The same model run without tensor parallelism pays only the input checks: no registry
     lookup, no config resolution for the collective, no device switch."""
     from flashoverlap import overlap
+
+    monkeypatch.setenv("FLASHOVERLAP_LOG", "1")
+    monkeypatch.setattr(overlap, "_said", type(overlap._said)())
 
     def unexpected(*args, **kwargs):
         raise AssertionError("a one-rank call went past the plain GEMM's checks")
@@ -183,10 +202,13 @@ def test_a_group_of_one_rank_runs_the_plain_gemm_before_any_lookup(one_rank_grou
     for fn in ENTRY_POINTS:
         fn(bf16(256, 64), bf16(256, 64), config=config)
     assert taken == ["all_reduce", "reduce_scatter", "all_to_all"]
+    assert capfd.readouterr().err.count("bfloat16, 1 rank: sequential: one rank") == 3
 
 
 @pytest.mark.parametrize("m, sources", [(3000, (3000, 0)), (0, (0, 3000)), (0, None)])
-def test_a_call_where_a_rank_has_no_rows_runs_the_plain_collective_alike(one_rank_group, monkeypatch, m, sources):
+def test_a_call_where_a_rank_has_no_rows_runs_the_plain_collective_alike(
+    one_rank_group, monkeypatch, capfd, m, sources
+):
     """Where this rank, or a rank every rank knows of (counts exchanged), has no rows, the call runs
     matmul + the collective on every rank, before any lookup or planning."""
     from flashoverlap import comm, overlap
@@ -203,9 +225,12 @@ def test_a_call_where_a_rank_has_no_rows_runs_the_plain_collective_alike(one_ran
     monkeypatch.setattr(overlap, "tuned_config", unexpected)
     monkeypatch.setattr(overlap, "prepare", unexpected)
     monkeypatch.setattr(overlap, "sequential", lambda *args: taken.append(args[3]))
+    monkeypatch.setenv("FLASHOVERLAP_LOG", "1")
+    monkeypatch.setattr(overlap, "_said", type(overlap._said)())
     for config in (None, {"layout": "cols"}):
         flashoverlap.gemm_all_to_all(bf16(max(m, 1), 64), bf16(256, 64), splits=list(ex.send), config=config)
     assert taken == [ex, ex]
+    assert "sequential: a rank has no rows" in capfd.readouterr().err
 
 
 def test_ranks_with_different_m_decide_on_the_largest_and_share_its_columns(one_rank_group, monkeypatch):
