@@ -129,7 +129,7 @@ def collective_problem(
     alike on every rank (float64): a list per rank of (a [M_r, K], w [N, K], splits, output_splits,
     result, g = d loss / d result, grad_a, grad_w). Loss: <g, y> for the all-reduce (its result, held alike
     by every rank, counted once), the sum of the ranks' <g_r, y_r> otherwise. ``size`` scales the
-    shapes; operands are bf16 values (a GPU call computes on them exactly)."""
+    shapes; a and g are bf16 values, w nearly (scaled by 1 / sqrt(K))."""
     gen = torch.Generator().manual_seed(seed)
     k, n = 24 * size, 16 * size
 
