@@ -361,16 +361,9 @@ def config_label(given: dict | None, cfg, collective: str) -> str:
     """The CSV/table name of a variant: its JSON, or the registry's pick as ``registry:{...}``."""
     if given is not None:
         return json.dumps(given, sort_keys=True)
-    import dataclasses
+    from .config import OverlapConfig, differences, for_collective
 
-    from .config import OverlapConfig, for_collective
-
-    default = for_collective(OverlapConfig(), collective)
-    picked = {
-        f.name: getattr(cfg, f.name)
-        for f in dataclasses.fields(cfg)
-        if getattr(cfg, f.name) != getattr(default, f.name)
-    }
+    picked = differences(cfg, for_collective(OverlapConfig(), collective))
     return "registry:" + json.dumps(
         {k: list(v) if isinstance(v, tuple) else v for k, v in picked.items()}, sort_keys=True
     )

@@ -231,6 +231,13 @@ def _family_problems(cfg: OverlapConfig, family: str, epilogue: str) -> list[str
     return problems
 
 
+def differences(cfg: OverlapConfig, base: OverlapConfig) -> dict[str, Any]:
+    """``cfg``'s fields whose values differ from ``base``'s (a config named by what it changes)."""
+    return {
+        f.name: getattr(cfg, f.name) for f in dataclasses.fields(cfg) if getattr(cfg, f.name) != getattr(base, f.name)
+    }
+
+
 def _instance(cfg: OverlapConfig, family: str) -> tuple[int, int, int, int, str]:
     tile_k = cfg.tile_k if cfg.tile_k is not None else FAMILIES[family]["tile_k"][0]
     return cfg.tile_m, cfg.tile_n, tile_k, cfg.cluster_m, cfg.scheduler

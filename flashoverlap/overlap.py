@@ -28,7 +28,7 @@ import json
 import os
 import sys
 from collections import OrderedDict
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
 import torch
@@ -36,7 +36,7 @@ import torch.distributed as dist
 
 from . import comm, registry, signal
 from .comm import Exchange
-from .config import OverlapConfig, for_collective, for_device, kernel_spec, resolve, takes_every_call
+from .config import OverlapConfig, differences, for_collective, for_device, kernel_spec, resolve, takes_every_call
 from .gemm import SignalGemm, get_kernel
 from .plan import Plan, make_plan, rotation_rows
 
@@ -472,9 +472,9 @@ def _gemm_collective(
         )
     tuned = None if explicit is not None else tuned_config(a, world, ex, shape, p2p)
     cfg = explicit or for_collective(tuned or default_config(collective, ex, shape), collective)
+    source = "your config" if explicit is not None else "the registry's config" if tuned else "the defaults"
     # a GEMM of one wave without config= (decode-sized M, which varies a lot): nothing to overlap, and
     # found before planning
-    source = "your config" if explicit is not None else "the registry's config" if tuned else "the defaults"
     if cfg.sequential or explicit is None and one_wave(cfg, shape[0], n, a.device):
         why = f"{source} says sequential" if cfg.sequential else "one wave of tiles, nothing to overlap"
         _say(ex, shape, a.dtype, group, f"sequential: {why}")
@@ -512,8 +512,14 @@ def _gemm_collective(
         ):
             _say(ex, shape, a.dtype, group, "sequential: the defaults lost to it when timed")
             return sequential(a, weight, weight_layout, ex, group)
-        groups = prep.plan.num_groups
-        _say(ex, shape, a.dtype, group, f"overlapped, {source} {_changed(cfg)}: {groups} group{'s' * (groups > 1)}")
+        groups = prep.plan.num_groups  # the message is built only where printed: every call passes here
+        _say(
+            ex,
+            shape,
+            a.dtype,
+            group,
+            lambda: f"overlapped, {source} {differences(cfg, _DEFAULTS)}: {groups} group{'s' * (groups > 1)}",
+        )
         return run_overlapped(prep, a, weight, ex, budget, tail_group=tail)
 
 
@@ -521,11 +527,12 @@ MAX_SAID = 1024
 _said: OrderedDict[tuple, bool] = OrderedDict()  # what FLASHOVERLAP_LOG=1 reported, most recent last
 
 
-def _say(ex: Exchange, shape: tuple[int, int, int], dtype: torch.dtype, group, path: str) -> None:
-    """With ``FLASHOVERLAP_LOG=1``: which path a kind of call took and why, once (stderr, rank 0:
-    every rank decides alike)."""
+def _say(ex: Exchange, shape: tuple[int, int, int], dtype: torch.dtype, group, path: str | Callable[[], str]) -> None:
+    """With ``FLASHOVERLAP_LOG=1``: which path a kind of call took and why (``path``, or a function
+    making it), once (stderr, rank 0: every rank decides alike)."""
     if os.environ.get("FLASHOVERLAP_LOG") != "1":
         return
+    path = path() if callable(path) else path
     key = (ex.collective, shape, dtype, ex.ragged, path)
     if _recent(_said, key) is not None:
         return
@@ -534,11 +541,6 @@ def _say(ex: Exchange, shape: tuple[int, int, int], dtype: torch.dtype, group, p
         world = dist.get_world_size(group)
         what = f"{ex.collective} {'x'.join(map(str, shape))} {DTYPES[dtype]}, {world} rank{'s' * (world > 1)}"
         print(f"[flashoverlap] {what}{' (M differs by rank)' * ex.ragged}: {path}", file=sys.stderr, flush=True)
-
-
-def _changed(cfg: OverlapConfig) -> str:
-    """``cfg``'s fields that differ from the defaults, as a dict."""
-    return str({f.name: getattr(cfg, f.name) for f in dataclasses.fields(cfg) if getattr(cfg, f.name) != f.default})
 
 
 def one_wave(cfg: OverlapConfig, m: int, n: int, device: torch.device) -> bool:
