@@ -184,6 +184,7 @@ def takes_every_call(cfg: OverlapConfig, collective: str) -> bool:
     return layout not in EQUAL_SEGMENTS and not (cfg.symmetric and collective == "all_to_all")
 
 
+@functools.lru_cache(maxsize=256)  # once per config and GPU kind: every call resolves its config
 def for_device(cfg: OverlapConfig, capability: tuple[int, int]) -> tuple[OverlapConfig, str]:
     """``cfg`` with kernel family, tile_k and epilogue resolved for a GPU of compute ``capability``,
     and the arch to compile for; raises ``ValueError`` where no kernel of the config runs there."""

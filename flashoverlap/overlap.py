@@ -36,6 +36,7 @@ import torch.distributed as dist
 
 from . import comm, registry, signal
 from .comm import Exchange
+from .comm.nccl import group_fact
 from .config import OverlapConfig, differences, for_collective, for_device, kernel_spec, resolve, takes_every_call
 from .gemm import SignalGemm, get_kernel
 from .plan import Plan, make_plan, rotation_rows
@@ -51,7 +52,7 @@ def world_size(group: dist.ProcessGroup | None) -> int:
             "flashoverlap needs an initialised torch.distributed process group: call "
             "torch.distributed.init_process_group(...) first (a group of one rank works too)"
         )
-    return dist.get_world_size(group)
+    return group_fact(group, "size", dist.get_world_size)
 
 
 def check_inputs(a: object, weight: object, weight_layout: str, device_type: str = "cuda") -> tuple[int, int, int]:
@@ -494,7 +495,7 @@ def _gemm_collective(
                 "symmetric windows need the same buffer sizes on every rank: equal splits, got "
                 f"splits {list(ex.send)} and output_splits {list(ex.recv)}"
             )
-        rotate = comm.rows_rotation(ex, cfg.layout, dist.get_rank(group))
+        rotate = comm.rows_rotation(ex, cfg.layout, group_fact(group, "rank", dist.get_rank))
         columns = shared_columns(*shape, a.dtype, weight_layout, a.device, cfg) if ex.ragged else None
         prep = prepare(m, n, k, a.dtype, weight_layout, a.device, cfg, rotate, comm.interleave(ex, cfg.layout), columns)
         if explicit is None and prep.plan.num_groups == 1:  # nothing to overlap: it would only add host time

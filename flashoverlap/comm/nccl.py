@@ -11,7 +11,8 @@ from __future__ import annotations
 import ctypes
 import functools
 import math
-from collections.abc import Sequence
+import weakref
+from collections.abc import Callable, Sequence
 
 import torch
 import torch.distributed as dist
@@ -64,16 +65,34 @@ def check(lib: ctypes.CDLL, status: int, what: str) -> None:
         raise RuntimeError(f"{what} failed: {lib.ncclGetErrorString(status).decode()} (NCCL error {status})")
 
 
+_facts: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # group -> {name: value}
+
+
+def group_fact(group: dist.ProcessGroup | None, name: str, compute: Callable[[dist.ProcessGroup], object]):
+    """``compute(group)`` (``None``: the default group), once per group: what never changes about a
+    group (its size, this rank in it, its CUDA backend). On the H200 host the first such c10d query
+    of an overlapped call took ~100 us under cProfile (bench/host_profile.py; cached, the cost moved
+    to the next query), so a call asks none."""
+    pg = group if group is not None else dist.group.WORLD
+    facts = _facts.setdefault(pg, {})
+    if name not in facts:
+        facts[name] = compute(pg)
+    return facts[name]
+
+
+def _backend_name(pg: dist.ProcessGroup) -> str:
+    try:
+        return pg._get_backend(torch.device("cuda")).name()
+    except (RuntimeError, ValueError):  # no backend for CUDA tensors ("cpu:gloo")
+        return "none"
+
+
 def cuda_backend(group: dist.ProcessGroup | None) -> str:
     """The backend that carries ``group``'s CUDA tensors ("nccl", "gloo"), which
     ``dist.get_backend`` names only for a group of one backend: it says "undefined" after
     ``init_process_group()`` without one and "cpu:gloo,cuda:nccl" for a map, both NCCL for CUDA
     tensors (checked on torch 2.11)."""
-    pg = group if group is not None else dist.group.WORLD
-    try:
-        return pg._get_backend(torch.device("cuda")).name()
-    except (RuntimeError, ValueError):  # no backend for CUDA tensors ("cpu:gloo")
-        return "none"
+    return group_fact(group, "cuda_backend", _backend_name)
 
 
 def communicator(group: dist.ProcessGroup, device: torch.device) -> ctypes.c_void_p:
