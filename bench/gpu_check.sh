@@ -8,9 +8,7 @@
 #   stress  10,000 random calls checked against the sequential path (STRESS_CALLS)
 #   bench   each collective, NVLink and P2P off: all-reduce with CONFIGS (default: the defaults),
 #           reduce-scatter / all-to-all with the defaults and the rows layout (SHAPES, ROUNDS, TRACE);
-#           P2P off also with NCCL's host-memory copies on the copy engines (NCCL_SHM_USE_CUDA_MEMCPY)
-#   sm80    the Ampere/Ada kernels forced on Hopper, P2P off: tuned (registry in $OUT/sm80), beside the Hopper ones,
-#           and with NCCL's copy-engine host-memory copies
+#   sm80    the Ampere/Ada kernels forced on Hopper, P2P off: tuned (registry in $OUT/sm80), beside the Hopper ones
 #   swizzle each collective (COLLECTIVES) over NVLink with swizzled rasters beside the plain one
 #   tune    the tuner on bench/suite.yaml, TUNE_COLLECTIVES (all_reduce), NVLink and P2P off (TRANSPORTS) ->
 #           $OUT/tuned/h200_x2.yaml (a copy of configs/h200_x2.yaml, updated); TUNE_ARGS: more tuner
@@ -48,13 +46,6 @@ for step in $steps; do
         --configs ${CONFIGS:-'{}'} "${sym[@]}" "${gather[@]}" --nccl c10d direct \
         --rounds "${ROUNDS:-15}" --csv "$OUT/all_reduce_$transport.csv" \
         ${TRACE:+--trace "$OUT/trace_$transport.json"}
-      if [ "$transport" = pcie ]; then
-        # NCCL's host-memory hop on the copy engines (its proxy thread's cudaMemcpyAsync, both sides):
-        # its kernels then touch device memory only, so a few CTAs may carry the traffic
-        bench all_reduce_pcie_ce NCCL_SHM_USE_CUDA_MEMCPY=1 NCCL_SHM_MEMCPY_MODE=3 -- --transport pcie \
-          --shapes ${SHAPES:-4096x8192x8192 8192x8192x8192} --configs '{}' '{"comm_sms": 4}' '{"comm_sms": 8}' \
-          --rounds "${ROUNDS:-15}" --csv "$OUT/all_reduce_pcie_ce.csv"
-      fi
       rows=('{"layout": "rows"}' '{"layout": "rows", "comm_sms": 4}' '{"layout": "rows", "comm_sms": 24}'
             '{"layout": "segments"}' '{"layout": "segments", "comm_sms": 4}')
       seg=()  # segments in a window: NCCL's symmetric reduce-scatter / copy-engine all-to-all
@@ -77,10 +68,7 @@ for step in $steps; do
     tail -4 "$OUT/sm80_tune.log"
     bench sm80_pcie FLASHOVERLAP_CONFIG_DIRS="$OUT/sm80" -- --transport pcie --shapes 8192x4096x14336 \
       --rounds "${ROUNDS:-15}" --configs '{}' registry '{"kernel": "sm80"}' '{"kernel": "sm80", "comm_sms": 8}' \
-      --csv "$OUT/sm80_pcie.csv"
-    bench sm80_pcie_ce NCCL_SHM_USE_CUDA_MEMCPY=1 NCCL_SHM_MEMCPY_MODE=3 -- --transport pcie \
-      --shapes 8192x4096x14336 --rounds "${ROUNDS:-15}" --configs '{"kernel": "sm80"}' \
-      '{"kernel": "sm80", "comm_sms": 4}' '{"kernel": "sm80", "comm_sms": 8}' --csv "$OUT/sm80_pcie_ce.csv" ;;
+      --csv "$OUT/sm80_pcie.csv" ;;
   swizzle)
     for collective in ${COLLECTIVES:-all_reduce reduce_scatter all_to_all}; do
       case $collective in all_reduce) shapes="4096x8192x8192 8192x8192x8192";; reduce_scatter) shapes=16384x8192x4096;;
