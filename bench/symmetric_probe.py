@@ -81,11 +81,20 @@ def main() -> int:
     a = [torch.randn(m, k, device="cuda").to(dtype) for _ in range(2)]
     w = [torch.randn(n, k, device="cuda").to(dtype) for _ in range(2)]
     side = torch.cuda.Stream()
-    variants = {"cublas": lambda i: a[i % 2] @ w[i % 2].t()}
+    gemms = {"cublas": lambda i: a[i % 2] @ w[i % 2].t()}
     for budget in [0, *args.budgets]:
         cfg = for_collective(OverlapConfig(comm_sms=budget), "all_reduce")
-        variants[f"gemm{budget}"] = kernel_alone(prepare(m, n, k, dtype, "nk", a[0].device, cfg), a, w)
+        gemms[f"gemm{budget}"] = kernel_alone(prepare(m, n, k, dtype, "nk", a[0].device, cfg), a, w)
+    if dist.get_rank() == 0:
+        print(
+            f"{torch.cuda.get_device_name()} x{dist.get_world_size()}, {m}x{n}x{k} bf16, "
+            f"{2 * m * n / 2**20:.0f} MiB in {CHUNKS} chunks, ms per call (median, max over ranks)",
+            flush=True,
+        )
+    # one timed run per collective, the GEMMs in each, printed as it ends: a collective NCCL fails
+    # on (its copy-engine all-to-all did, stop 20) leaves the ones before it
     for collective in args.collectives:
+        variants = dict(gemms)
         runs = [(mode, c) for c in args.budgets for mode in ("ring", "symm")]
         if collective in ("all_to_all", "all_gather"):
             runs += [("ce", 0), ("ce_direct", 0)]
@@ -94,7 +103,7 @@ def main() -> int:
             send, recv = buffers(m * n, dtype, group, mode != "ring")
             if mode.endswith("direct"):
                 group = comm.Direct(group, torch.device("cuda", local))
-            gemm = variants[f"gemm{ctas}"]
+            gemm = gemms[f"gemm{ctas}"]
 
             def alone(i, send=send, recv=recv, group=group, collective=collective):
                 chunked(collective, send, recv, group)
@@ -109,14 +118,10 @@ def main() -> int:
 
             variants[f"{collective}:{mode}{ctas}"] = alone
             variants[f"{collective}:both_{mode}{ctas}"] = both
-    times = time_variants(variants, args.rounds, args.block, warmup=3)
-    if dist.get_rank() == 0:
-        print(
-            f"{torch.cuda.get_device_name()} x{dist.get_world_size()}, {m}x{n}x{k} bf16, "
-            f"{2 * m * n / 2**20:.0f} MiB in {CHUNKS} chunks, ms per call (median, max over ranks)"
-        )
-        for name, t in times.items():
-            print(f"{name:32s} {t:8.3f}  {times['cublas'] / t:5.2f}x of cublas")
+        times = time_variants(variants, args.rounds, args.block, warmup=3)
+        if dist.get_rank() == 0:
+            for name, t in times.items():
+                print(f"{name:32s} {t:8.3f}  {times['cublas'] / t:5.2f}x of cublas", flush=True)
     comm.agree(None, "done", torch.device("cuda", local))
     dist.destroy_process_group()
     return 0
