@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # On a GPU machine: install, build, then the chosen steps (default: all; ~25 min on 2x H200, so
 # run a few steps per call where calls are time-limited).
-#   bash bench/gpu_check.sh [tests] [stress] [bench] [sm80] [swizzle] [tune] [brute] [suite] [host]
+#   bash bench/gpu_check.sh [tests] [stress] [bench] [sm80] [swizzle] [tune] [brute] [suite] [graphs] [host] [symm]
 # Logs and CSVs in $OUT/flashoverlap-results.tgz ($OUT default /tmp/flashoverlap-check). Wheels the machine lacks
 # (nvidia-cutlass) may sit in .whl/; a prebuilt kernel cache in .kcache/ (python -m flashoverlap.precompile).
 #   tests   GPU and multi-GPU tests (both kernel families; GPU_TESTS=0: multi-GPU ones only)
@@ -16,6 +16,8 @@
 #   brute   the tuner with --brute-force 4 on two shapes: its pick against the best measured
 #   suite   bench/suite.yaml with the registry's configs beside the defaults ($OUT/tuned first if there),
 #           for SUITE_COLLECTIVES (all_reduce), NVLink and P2P off (TRANSPORTS)
+#   graphs  bench/suite.yaml with the registry and CONFIGS, c10d and direct NCCL, every block of calls one
+#           CUDA graph replay (GPU time only), for SUITE_COLLECTIVES (all_reduce), TRANSPORTS (nvlink pcie)
 #   host    host time per call of each path on a host-bound shape, and where it goes (bench/host_profile.py)
 #   symm    NCCL ring vs symmetric-memory vs copy-engine kernels on a few CTAs beside the GEMM
 #           (bench/symmetric_probe.py; NCCL's kernel choices in symm.log)
@@ -101,6 +103,18 @@ for step in $steps; do
           --shapes-file bench/suite.yaml --rounds "${ROUNDS:-15}" --configs registry '{}' --csv "$OUT/$name.csv"
       done
     done ;;
+  graphs)
+    # each variant's block of calls replayed as one CUDA graph (GPU time only): the overlap itself,
+    # without the host time an eager call spends (0.3-0.4 ms + ~0.1 ms per group through c10d on
+    # the H200 host), as in a model captured in CUDA graphs; SUITE_COLLECTIVES, TRANSPORTS, CONFIGS
+    for collective in ${SUITE_COLLECTIVES:-all_reduce}; do
+      for transport in ${TRANSPORTS:-nvlink pcie}; do
+        name=graphs_${collective}_$transport
+        BENCH_TIMEOUT=300 bench "$name" -- --graphs --transport "$transport" --collective "$collective" \
+          --shapes-file bench/suite.yaml --rounds "${ROUNDS:-15}" --configs registry ${CONFIGS:-'{}'} \
+          --nccl c10d direct --csv "$OUT/$name.csv"
+      done
+    done ;;
   host)
     timeout 120 torchrun --nproc-per-node "$NGPU" bench/host_profile.py > "$OUT/host.log" 2>&1
     grep "us per call" "$OUT/host.log" ;;
@@ -108,6 +122,6 @@ for step in $steps; do
     NCCL_DEBUG=INFO NCCL_DEBUG_SUBSYS=INIT,TUNING timeout 300 torchrun --nproc-per-node "$NGPU" \
       bench/symmetric_probe.py > "$OUT/symm.log" 2>&1
     grep -E "of cublas|Error|error" "$OUT/symm.log" | head -60; grep -m 8 -E "Symmetric|CE" "$OUT/symm.log" ;;
-  *) echo "unknown step $step (tests stress bench sm80 swizzle tune brute suite host symm)"; exit 2 ;;
+  *) echo "unknown step $step (tests stress bench sm80 swizzle tune brute suite graphs host symm)"; exit 2 ;;
   esac
 done

@@ -19,11 +19,12 @@ head -3 "$OUT/env.txt"
 timeout 300 python3 -m flashoverlap.precompile --jobs 14 --file bench/kernels.yaml --registry --skip-unsupported \
   > /tmp/flashoverlap-build.log 2>&1 || { tail -30 /tmp/flashoverlap-build.log; exit 1; }
 
-# bench NAME [env assignments...] -- [flashoverlap.bench args...]: one torchrun, logged to $OUT/NAME.log
+# bench NAME [env assignments...] -- [flashoverlap.bench args...]: one torchrun (BENCH_TIMEOUT s, default
+# 180), logged to $OUT/NAME.log
 bench() {
   local name=$1; shift
   local envs=()
   while [ "$1" != "--" ]; do envs+=("$1"); shift; done; shift
-  env "${envs[@]}" timeout 180 torchrun --nproc-per-node "$NGPU" -m flashoverlap.bench "$@" > "$OUT/$name.log" 2>&1
+  env "${envs[@]}" timeout "${BENCH_TIMEOUT:-180}" torchrun --nproc-per-node "$NGPU" -m flashoverlap.bench "$@" > "$OUT/$name.log" 2>&1
   echo "== $name ${envs[*]}"; grep -v '^\[flashoverlap\]' "$OUT/$name.log" | tail -n 25
 }

@@ -14,7 +14,8 @@ Summarise (and plot) saved CSVs without GPUs: ``python -m flashoverlap.bench --f
 Variants take turns round by round (so drift hits all alike),
 after warm-up, on random inputs rotated through sets larger than L2, timed with CUDA events
 over blocks of back-to-back calls (the host running ahead, as in a model); the reported time per
-call is the median over rounds, the largest over ranks.
+call is the median over rounds, the largest over ranks. ``--graphs`` captures each variant's block
+once as a CUDA graph and times its replays instead: GPU time alone, for every variant alike.
 """
 
 from __future__ import annotations
@@ -95,6 +96,11 @@ def build_parser() -> argparse.ArgumentParser:
         default=[os.environ.get("FLASHOVERLAP_NCCL", "c10d")],
         help="how flashoverlap calls NCCL (FLASHOVERLAP_NCCL): each config is measured with each path",
     )
+    parser.add_argument(
+        "--graphs",
+        action="store_true",
+        help="replay each variant's block of calls as one captured CUDA graph: GPU time without host time",
+    )
     parser.add_argument("--plot", help="write a PNG of speedup per shape and method here (needs matplotlib)")
     parser.add_argument(
         "--from-csv", nargs="+", help="summarise these CSVs (and plot them with --plot) instead of measuring"
@@ -166,6 +172,7 @@ def time_variants(
     block: int,
     warmup: int,
     group: dist.ProcessGroup | None = None,
+    graphs: bool = False,
 ) -> dict[str, float]:
     """Steady-state ms per call for each variant (median over rounds, max over the ranks of ``group``).
 
@@ -175,33 +182,68 @@ def time_variants(
     order shuffled each round so that none always follows the same one (in a fixed order,
     identical work measured up to 5 % apart). Every rank must pass the same variants in the same
     order: checked first, so that a divergence is an error on every rank instead of a hang.
+    ``graphs``: each variant's block is captured once (after the warm-up) as one CUDA graph and a
+    round replays it: GPU time alone, as in a model captured in CUDA graphs. A variant that cannot
+    be captured on some rank is NaN on every rank.
     """
     from . import comm
 
+    if graphs and warmup < 1:
+        raise ValueError("timing CUDA graphs needs a warm-up call of every variant before capture")
     torch.cuda.synchronize()
     comm.agree(group, "time_variants: " + ", ".join(variants), torch.device("cuda", torch.cuda.current_device()))
     for i in range(warmup):
         for fn in variants.values():
             fn(i)
     torch.cuda.synchronize()
+    runs = {name: _captured(name, fn, block) if graphs else _eager(fn, block) for name, fn in variants.items()}
+    missing = torch.tensor([run is None for run in runs.values()], dtype=torch.float64, device="cuda")
+    dist.all_reduce(missing, op=dist.ReduceOp.MAX, group=group)
+    runs = {name: run for (name, run), gone in zip(runs.items(), missing.tolist()) if not gone}
     dist.barrier(group=group)
     events = []
     for r in range(rounds):
-        for name in random.Random(r).sample(list(variants), len(variants)):  # the same order on every rank
-            fn = variants[name]
+        for name in random.Random(r).sample(list(runs), len(runs)):  # the same order on every rank
             start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
             start.record()
-            for i in range(block):
-                fn(r * block + i)
+            runs[name](r)
             end.record()
             events.append((name, start, end))
     torch.cuda.synchronize()
-    samples: dict[str, list[float]] = {name: [] for name in variants}
+    samples: dict[str, list[float]] = {name: [] for name in runs}
     for name, start, end in events:
         samples[name].append(start.elapsed_time(end) / block)
-    medians = torch.tensor([median_ms(samples[name]) for name in variants], dtype=torch.float64, device="cuda")
+    medians = torch.tensor(
+        [median_ms(samples[name]) if name in samples else math.nan for name in variants],
+        dtype=torch.float64,
+        device="cuda",
+    )
     dist.all_reduce(medians, op=dist.ReduceOp.MAX, group=group)
     return dict(zip(variants, medians.tolist()))
+
+
+def _eager(fn: Callable[[int], object], block: int) -> Callable[[int], None]:
+    """Round ``r`` of a variant: ``block`` calls on operand sets rotated from ``r * block``."""
+
+    def run(r: int) -> None:
+        for i in range(block):
+            fn(r * block + i)
+
+    return run
+
+
+def _captured(name: str, fn: Callable[[int], object], block: int) -> Callable[[int], None] | None:
+    """A round of a variant as one replay of its block of calls captured in a CUDA graph (operand
+    sets 0 .. block - 1, the same every round), or None where it cannot be captured."""
+    graph = torch.cuda.CUDAGraph()
+    try:
+        with torch.cuda.graph(graph):
+            for i in range(block):
+                fn(i)
+    except Exception as exc:  # report it, time the rest (every rank drops the variant)
+        print(f"{name}: not captured in a CUDA graph: {type(exc).__name__}: {exc}", file=sys.stderr)
+        return None
+    return lambda r: graph.replay()
 
 
 def decomposed(a, w, ex, chunks: int, stream: torch.cuda.Stream) -> torch.Tensor:
@@ -254,7 +296,7 @@ def async_tp(a: torch.Tensor, w: torch.Tensor) -> Callable[[torch.Tensor, torch.
 
 
 def bench_shape(
-    shape, configs, collective, dtype, rounds, block, warmup, chunks=(2, 4, 8), nccl=("c10d",)
+    shape, configs, collective, dtype, rounds, block, warmup, chunks=(2, 4, 8), nccl=("c10d",), graphs=False
 ) -> list[dict]:
     import flashoverlap
 
@@ -311,7 +353,7 @@ def bench_shape(
             )
         got, want = call(0).float(), seq(0).float()
         errors[j, path] = ((got - want).norm() / want.norm()).item()
-    times = time_variants(variants, rounds, block, warmup)
+    times = time_variants(variants, rounds, block, warmup, graphs=graphs)
 
     rows = []
     t_gemm, t_comm, t_seq = times["gemm"], times["comm"], times["seq"]
@@ -568,6 +610,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                 args.warmup,
                 args.chunks,
                 args.nccl,
+                args.graphs,
             )
         if args.trace:
             trace_call(args.shapes[0], args.configs[0], args.collective, dtype, args.trace)
@@ -576,10 +619,12 @@ def main(argv: Sequence[str] | None = None) -> int:
             print(
                 f"\n{name} x{dist.get_world_size()}, {args.collective}, transport={args.transport}, {args.dtype}, "
                 f"ms per call, median of {args.rounds} rounds of {args.block} calls"
+                + (", each block one CUDA graph replay (GPU time only)" if args.graphs else "")
             )
             print(format_table(rows))
             print(summarize(rows), flush=True)
-            rows = [dict(row, gpu=name, transport=args.transport) for row in rows]
+            timing = "graphs" if args.graphs else "eager"
+            rows = [dict(row, gpu=name, transport=args.transport, timing=timing) for row in rows]
             if args.csv:
                 write_csv(args.csv, rows)
             if args.plot:

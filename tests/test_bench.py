@@ -41,6 +41,7 @@ def test_cli_defaults_and_choices(capsys):
     assert args.collective == "all_to_all" and args.transport == "pcie" and args.configs == [{}]
     assert args.chunks == [2, 4, 8] and args.rounds == 15
     assert bench.build_parser().parse_args(["--nccl", "c10d", "direct"]).nccl == ["c10d", "direct"]
+    assert not args.graphs and bench.build_parser().parse_args(["--graphs"]).graphs
     with pytest.raises(SystemExit):
         bench.build_parser().parse_args(["--nccl", "cupy"])
     with pytest.raises(SystemExit):
@@ -48,6 +49,15 @@ def test_cli_defaults_and_choices(capsys):
     assert "invalid choice" in capsys.readouterr().err
     assert bench.TRANSPORTS["pcie"] == {"NCCL_P2P_DISABLE": "1"}
     assert bench.TRANSPORTS["net"] == {"NCCL_P2P_DISABLE": "1", "NCCL_SHM_DISABLE": "1"}
+
+
+def test_rounds_rotate_operand_sets_and_graphs_need_a_warm_up():
+    seen = []
+    run = bench._eager(seen.append, 3)
+    run(0), run(2)
+    assert seen == [0, 1, 2, 6, 7, 8]  # round r: calls r * block .. r * block + block - 1
+    with pytest.raises(ValueError, match="warm-up"):  # before any CUDA call: capture needs plans made
+        bench.time_variants({"x": seen.append}, rounds=1, block=1, warmup=0, graphs=True)
 
 
 def test_main_without_torchrun_says_how_to_run(capsys, monkeypatch):
