@@ -75,12 +75,10 @@ def budget_group(group: dist.ProcessGroup, comm_sms: int, copy_engine: bool = Fa
     comm_sms, copy_engine) by every member rank, on first use; ``comm_sms == 0`` without
     ``copy_engine``, or a non-NCCL group, keeps ``group`` itself.
     """
-    if comm_sms == 0 and not copy_engine:
+    if (comm_sms == 0 and not copy_engine) or cuda_backend(group) != "nccl":
         return group
     key = (group, comm_sms, copy_engine)
-    if key not in _budget_groups:  # (the backend asked once, not on every call)
-        if cuda_backend(group) != "nccl":
-            return group
+    if key not in _budget_groups:
         options = dist.ProcessGroupNCCL.Options()
         options.config.cga_cluster_size = 1
         if comm_sms:
@@ -141,12 +139,10 @@ def tail_group(group: dist.ProcessGroup, device: torch.device) -> dist.ProcessGr
     communicator over its ranks without a CTA cap, called through the C API (:func:`direct`: not
     ``group``'s own, which c10d drives from its own stream). Created once per group, by every
     member rank, on first use."""
-    if not _direct_mode():
+    if not _direct_mode() or cuda_backend(group) != "nccl":
         return group
     key = (group, "tail")
     if key not in _budget_groups:
-        if cuda_backend(group) != "nccl":
-            return group
         _own_group(key, group)
     return direct(_budget_groups[key], device)
 
