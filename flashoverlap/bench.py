@@ -196,10 +196,13 @@ def time_variants(
         for fn in variants.values():
             fn(i)
     torch.cuda.synchronize()
-    runs = {name: _captured(name, fn, block) if graphs else _eager(fn, block) for name, fn in variants.items()}
-    missing = torch.tensor([run is None for run in runs.values()], dtype=torch.float64, device="cuda")
-    dist.all_reduce(missing, op=dist.ReduceOp.MAX, group=group)
-    runs = {name: run for (name, run), gone in zip(runs.items(), missing.tolist()) if not gone}
+    if graphs:  # a variant some rank could not capture is dropped on every rank
+        runs = {name: _captured(name, fn, block) for name, fn in variants.items()}
+        missing = torch.tensor([run is None for run in runs.values()], dtype=torch.float64, device="cuda")
+        dist.all_reduce(missing, op=dist.ReduceOp.MAX, group=group)
+        runs = {name: run for (name, run), gone in zip(runs.items(), missing.tolist()) if not gone}
+    else:
+        runs = {name: _eager(fn, block) for name, fn in variants.items()}
     dist.barrier(group=group)
     events = []
     for r in range(rounds):
