@@ -74,6 +74,8 @@ def group_fact(group: dist.ProcessGroup | None, name: str, compute: Callable[[di
     of an overlapped call took ~100 us under cProfile (bench/host_profile.py; cached, the cost moved
     to the next query), so a call asks none."""
     pg = group if group is not None else dist.group.WORLD
+    if torch.compiler.is_compiling():  # traced (torch.compile): c10d's answer folds into the graph, and a
+        return compute(pg)  # cache filled while tracing is a side effect dynamo cannot replay (a group)
     facts = _facts.setdefault(pg, {})
     if name not in facts:
         facts[name] = compute(pg)
