@@ -304,8 +304,8 @@ def bench_shape(
     import flashoverlap
 
     from . import comm
-    from .config import for_collective, resolve
-    from .overlap import default_config, prepare, sequential, tuned_config
+    from .config import OverlapConfig, for_collective, resolve
+    from .overlap import decide, prepare, sequential
 
     m, n, k = shape
     world = dist.get_world_size()
@@ -329,33 +329,26 @@ def bench_shape(
     fused = async_tp(a[0], w[0]) if collective == "reduce_scatter" else None
     if fused is not None:
         variants["asynctp"] = lambda i: fused(a[i % sets], w[i % sets])
-    cfgs = [
-        for_collective(
-            resolve(cfg)
-            if cfg is not None
-            else tuned_config(a[0], world, ex, shape) or default_config(collective, ex, shape),
-            collective,
-        )
-        for cfg in configs
-    ]
-    errors = {}
+    cfgs = [for_collective(resolve(cfg), collective) if cfg is not None else None for cfg in configs]
+    errors, picked = {}, {}
     runs = [(j, path) for j in range(len(cfgs)) for path in nccl]
     for j, path in runs:
         # "registry" variants call without config=, as a user would (the lookup is part of the call)
-        given = cfgs[j] if configs[j] is not None else None
 
-        def call(i, cfg=given, path=path):
+        def call(i, cfg=cfgs[j], path=path):
             os.environ["FLASHOVERLAP_NCCL"] = path  # read per call (comm.direct)
             return overlapped(a[i % sets], w[i % sets], config=cfg)
 
         variants[f"fo{j}{path}"] = call
-        if not cfgs[j].sequential:
-            segments = comm.interleave(ex, cfgs[j].layout)
-            variants[f"kernel{j}"] = kernel_alone(
-                prepare(m, n, k, dtype, "nk", a[0].device, cfgs[j], 0, segments), a, w
-            )
-        got, want = call(0).float(), seq(0).float()
+        got, want = call(0).float(), seq(0).float()  # a call without config= decides here (timed if untuned)
         errors[j, path] = ((got - want).norm() / want.norm()).item()
+        # what that call runs, as it decided
+        picked[j, path] = cfgs[j] or decide(a[0], w[0], collective).config or OverlapConfig(sequential=True)
+        if f"kernel{j}" not in variants and not picked[j, path].sequential:
+            segments = comm.interleave(ex, picked[j, path].layout)
+            variants[f"kernel{j}"] = kernel_alone(
+                prepare(m, n, k, dtype, "nk", a[0].device, picked[j, path], 0, segments), a, w
+            )
     times = time_variants(variants, rounds, block, warmup, graphs=graphs)
 
     rows = []
@@ -364,7 +357,7 @@ def bench_shape(
     t_decomp = times[f"decomp{best_chunks}"]
     t_async = times.get("asynctp", float("nan"))
     for j, path in runs:
-        cfg, t_fo = cfgs[j], times[f"fo{j}{path}"]
+        cfg, t_fo = picked[j, path], times[f"fo{j}{path}"]
         plan = (
             None
             if cfg.sequential

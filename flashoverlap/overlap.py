@@ -14,8 +14,9 @@ counts are exchanged: ``splits`` without ``output_splits``). ``config``: an
 the call, see :mod:`flashoverlap.registry`, else the built-in defaults). The result is a
 new tensor, ready on the current stream. Bad input raises ``ValueError``/``TypeError`` before
 anything is launched. A group of one rank runs the plain GEMM; so does a call without ``config``
-whose GEMM is one group (one wave: nothing to overlap), or that has no tuned config and lost to
-sequential when first timed (:func:`trial_pays`). Where an operand requires gradients, the call
+whose GEMM is one group (one wave: nothing to overlap), or that is not tuned for its shape and lost
+to sequential when first timed (:func:`trial`: the defaults or the nearest tuned shape's config,
+and the same with fewer SMs for NCCL, against the plain call). Where an operand requires gradients, the call
 is differentiable (:func:`with_gradients`). Inside a graph ``torch.compile`` traces, a call is the
 one operator ``flashoverlap::gemm_collective`` (:func:`_gemm_collective`).
 """
@@ -39,7 +40,7 @@ from .comm import Exchange
 from .comm.nccl import group_fact
 from .config import OverlapConfig, differences, for_collective, for_device, kernel_spec, resolve, takes_every_call
 from .gemm import SignalGemm, get_kernel
-from .plan import Plan, make_plan, rotation_rows
+from .plan import Plan, make_plan, rotation_rows, widest_budget
 
 DTYPES = {torch.bfloat16: "bfloat16", torch.float16: "float16"}
 WEIGHT_LAYOUTS = ("nk", "kn")
@@ -380,13 +381,13 @@ def run_overlapped(
 
 def tuned_config(
     a: torch.Tensor, world: int, ex: Exchange, shape: tuple[int, int, int], p2p: bool = True
-) -> OverlapConfig | None:
+) -> registry.Found | None:
     """The registry's config for this call (flashoverlap.registry), None without one. Where the
     entry cannot take the call (:func:`carries`; entries are tuned with equal splits on NCCL:
     unequal all-to-all splits, say), the entry's measured ``fallback``, else None."""
     key = (torch.cuda.get_device_name(a.device), world, ex.collective, registry.transport(), DTYPES[a.dtype], shape)
     found = registry.lookup(*key)
-    if found is not None and not carries(found, ex, shape, p2p):
+    if found is not None and not carries(found.config, ex, shape, p2p):
         found = registry.lookup(*key, fallback=True)
     return found
 
@@ -412,7 +413,7 @@ def default_config(collective: str, ex: Exchange, shape: tuple[int, int, int]) -
     rows): the same plain collective per group as ``cols`` (``auto``), with the TMA-store kernel
     (0.87 of cuBLAS against 0.83 for ``cols``, 8192x4096x7168 with 16 SMs left to NCCL, one H200)
     and less to copy (a reduce-scatter lands in place). Either way timed against sequential first
-    (:func:`trial_pays`)."""
+    (:func:`trial`)."""
     if collective != "all_reduce" and carries(_SEGMENTS, ex, shape):
         return _SEGMENTS
     return _DEFAULTS
@@ -448,6 +449,39 @@ def _gemm_collective(
         return torch.ops.flashoverlap.gemm_collective(
             a, weight, collective, _group_name(group), _config_text(config), weight_layout, *counts
         )
+    ex_list = [] if exchanged is None else exchanged
+    chosen = decide(a, weight, collective, group, config, weight_layout, splits, output_splits, ex_list)
+    if chosen.config is None:
+        return sequential(a, weight, weight_layout, ex_list[0], group)
+    return run_overlapped(chosen.prep, a, weight, chosen.ex, chosen.budget, tail_group=chosen.tail)
+
+
+@dataclass(frozen=True, eq=False)
+class Decision:
+    """What a call runs (:func:`decide`): ``config`` None for the plain GEMM and collective, else
+    the overlapped call with its plan, exchange and communicators (:func:`run_overlapped`)."""
+
+    config: OverlapConfig | None
+    prep: Prepared | None = None
+    ex: Exchange | None = None
+    budget: dist.ProcessGroup | comm.Direct | None = None
+    tail: dist.ProcessGroup | comm.Direct | None = None
+
+
+def decide(
+    a: torch.Tensor,
+    weight: torch.Tensor,
+    collective: str,
+    group: dist.ProcessGroup | None = None,
+    config: OverlapConfig | dict | str | os.PathLike | None = None,
+    weight_layout: str = "nk",
+    splits: Sequence[int] | None = None,
+    output_splits: Sequence[int] | None = None,
+    exchanged: list[Exchange] | None = None,
+) -> Decision:
+    """Which path a call takes and with which config, as :func:`_gemm_collective` runs it (every
+    check first; a call without ``config=`` that is not tuned for its very shape is timed on first
+    use, :func:`trial`). ``exchanged``: the call's :class:`Exchange` is appended to it."""
     world = world_size(group)
     explicit = for_collective(resolve(config), collective) if config is not None else None
     m, n, k = check_inputs(a, weight, weight_layout)
@@ -460,10 +494,15 @@ def _gemm_collective(
     # call where this rank, or any rank known to, has no rows
     if world == 1 or m == 0 or ex.ragged and 0 in ex.sources:
         _say(ex, (m, n, k), a.dtype, group, "sequential: one rank" if world == 1 else "sequential: a rank has no rows")
-        return sequential(a, weight, weight_layout, ex, group)
+        return Decision(None)
     # what every rank decides alike rests on: where the ranks' M differ (known where the counts were
     # exchanged), the largest, whose GEMM sets the pace
     shape = (max(ex.sources) if ex.ragged else m, n, k)
+
+    def plain(why: str) -> Decision:
+        _say(ex, shape, a.dtype, group, f"sequential: {why}")
+        return Decision(None)
+
     backend = comm.cuda_backend(group)
     p2p = backend == "nccl"  # gloo carries CUDA tensors in collectives, not point to point
     if explicit is not None and not p2p and comm.comm_pattern(collective, explicit.layout) == "exchange":
@@ -471,15 +510,27 @@ def _gemm_collective(
             f"layout 'rows' sends {collective} groups point to point, which a {backend} group cannot do with "
             "CUDA tensors: use an NCCL group, or layout 'segments' or 'cols'"
         )
-    tuned = None if explicit is not None else tuned_config(a, world, ex, shape, p2p)
-    cfg = explicit or for_collective(tuned or default_config(collective, ex, shape), collective)
-    source = "your config" if explicit is not None else "the registry's config" if tuned else "the defaults"
+    found = None if explicit is not None else tuned_config(a, world, ex, shape, p2p)
+    # an entry for another shape is a hint (its waves, and so its choice, differ): timed like the
+    # defaults, which replace a hint of sequential
+    timed = explicit is None and not (found is not None and found.exact)
+    hint = found.config if found is not None and not (timed and found.config.sequential) else None
+    cfg = explicit or for_collective(hint or default_config(collective, ex, shape), collective)
+    source = (
+        "your config"
+        if explicit is not None
+        else "the registry's config"
+        if not timed
+        else "the nearest tuned shape's config"
+        if hint is not None
+        else "the defaults"
+    )
     # a GEMM of one wave without config= (decode-sized M, which varies a lot): nothing to overlap, and
     # found before planning
-    if cfg.sequential or explicit is None and one_wave(cfg, shape[0], n, a.device):
-        why = f"{source} says sequential" if cfg.sequential else "one wave of tiles, nothing to overlap"
-        _say(ex, shape, a.dtype, group, f"sequential: {why}")
-        return sequential(a, weight, weight_layout, ex, group)
+    if cfg.sequential:
+        return plain(f"{source} says sequential")
+    if explicit is None and one_wave(cfg, shape[0], n, a.device):
+        return plain("one wave of tiles, nothing to overlap")
     if ex.ragged and not takes_every_call(cfg, collective):
         raise ValueError(
             f"the ranks pass different M ({list(ex.sources)} rows): their groups are whole tile columns "
@@ -496,23 +547,31 @@ def _gemm_collective(
                 f"splits {list(ex.send)} and output_splits {list(ex.recv)}"
             )
         rotate = comm.rows_rotation(ex, cfg.layout, group_fact(group, "rank", dist.get_rank))
-        columns = shared_columns(*shape, a.dtype, weight_layout, a.device, cfg) if ex.ragged else None
-        prep = prepare(m, n, k, a.dtype, weight_layout, a.device, cfg, rotate, comm.interleave(ex, cfg.layout), columns)
-        if explicit is None and prep.plan.num_groups == 1:  # nothing to overlap: it would only add host time
-            _say(ex, shape, a.dtype, group, f"sequential: {source} make one group, nothing to overlap")
-            return sequential(a, weight, weight_layout, ex, group)
+
+        def planned(c: OverlapConfig) -> Prepared:
+            columns = shared_columns(*shape, a.dtype, weight_layout, a.device, c) if ex.ragged else None
+            return prepare(m, n, k, a.dtype, weight_layout, a.device, c, rotate, comm.interleave(ex, c.layout), columns)
+
+        preps = [planned(cfg)]
+        if explicit is None and preps[0].plan.num_groups == 1:  # nothing to overlap: it would only add host time
+            return plain(f"{source} make one group, nothing to overlap")
+        candidates = [cfg]
+        light = lighter(cfg, preps[0]) if timed else None
+        if light is not None and (light_prep := planned(light)).plan.num_groups > 1:
+            candidates.append(light)
+            preps.append(light_prep)
         full = group if group is not None else dist.group.WORLD
-        call = (collective, "ragged" if ex.ragged else m, n, k, a.dtype, weight_layout, a.device.index, cfg)
-        check_agreement(prep, collective, full, ex, call)
-        budget = budget_communicator(cfg, collective, full, a.device)
+        for c, prep in zip(candidates, preps):
+            call = (collective, "ragged" if ex.ragged else m, n, k, a.dtype, weight_layout, a.device.index, c)
+            check_agreement(prep, collective, full, ex, call)
+        budgets = [budget_communicator(c, collective, full, a.device) for c in candidates]
         tail = comm.tail_group(full, a.device)
-        if (
-            explicit is None
-            and tuned is None
-            and not trial_pays(prep, cfg, a, weight, weight_layout, ex, budget, tail, full, shape[0])
-        ):
-            _say(ex, shape, a.dtype, group, "sequential: the defaults lost to it when timed")
-            return sequential(a, weight, weight_layout, ex, group)
+        pick = 0
+        if timed:
+            pick = trial(candidates, preps, budgets, a, weight, weight_layout, ex, tail, full, shape[0], hint is None)
+            if pick is None:
+                return plain(f"{source} lost to it when timed")
+        cfg, prep = candidates[pick], preps[pick]
         groups = prep.plan.num_groups  # the message is built only where printed: every call passes here
         _say(
             ex,
@@ -521,7 +580,22 @@ def _gemm_collective(
             group,
             lambda: f"overlapped, {source} {differences(cfg, _DEFAULTS)}: {groups} group{'s' * (groups > 1)}",
         )
-        return run_overlapped(prep, a, weight, ex, budget, tail_group=tail)
+        return Decision(cfg, prep, ex, budgets[pick], tail)
+
+
+FEWEST_COMM_SMS = 4  # NCCL on 2 CTAs fell far behind even a long GEMM (0.68x); on 4 it kept up (stop 21)
+
+
+def lighter(cfg: OverlapConfig, prep: Prepared) -> OverlapConfig | None:
+    """``cfg`` leaving NCCL as few SMs as the GEMM's whole-GPU grid spares at no cost, at least
+    :data:`FEWEST_COMM_SMS` (the default partition): where the GEMM is long beside its collective,
+    a few CTAs move the data during it and the GEMM keeps its waves (1.05x where 16 SMs for NCCL
+    lost, 0.93x: 4096x8192x28672, two H200s); None where that is not fewer SMs than ``cfg``'s."""
+    total = prep.sm_count + cfg.comm_sms
+    sms = max(FEWEST_COMM_SMS, widest_budget(prep.plan, total, ctas=total))
+    if cfg.scheduler != "persistent" or cfg.symmetric or sms >= cfg.comm_sms:
+        return None
+    return dataclasses.replace(cfg, comm_sms=sms, partition=None)
 
 
 MAX_SAID = 1024
@@ -553,69 +627,73 @@ def one_wave(cfg: OverlapConfig, m: int, n: int, device: torch.device) -> bool:
 
 TRIAL_MARGIN = 0.02  # overlap must beat sequential by this fraction (as the tuner's --margin)
 MAX_TRIALS = 1024
-_trials: OrderedDict[tuple, bool] = OrderedDict()  # trial_pays' answers, most recently used last
+_trials: OrderedDict[tuple, int | None] = OrderedDict()  # trial's answers, most recently used last
 
 
-def trial_pays(
-    prep: Prepared,
-    cfg: OverlapConfig,
+def trial(
+    cfgs: Sequence[OverlapConfig],
+    preps: Sequence[Prepared],
+    budgets: Sequence[dist.ProcessGroup | comm.Direct],
     a: torch.Tensor,
     weight: torch.Tensor,
     weight_layout: str,
     ex: Exchange,
-    budget: dist.ProcessGroup | comm.Direct,
     tail: dist.ProcessGroup | comm.Direct,
     full: dist.ProcessGroup,
     m: int,
-) -> bool:
-    """Whether the overlapped call (``prep``, config ``cfg``, communicators ``budget`` and ``tail``:
-    :func:`run_overlapped`) beats the sequential one on ``full``, for a call that has no tuned
-    config (the built-in defaults are not tuned for this GPU, world size, transport or shape: on
-    small GEMMs over NVLink they lose). Timed on the call's own operands, a few rounds of each
-    taking turns, the slower rank's median deciding (bench.time_variants), so that every rank
-    decides alike; the answer is kept for every M of the same power of two (with the same N, K,
-    dtype, config, kind of exchange and communicators: a model whose token counts vary times each
-    range once, not each count; ``m``: the M every rank decides on, the largest where they differ).
-    Not timed while a CUDA graph is being captured (overlapped then, the answer not kept) or with
-    ``FLASHOVERLAP_TRIAL=0``."""
-    plan = prep.plan
+    untuned: bool = True,
+) -> int | None:
+    """Which of the overlapped calls ``cfgs`` (their plans ``preps`` and communicators ``budgets``
+    and ``tail``: :func:`run_overlapped`) is fastest, None where none beats the sequential call on
+    ``full`` by :data:`TRIAL_MARGIN`: for a call that is not tuned for its shape (the built-in
+    defaults, or the nearest tuned shape's config: neither is tuned for this GPU, world size,
+    transport and shape; on small GEMMs over NVLink they lose, and 16 SMs for NCCL lose beside a
+    long GEMM). Timed on the call's own operands, a few rounds of each taking turns, the slower
+    rank's median deciding (bench.time_variants), so that every rank decides alike; the answer is
+    kept for every M of the same power of two (with the same N, K, dtype, configs, kind of exchange
+    and communicators: a model whose token counts vary times each range once, not each count;
+    ``m``: the M every rank decides on, the largest where they differ). Not timed while a CUDA graph
+    is being captured (the first config then, the answer not kept) or with ``FLASHOVERLAP_TRIAL=0``;
+    ``untuned``: no registry entry at all (for the message)."""
     key = (
         m.bit_length(),
         weight.shape,
         a.dtype,
         weight_layout,
         a.device.index,
-        cfg,
+        tuple(cfgs),
         ex.collective,
         ex.uniform,
         ex.ragged,
         ex.reduction,
-        budget,
+        tuple(budgets),
         full,
     )
-    if (known := _recent(_trials, key)) is not None:
-        return known
+    if key in _trials:
+        return _recent(_trials, key)
     if os.environ.get("FLASHOVERLAP_TRIAL", "1") == "0" or torch.cuda.is_current_stream_capturing():
-        return True
+        return 0
     from .bench import time_variants
 
-    variants = {
-        "sequential": lambda i: sequential(a, weight, weight_layout, ex, full),
-        "overlapped": lambda i: run_overlapped(prep, a, weight, ex, budget, tail_group=tail),
-    }
+    names = [f"overlapped, comm_sms {c.comm_sms}" for c in cfgs]  # the candidates differ in their SM budget
+    variants = {"sequential": lambda i: sequential(a, weight, weight_layout, ex, full)}
+    for name, prep, budget in zip(names, preps, budgets):
+        variants[name] = lambda i, p=prep, b=budget: run_overlapped(p, a, weight, ex, b, tail_group=tail)
     times = time_variants(variants, rounds=3, block=4, warmup=1, group=full)
-    pays = times["overlapped"] < times["sequential"] * (1 - TRIAL_MARGIN)
-    _keep(_trials, key, pays, MAX_TRIALS)
+    best = min(range(len(cfgs)), key=lambda j: times[names[j]])
+    pick = best if times[names[best]] < times["sequential"] * (1 - TRIAL_MARGIN) else None
+    _keep(_trials, key, pick, MAX_TRIALS)
     if dist.get_rank(full) == 0:
+        what = "no tuned config" if untuned else "tuned for another shape"
         print(
-            f"[flashoverlap] {ex.collective} {m}x{plan.n} ({plan.num_groups} groups), no tuned config: "
-            f"defaults {times['overlapped']:.3f} ms, sequential {times['sequential']:.3f} ms per call -> "
-            f"{'overlapped' if pays else 'sequential'} for M in [{1 << (m.bit_length() - 1)}, "
+            f"[flashoverlap] {ex.collective} {m}x{preps[0].plan.n}, {what}: "
+            + ", ".join(f"{name} {t:.3f} ms" for name, t in times.items())
+            + f" per call -> {'sequential' if pick is None else names[pick]} for M in [{1 << (m.bit_length() - 1)}, "
             f"{(1 << m.bit_length()) - 1}] (tune to do better: python -m flashoverlap.tune)",
             file=sys.stderr,
             flush=True,
         )
-    return pays
+    return pick
 
 
 def budget_communicator(

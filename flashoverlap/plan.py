@@ -128,11 +128,12 @@ def scheduled_tiles(m: int, n: int, tile_m: int, tile_n: int, cluster_m: int, sw
     return padded_m * padded_n
 
 
-def widest_budget(plan: Plan, total_sms: int) -> int:
+def widest_budget(plan: Plan, total_sms: int, ctas: int | None = None) -> int:
     """The most SMs a persistent ``plan`` can leave to NCCL at no cost to the GEMM: ``total_sms``
-    minus the fewest CTAs (whole clusters) that still walk its tiles in as many waves."""
+    minus the fewest CTAs (whole clusters) that still walk its tiles in as many waves as a grid of
+    ``ctas`` (default: the plan's own)."""
     grid = (plan.m, plan.n, plan.tile_m, plan.tile_n, plan.cluster_m)
-    waves = wave_count(*grid, plan.ctas, 0, plan.swizzle)
+    waves = wave_count(*grid, plan.ctas if ctas is None else ctas, 0, plan.swizzle)
     ctas = -(-scheduled_tiles(*grid, plan.swizzle) // waves)
     return max(total_sms - -(-ctas // plan.cluster_m) * plan.cluster_m, 0)
 

@@ -16,8 +16,9 @@ or ``segments``, symmetric all-to-all) the same, for the calls that config canno
 splits, segments not whole tile rows), itself one that carries every call; ``measured`` is
 free-form information. A call with ``config=None`` takes the entry of its GPU, world size, collective,
 transport and dtype whose shape is nearest (log-distance over M, N, K); a ``partition`` (waves per
-group) is kept only for the exact shape. No matching entry: the built-in defaults, timed against
-the sequential call on first use (overlap.trial_pays).
+group) is kept only for the exact shape. An entry of another shape is a hint: a call takes it, or
+the same with fewer SMs for NCCL, or the sequential path, whichever its first timing finds fastest
+(overlap.trial); so does a call with no matching entry, from the built-in defaults.
 
 Files are read from ``FLASHOVERLAP_CONFIG_DIRS`` (``os.pathsep``-separated directories, searched
 first) and the repository's ``configs/`` directory.
@@ -32,7 +33,7 @@ import os
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple
 
 import yaml
 
@@ -44,6 +45,14 @@ DTYPES = ("bfloat16", "float16")
 FILE_KEYS = {"gpu", "world", "entries"}
 ENTRY_KEYS = {"collective", "transport", "dtype", "shape", "config", "fallback", "measured"}
 REPO_CONFIGS = Path(__file__).resolve().parent.parent / "configs"
+
+
+class Found(NamedTuple):
+    """A registry's answer for a call: the config, and whether it was tuned for the call's very
+    shape (else it is the nearest shape's, its partition dropped: a hint, not a measurement)."""
+
+    config: OverlapConfig
+    exact: bool
 
 
 @dataclass(frozen=True)
@@ -177,7 +186,7 @@ def lookup(
     dtype: str,
     shape: tuple[int, int, int],
     fallback: bool = False,
-) -> OverlapConfig | None:
+) -> Found | None:
     """The tuned config for a call (see the module doc), or None; ``fallback``: the entry's config
     for calls its config cannot carry instead (None where it has none; overlap.carries)."""
     return _lookup(tuple(config_dirs()), gpu, world, collective, transport, dtype, tuple(shape), fallback)
@@ -193,14 +202,15 @@ def _lookup(
     dtype: str,
     shape: tuple[int, ...],
     fallback: bool,
-) -> OverlapConfig | None:
+) -> Found | None:
     entry = nearest(_entries_in(dirs), gpu, world, collective, transport, dtype, shape)
     config = None if entry is None else entry.fallback if fallback else entry.config
     if config is None:
         return None
-    if entry.shape != tuple(shape) and config.partition is not None:
-        return dataclasses.replace(config, partition=None)  # waves differ between shapes
-    return config
+    exact = entry.shape == tuple(shape)
+    if not exact and config.partition is not None:
+        config = dataclasses.replace(config, partition=None)  # waves differ between shapes
+    return Found(config, exact)
 
 
 def transport() -> str:

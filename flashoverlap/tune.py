@@ -220,9 +220,18 @@ def choose(problem: Problem, sequential_ms: float, margin: float = 0.02) -> Choi
 
 # Per collective; reduce-scatter / all-to-all also try the row-band layout (equal splits), with
 # 4 SMs too: 128 CTAs make whole waves of the 1024-, 2048- and 4096-tile grids of the suite
-# (the kernel then runs at cuBLAS speed; all-reduce rings on 4 CTAs were too slow, 0.82x)
+# (the kernel then runs at cuBLAS speed). All-reduce rings on 4 CTAs are too slow beside a GEMM as
+# long as the collective (0.82x) but keep up beside a longer one (1.05x, 4096x8192x28672, stop 21).
 DEFAULT_CANDIDATES = {
-    "all_reduce": ({}, {"comm_sms": 8}, {"comm_sms": 24}, {"tile_n": 128}, {"swizzle": 4}, {"scheduler": "streamk"}),
+    "all_reduce": (
+        {},
+        {"comm_sms": 4},
+        {"comm_sms": 8},
+        {"comm_sms": 24},
+        {"tile_n": 128},
+        {"swizzle": 4},
+        {"scheduler": "streamk"},
+    ),
     "reduce_scatter": (
         {},
         {"comm_sms": 24},

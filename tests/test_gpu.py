@@ -233,25 +233,34 @@ def test_column_parallel_linear_on_one_gpu(nccl_one_rank, sequence_parallel):
 
 
 def test_an_untuned_call_is_timed_once_against_sequential(nccl_one_rank, capfd):
-    """overlap.trial_pays on a group of one rank: real timing of both paths, decided once per plan
-    and communicators, the inputs and counters left as they were."""
+    """overlap.trial on a group of one rank: real timing of the defaults, the same with fewer SMs
+    for NCCL and the plain path, decided once per plans and communicators, the inputs and counters
+    left as they were."""
     m, n, k = 2048, 4096, 1024
     a, w, ref = operands(m, n, k, torch.bfloat16, "nk", seed=5)
     snapshot = a.clone()
     cfg = for_collective(OverlapConfig(), "all_reduce")
     prep = prepare(m, n, k, torch.bfloat16, "nk", a.device, cfg)
+    light = overlap.lighter(cfg, prep)
+    assert light is not None and light.comm_sms < cfg.comm_sms
+    cfgs = [cfg, light]
+    preps = [prep, prepare(m, n, k, torch.bfloat16, "nk", a.device, light)]
     ex = comm.exchange("all_reduce", m, 1)
-    budget = overlap.budget_communicator(cfg, "all_reduce", dist.group.WORLD, a.device)
+    budgets = [overlap.budget_communicator(c, "all_reduce", dist.group.WORLD, a.device) for c in cfgs]
     overlap._trials.clear()
-    pays = overlap.trial_pays(prep, cfg, a, w, "nk", ex, budget, dist.group.WORLD, dist.group.WORLD, m)
-    assert pays in (True, False) and list(overlap._trials.values()) == [pays]
+    args = (cfgs, preps, budgets, a, w, "nk", ex, dist.group.WORLD, dist.group.WORLD, m)
+    pick = overlap.trial(*args)
+    assert pick in (0, 1, None) and list(overlap._trials.values()) == [pick]
     assert "no tuned config" in capfd.readouterr().err
     key = next(iter(overlap._trials))
-    overlap._trials[key] = not pays  # kept: not timed again
-    assert overlap.trial_pays(prep, cfg, a, w, "nk", ex, budget, dist.group.WORLD, dist.group.WORLD, m) is (not pays)
+    overlap._trials[key] = other = 1 if pick is None else None
+    assert overlap.trial(*args) is other  # kept: not timed again
     torch.cuda.synchronize()
-    assert torch.equal(a, snapshot) and prep.counters.tolist() == [0] * prep.plan.num_groups
-    assert rel_err(run_overlapped(prep, a, w, ex, budget, tail_group=dist.group.WORLD), ref) < 1e-2
+    for prep in preps:
+        assert prep.counters.tolist() == [0] * prep.plan.num_groups
+    assert torch.equal(a, snapshot)
+    for prep, budget in zip(preps, budgets):
+        assert rel_err(run_overlapped(prep, a, w, ex, budget, tail_group=dist.group.WORLD), ref) < 1e-2
 
 
 @pytest.mark.parametrize("symmetric", [False, True])

@@ -10,6 +10,7 @@ import torch.distributed as dist
 
 import flashoverlap
 from flashoverlap.overlap import check_inputs
+from flashoverlap.registry import Found
 
 from .helpers import spawn_ranks
 
@@ -126,9 +127,13 @@ def test_a_config_without_a_kernel_on_this_gpu_fails_before_any_communication(mo
         (None, None, 3, 0.99, None, ["sequential"] * 2, 1, "sequential: the defaults lost to it when timed"),
         # FLASHOVERLAP_TRIAL=0: the defaults as they are
         (None, None, 3, 1.2, "0", ["overlapped"] * 2, 0, "overlapped, the defaults"),
-        # a registry entry is the tuner's word
-        (None, {}, 3, 1.2, None, ["overlapped"] * 2, 0, "overlapped, the registry's config"),
-        (None, {"sequential": True}, 3, 1.2, None, ["sequential"] * 2, 0, "the registry's config says sequential"),
+        # a registry entry for the call's shape is the tuner's word
+        (None, ({}, True), 3, 1.2, None, ["overlapped"] * 2, 0, "overlapped, the registry's config"),
+        (None, ({"sequential": True}, True), 3, 1.2, None, ["sequential"] * 2, 0, "registry's config says sequential"),
+        # one for another shape is a hint, timed like the defaults (which replace a hint of sequential)
+        (None, ({}, False), 3, 0.9, None, ["overlapped"] * 2, 1, "overlapped, the nearest tuned shape's config {"),
+        (None, ({}, False), 3, 1.2, None, ["sequential"] * 2, 1, "the nearest tuned shape's config lost to it"),
+        (None, ({"sequential": True}, False), 3, 0.9, None, ["overlapped"] * 2, 1, "overlapped, the defaults {"),
         # an explicit config runs as given
         ({}, None, 1, 1.2, None, ["overlapped"] * 2, 0, "overlapped, your config {'layout': 'rows'"),
     ],
@@ -149,7 +154,7 @@ def test_which_path_a_call_takes(
 
     def time_variants(variants, rounds, block, warmup, group=None):
         trials.append(sorted(variants))
-        return {"sequential": 1.0, "overlapped": trial}
+        return {name: 1.0 if name == "sequential" else trial for name in variants}
 
     if env is not None:
         monkeypatch.setenv("FLASHOVERLAP_TRIAL", env)
@@ -161,7 +166,9 @@ def test_which_path_a_call_takes(
     monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (9, 0))
     monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: False)
     monkeypatch.setattr(
-        overlap, "tuned_config", lambda *args: None if tuned is None else overlap.OverlapConfig(**tuned)
+        overlap,
+        "tuned_config",
+        lambda *args: None if tuned is None else Found(overlap.OverlapConfig(**tuned[0]), tuned[1]),
     )
     monkeypatch.setattr(overlap, "prepare", lambda *args: taken.append("planned") or prep)
     monkeypatch.setattr(overlap, "one_wave", lambda cfg, m, n, device: m <= 128)  # the plan's one CTA
@@ -173,12 +180,77 @@ def test_which_path_a_call_takes(
     for _ in range(2):
         flashoverlap.gemm_all_reduce(bf16(plan.m, 64), bf16(plan.n, 64), config=config)
     assert plan.num_groups == waves and [p for p in taken if p != "planned"] == paths
-    # one wave without config, or a sequential entry: not even planned
-    assert ("planned" in taken) == ((config is not None or waves > 1) and not (tuned or {}).get("sequential"))
-    assert trials == [["overlapped", "sequential"]] * timed
+    # one wave without config, or a sequential entry for the shape: not even planned
+    assert ("planned" in taken) == ((config is not None or waves > 1) and tuned != ({"sequential": True}, True))
+    # (the plan's one-tile-wide waves leave NCCL more SMs than the defaults do: no lighter candidate)
+    assert trials == [["overlapped, comm_sms 16", "sequential"]] * timed
     what = f"[flashoverlap] all_reduce {plan.m}x{plan.n}x64 bfloat16, 1 rank: "
     lines = [line for line in capfd.readouterr().err.splitlines() if line.startswith(what)]
     assert len(lines) == 1 and said in lines[0], lines  # once, for both calls
+
+
+@pytest.mark.parametrize(
+    ("m", "n", "want"),
+    [
+        (4096, 8192, 4),  # 1024 tiles: 8 waves on 128 of 132 SMs, as on all 132
+        (128 * 60, 1024, 12),  # 240 tiles: 2 waves on 120 SMs
+        (128 * 33, 1024, 4),  # 132 tiles: one wave on 132 SMs, 2 on fewer (as on the defaults' 116)
+        (128 * 50, 1024, None),  # 200 tiles: 2 waves on 100 SMs, more than the defaults leave NCCL
+    ],
+)
+def test_the_lighter_candidate_keeps_the_waves_of_the_whole_gpu(m, n, want):
+    from flashoverlap import overlap
+    from flashoverlap.config import OverlapConfig
+    from flashoverlap.plan import make_plan, wave_count
+
+    def prep(cfg):
+        plan = make_plan(m, n, tile_m=128, tile_n=256, cluster_m=1, ctas=132 - cfg.comm_sms, layout="rows")
+        return overlap.Prepared(plan, *(None,) * 5, 132 - cfg.comm_sms, None)
+
+    cfg = OverlapConfig(partition=(1,) * 99)  # a partition belongs to its waves: dropped
+    light = overlap.lighter(cfg, prep(cfg))
+    assert light == (None if want is None else OverlapConfig(comm_sms=want))
+    if want is None:
+        return
+    waves = {sms: wave_count(m, n, 128, 256, 1, 132 - sms) for sms in (0, want - 1, want, cfg.comm_sms)}
+    assert waves[want] == waves[0] or want == overlap.FEWEST_COMM_SMS  # whole-GPU waves, or the fewest SMs
+    assert waves[want - 1] <= waves[want] <= waves[cfg.comm_sms]
+    for other in ({"symmetric": True}, {"scheduler": "streamk"}, {"comm_sms": want}):
+        assert overlap.lighter(OverlapConfig(**other), prep(OverlapConfig(**other))) is None
+
+
+def test_a_timed_call_runs_the_fastest_candidate(one_rank_group, monkeypatch):
+    """A call without a tuned config times the defaults, the same with NCCL on fewer SMs
+    (:func:`overlap.lighter`) and sequential once; the fastest runs, with its own plan and communicator."""
+    from flashoverlap import bench, overlap
+    from flashoverlap.plan import make_plan
+
+    m, n = 4096, 8192
+    preps, ran = {}, []
+
+    def prepare(m, n, k, dtype, layout, device, cfg, *args):
+        plan = make_plan(m, n, tile_m=128, tile_n=256, cluster_m=1, ctas=132 - cfg.comm_sms, layout="rows")
+        return preps.setdefault(cfg.comm_sms, overlap.Prepared(plan, *(None,) * 5, 132 - cfg.comm_sms, None))
+
+    monkeypatch.setattr(overlap, "_trials", type(overlap._trials)())
+    monkeypatch.setattr(overlap, "world_size", lambda group: 2)
+    monkeypatch.setattr(overlap, "check_inputs", lambda a, w, layout: (m, n, 64))
+    monkeypatch.setattr(torch.cuda, "device", lambda device: contextlib.nullcontext())
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (9, 0))
+    monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: False)
+    monkeypatch.setattr(overlap, "tuned_config", lambda *args: None)
+    monkeypatch.setattr(overlap, "one_wave", lambda *args: False)
+    monkeypatch.setattr(overlap, "prepare", prepare)
+    monkeypatch.setattr(overlap, "check_agreement", lambda *args: None)
+    monkeypatch.setattr(overlap, "budget_communicator", lambda cfg, *args: f"budget {cfg.comm_sms}")
+    monkeypatch.setattr(overlap, "run_overlapped", lambda prep, a, w, ex, budget, **kw: ran.append((prep, budget)))
+    times = {"sequential": 1.0, "overlapped, comm_sms 16": 0.95, "overlapped, comm_sms 4": 0.9}
+    monkeypatch.setattr(bench, "time_variants", lambda variants, *args, **kwargs: {v: times[v] for v in variants})
+    for _ in range(2):
+        flashoverlap.gemm_all_reduce(bf16(m, 64), bf16(n, 64))
+    assert ran == [(preps[4], "budget 4")] * 2 and len(overlap._trials) == 1
+    chosen = overlap.decide(bf16(m, 64), bf16(n, 64), "all_reduce")
+    assert chosen.config.comm_sms == 4 and chosen.prep is preps[4]
 
 
 @pytest.mark.parametrize("config", [None, {}])
@@ -262,7 +334,7 @@ def test_ranks_with_different_m_decide_on_the_largest_and_share_its_columns(one_
     monkeypatch.setattr(overlap, "prepare", prepare)
     monkeypatch.setattr(overlap, "check_agreement", lambda *args: None)
     monkeypatch.setattr(overlap, "budget_communicator", lambda *args: None)
-    monkeypatch.setattr(overlap, "trial_pays", lambda *args: seen.append(("trial", args[-1])) or True)
+    monkeypatch.setattr(overlap, "trial", lambda *args: seen.append(("trial", args[-2])) or 0)
     monkeypatch.setattr(overlap, "run_overlapped", lambda prep, *args, **kwargs: seen.append(("run", prep.plan)))
     flashoverlap.gemm_all_to_all(bf16(m, k), bf16(n, k), splits=[500, 500])
     plan = seen[-1][1]
@@ -329,7 +401,7 @@ def test_a_trial_holds_for_every_m_of_its_power_of_two(one_rank_group, monkeypat
 
     def time_variants(variants, rounds, block, warmup, group=None):
         trials.append(plans[-1].m)
-        return {"sequential": 1.0, "overlapped": 0.5}
+        return {name: 1.0 if name == "sequential" else 0.5 for name in variants}
 
     plans = []
 

@@ -177,6 +177,11 @@ def test_widest_budget_keeps_the_wave_count_and_no_wider_one_does():
         assert waves(ctas=ctas) == waves(ctas=args["ctas"])
         if ctas > args["cluster_m"]:  # a cluster fewer takes more waves
             assert waves(ctas=ctas - args["cluster_m"]) > waves(ctas=args["ctas"])
+        # measured against the whole GPU's grid instead of the plan's
+        whole = total - widest_budget(plan, total, ctas=total)
+        assert waves(ctas=whole) == waves(ctas=total) <= waves(ctas=args["ctas"])
+        if whole > args["cluster_m"]:
+            assert waves(ctas=whole - args["cluster_m"]) > waves(ctas=total)
 
 
 def test_rotation_errors_name_the_problem():
