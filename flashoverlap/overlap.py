@@ -40,7 +40,7 @@ from .comm import Exchange
 from .comm.nccl import group_fact
 from .config import OverlapConfig, differences, for_collective, for_device, kernel_spec, resolve, takes_every_call
 from .gemm import SignalGemm, get_kernel
-from .plan import Plan, make_plan, rotation_rows, widest_budget
+from .plan import Plan, make_plan, rotation_rows, spare_sms
 
 DTYPES = {torch.bfloat16: "bfloat16", torch.float16: "float16"}
 WEIGHT_LAYOUTS = ("nk", "kn")
@@ -556,7 +556,8 @@ def decide(
         if explicit is None and preps[0].plan.num_groups == 1:  # nothing to overlap: it would only add host time
             return plain(f"{source} make one group, nothing to overlap")
         candidates = [cfg]
-        light = lighter(cfg, preps[0]) if timed else None
+        # (on the shape every rank decides on: candidates that differ by rank would hang in NCCL)
+        light = lighter(cfg, shape, preps[0].sm_count + cfg.comm_sms) if timed else None
         if light is not None and (light_prep := planned(light)).plan.num_groups > 1:
             candidates.append(light)
             preps.append(light_prep)
@@ -586,13 +587,15 @@ def decide(
 FEWEST_COMM_SMS = 4  # NCCL on 2 CTAs fell far behind even a long GEMM (0.68x); on 4 it kept up (stop 21)
 
 
-def lighter(cfg: OverlapConfig, prep: Prepared) -> OverlapConfig | None:
-    """``cfg`` leaving NCCL as few SMs as the GEMM's whole-GPU grid spares at no cost, at least
-    :data:`FEWEST_COMM_SMS` (the default partition): where the GEMM is long beside its collective,
-    a few CTAs move the data during it and the GEMM keeps its waves (1.05x where 16 SMs for NCCL
-    lost, 0.93x: 4096x8192x28672, two H200s); None where that is not fewer SMs than ``cfg``'s."""
-    total = prep.sm_count + cfg.comm_sms
-    sms = max(FEWEST_COMM_SMS, widest_budget(prep.plan, total, ctas=total))
+def lighter(cfg: OverlapConfig, shape: tuple[int, int, int], total_sms: int) -> OverlapConfig | None:
+    """``cfg`` leaving NCCL as few SMs as the GEMM ``shape``'s whole-GPU grid spares at no cost, at
+    least :data:`FEWEST_COMM_SMS` (the default partition): where the GEMM is long beside its
+    collective, a few CTAs move the data during it and the GEMM keeps its waves (1.05x where 16 SMs
+    for NCCL lost, 0.93x: 4096x8192x28672, two H200s); None where that is not fewer SMs than
+    ``cfg``'s. ``shape``: what every rank decides on (the largest M where they differ)."""
+    m, n, _ = shape
+    spare = spare_sms(m, n, cfg.tile_m, cfg.tile_n, cfg.cluster_m, cfg.swizzle, total_sms, total_sms)
+    sms = max(FEWEST_COMM_SMS, spare)
     if cfg.scheduler != "persistent" or cfg.symmetric or sms >= cfg.comm_sms:
         return None
     return dataclasses.replace(cfg, comm_sms=sms, partition=None)

@@ -241,7 +241,7 @@ def test_an_untuned_call_is_timed_once_against_sequential(nccl_one_rank, capfd):
     snapshot = a.clone()
     cfg = for_collective(OverlapConfig(), "all_reduce")
     prep = prepare(m, n, k, torch.bfloat16, "nk", a.device, cfg)
-    light = overlap.lighter(cfg, prep)
+    light = overlap.lighter(cfg, (m, n, k), prep.sm_count + cfg.comm_sms)
     assert light is not None and light.comm_sms < cfg.comm_sms
     cfgs = [cfg, light]
     preps = [prep, prepare(m, n, k, torch.bfloat16, "nk", a.device, light)]

@@ -17,6 +17,7 @@ from flashoverlap.plan import (
     schedule_order,
     scheduler_grid,
     slot_view,
+    spare_sms,
     wave_count,
     wave_of_index,
     widest_budget,
@@ -178,7 +179,7 @@ def test_widest_budget_keeps_the_wave_count_and_no_wider_one_does():
         if ctas > args["cluster_m"]:  # a cluster fewer takes more waves
             assert waves(ctas=ctas - args["cluster_m"]) > waves(ctas=args["ctas"])
         # measured against the whole GPU's grid instead of the plan's
-        whole = total - widest_budget(plan, total, ctas=total)
+        whole = total - spare_sms(**grid, ctas=total, total_sms=total)
         assert waves(ctas=whole) == waves(ctas=total) <= waves(ctas=args["ctas"])
         if whole > args["cluster_m"]:
             assert waves(ctas=whole - args["cluster_m"]) > waves(ctas=total)
