@@ -569,7 +569,7 @@ def decide(
         tail = comm.tail_group(full, a.device)
         pick = 0
         if timed:
-            pick = trial(candidates, preps, budgets, a, weight, weight_layout, ex, tail, full, shape[0], hint is None)
+            pick = trial(candidates, preps, budgets, a, weight, weight_layout, ex, tail, full, shape[0], found is None)
             if pick is None:
                 return plain(f"{source} lost to it when timed")
         cfg, prep = candidates[pick], preps[pick]
