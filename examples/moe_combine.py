@@ -1,13 +1,15 @@
 """MoE expert combine with the all-to-all overlapped with the expert's down projection:
 
-    torchrun --nproc-per-node 2 examples/moe_combine.py [--tokens 8192] [--transport pcie] [--ragged]
+    torchrun --nproc-per-node 2 examples/moe_combine.py [--tokens 8192] [--transport pcie] [--ragged [--exchange]]
 
 Each rank ran its experts on tokens that other ranks own (rows grouped by owner, uneven counts).
 The combine multiplies them by the down projection and sends each row back to its owner:
 ``torch.matmul`` + ``dist.all_to_all_single`` vs ``flashoverlap.gemm_all_to_all``. With
 ``--ragged`` the ranks' experts got different numbers of rows (from half to all of ``--tokens``),
-as routing gives them, and flashoverlap exchanges the counts itself (``splits`` only; that
-all-gather and its host sync are in its time, the plain path's counts are known beforehand).
+as routing gives them; every rank knows every rank's count, as after a dispatcher's all-gather of
+the token counts, and passes them (``output_splits``, ``rows_per_rank``). ``--exchange``: pass
+``splits`` only, and flashoverlap exchanges the counts itself on every call (an all-gather and a
+host sync, in its time).
 """
 
 from __future__ import annotations
@@ -29,6 +31,7 @@ def main() -> None:
     parser.add_argument("--ffn", type=int, default=7168)
     parser.add_argument("--transport", choices=["nvlink", "pcie"], default="nvlink")
     parser.add_argument("--ragged", action="store_true", help="a different number of expert rows on each rank")
+    parser.add_argument("--exchange", action="store_true", help="with --ragged: flashoverlap exchanges the counts")
     args = parser.parse_args()
     if args.transport == "pcie":
         os.environ["NCCL_P2P_DISABLE"] = "1"
@@ -44,7 +47,9 @@ def main() -> None:
     splits = torch.diff(torch.cat([cuts.new_zeros(1), cuts, cuts.new_full((1,), rows)]))
     received = torch.empty_like(splits)
     dist.all_to_all_single(received, splits)
-    splits, received = splits.tolist(), received.tolist()
+    every_rows = [torch.zeros(1, dtype=torch.int64, device="cuda") for _ in range(world)]
+    dist.all_gather(every_rows, torch.tensor([rows], device="cuda"))  # as a dispatcher's counts tell it
+    splits, received, every_rows = splits.tolist(), received.tolist(), [int(r) for r in every_rows]
     h = torch.randn(rows, args.ffn, device="cuda", generator=gen).bfloat16()
     w = (torch.randn(args.hidden, args.ffn, device="cuda", generator=gen) / args.ffn**0.5).bfloat16()
 
@@ -53,10 +58,11 @@ def main() -> None:
         dist.all_to_all_single(out, h @ w.t(), received, splits)
         return out
 
-    def overlapped():  # ranks with different M: the counts exchanged by flashoverlap, so all know every M
-        if args.ragged:
+    def overlapped():  # ranks with different M: every M given, or the counts exchanged by flashoverlap
+        if args.ragged and args.exchange:
             return flashoverlap.gemm_all_to_all(h, w, splits=splits)
-        return flashoverlap.gemm_all_to_all(h, w, splits=splits, output_splits=received)
+        every = {"rows_per_rank": every_rows} if args.ragged else {}
+        return flashoverlap.gemm_all_to_all(h, w, splits=splits, output_splits=received, **every)
 
     want, got = plain().float(), overlapped().float()
     err = ((got - want).norm() / want.norm()).item()

@@ -434,6 +434,7 @@ def _gemm_collective(
     weight_layout: str,
     splits: Sequence[int] | None = None,
     output_splits: Sequence[int] | None = None,
+    rows_per_rank: Sequence[int] | None = None,
     exchanged: list[Exchange] | None = None,
 ) -> torch.Tensor:
     """A call (see the module's docstring): with gradients where autograd asks for them (CUDA
@@ -443,14 +444,14 @@ def _gemm_collective(
     given, the call's :class:`Exchange` is appended to it (for the gradients; not where traced)."""
     tensors = all(isinstance(t, torch.Tensor) for t in (a, weight))
     if tensors and torch.is_grad_enabled() and a.is_cuda and (a.requires_grad or weight.requires_grad):
-        return with_gradients(a, weight, collective, group, config, weight_layout, splits, output_splits)
+        return with_gradients(a, weight, collective, group, config, weight_layout, splits, output_splits, rows_per_rank)
     if torch.compiler.is_compiling():
-        counts = [None if s is None else [int(c) for c in s] for s in (splits, output_splits)]
+        counts = [None if s is None else [int(c) for c in s] for s in (splits, output_splits, rows_per_rank)]
         return torch.ops.flashoverlap.gemm_collective(
             a, weight, collective, _group_name(group), _config_text(config), weight_layout, *counts
         )
     ex_list = [] if exchanged is None else exchanged
-    chosen = decide(a, weight, collective, group, config, weight_layout, splits, output_splits, ex_list)
+    chosen = decide(a, weight, collective, group, config, weight_layout, splits, output_splits, rows_per_rank, ex_list)
     if chosen.config is None:
         return sequential(a, weight, weight_layout, ex_list[0], group)
     return run_overlapped(chosen.prep, a, weight, chosen.ex, chosen.budget, tail_group=chosen.tail)
@@ -477,6 +478,7 @@ def decide(
     weight_layout: str = "nk",
     splits: Sequence[int] | None = None,
     output_splits: Sequence[int] | None = None,
+    rows_per_rank: Sequence[int] | None = None,
     exchanged: list[Exchange] | None = None,
 ) -> Decision:
     """Which path a call takes and with which config, as :func:`_gemm_collective` runs it (every
@@ -487,7 +489,7 @@ def decide(
     m, n, k = check_inputs(a, weight, weight_layout)
     if explicit is not None and world > 1 and not explicit.sequential:  # no kernel here: fail before communicating
         for_device(explicit, torch.cuda.get_device_capability(a.device))
-    ex = comm.exchange(collective, m, world, splits, output_splits, group, a.device)
+    ex = comm.exchange(collective, m, world, splits, output_splits, group, a.device, rows_per_rank=rows_per_rank)
     if exchanged is not None:
         exchanged.append(ex)
     # before any lookup: the same model run without tensor parallelism pays nothing more; so does a
@@ -740,6 +742,7 @@ def gemm_all_to_all(
     *,
     splits: Sequence[int] | None = None,
     output_splits: Sequence[int] | None = None,
+    rows_per_rank: Sequence[int] | None = None,
     group: dist.ProcessGroup | None = None,
     config: OverlapConfig | dict | str | os.PathLike | None = None,
     weight_layout: str = "nk",
@@ -748,8 +751,10 @@ def gemm_all_to_all(
     next ``splits[1]`` to rank 1, ... (even split when omitted); returns the rows received from
     every rank in rank order -> [sum(output_splits), N]. ``output_splits[s]`` = rows rank s sends
     here; omitted with ``splits``, every rank's splits are exchanged first (a small collective and a
-    host sync), and the ranks may then pass different M (MoE experts; none included)."""
-    return _gemm_collective(a, weight, "all_to_all", group, config, weight_layout, splits, output_splits)
+    host sync), and the ranks may then pass different M (MoE experts; none included). Ranks whose M
+    differ and that know every rank's M (``rows_per_rank``, e.g. from the dispatcher's token
+    counts) pass it with ``splits`` and ``output_splits``: then nothing is exchanged."""
+    return _gemm_collective(a, weight, "all_to_all", group, config, weight_layout, splits, output_splits, rows_per_rank)
 
 
 def with_gradients(
@@ -761,22 +766,25 @@ def with_gradients(
     weight_layout: str = "nk",
     splits: Sequence[int] | None = None,
     output_splits: Sequence[int] | None = None,
+    rows_per_rank: Sequence[int] | None = None,
 ) -> torch.Tensor:
     """``collective(a @ W^T)`` (``weight_layout`` "nk"; ``a @ W`` for "kn") with autograd: on CUDA the
     overlapped call, on the CPU (flashoverlap.nn's plain path, e.g. over gloo) matmul then the collective.
     Backward: the rows' gradient ``comm.adjoint`` of the result's, then plain matmuls for a and W."""
-    return _WithGradients.apply(a, weight, collective, group, config, weight_layout, splits, output_splits)
+    call = (a, weight, collective, group, config, weight_layout, splits, output_splits, rows_per_rank)
+    return _WithGradients.apply(*call)
 
 
 class _WithGradients(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, a, weight, collective, group, config, weight_layout, splits, output_splits):
+    def forward(ctx, a, weight, collective, group, config, weight_layout, splits, output_splits, rows_per_rank):
         exchanged: list[Exchange] = []
         if a.is_cuda:
-            call = (a, weight, collective, group, config, weight_layout, splits, output_splits)
+            call = (a, weight, collective, group, config, weight_layout, splits, output_splits, rows_per_rank)
             out = _gemm_collective(*call, exchanged)
         else:  # any dtype: a model debugged on the CPU
-            ex = comm.exchange(collective, a.shape[0], world_size(group), splits, output_splits, group, a.device)
+            counts = (splits, output_splits, group, a.device)
+            ex = comm.exchange(collective, a.shape[0], world_size(group), *counts, rows_per_rank=rows_per_rank)
             exchanged.append(ex)
             out = sequential(a, weight, weight_layout, ex, group)
         counts = None
@@ -805,7 +813,7 @@ class _WithGradients(torch.autograd.Function):
             grad_a = rows @ weight if weight_layout == "nk" else rows @ weight.t()
         if ctx.needs_input_grad[1]:
             grad_w = rows.t() @ a if weight_layout == "nk" else a.t() @ rows
-        return grad_a, grad_w, None, None, None, None, None, None
+        return grad_a, grad_w, None, None, None, None, None, None, None
 
 
 @torch.compiler.assume_constant_result
@@ -831,20 +839,20 @@ def _config_of(text: str) -> OverlapConfig | None:
 _library = torch.library.Library("flashoverlap", "DEF")
 _library.define(
     "gemm_collective(Tensor a, Tensor weight, str collective, str group, str config, str weight_layout, "
-    "int[]? splits, int[]? output_splits) -> Tensor"
+    "int[]? splits, int[]? output_splits, int[]? rows_per_rank=None) -> Tensor"
 )
 
 
-def _gemm_collective_op(a, weight, collective, group, config, weight_layout, splits, output_splits):
+def _gemm_collective_op(a, weight, collective, group, config, weight_layout, *counts):
     pg = dist.distributed_c10d._resolve_process_group(group)
-    return _gemm_collective(a, weight, collective, pg, _config_of(config), weight_layout, splits, output_splits)
+    return _gemm_collective(a, weight, collective, pg, _config_of(config), weight_layout, *counts)
 
 
 _library.impl("gemm_collective", _gemm_collective_op, "CompositeExplicitAutograd")
 
 
 @torch.library.register_fake("flashoverlap::gemm_collective")
-def _(a, weight, collective, group, config, weight_layout, splits, output_splits):
+def _(a, weight, collective, group, config, weight_layout, splits, output_splits, rows_per_rank=None):
     m, n, _ = check_inputs(a, weight, weight_layout)
     if collective == "reduce_scatter":
         rows = m // dist.distributed_c10d._resolve_process_group(group).size()

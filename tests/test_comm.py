@@ -1,5 +1,6 @@
 """comm on the CPU (gloo): plan agreement across ranks, exchange validation."""
 
+import contextlib
 import os
 import tempfile
 
@@ -50,6 +51,21 @@ EXCHANGED = {
 }
 
 
+@contextlib.contextmanager
+def no_collectives():
+    """Fail on any all-gather (what an exchange of counts would run)."""
+    from flashoverlap import comm
+
+    def refuse(*args, **kwargs):
+        raise AssertionError("counts exchanged")
+
+    real, comm.all_gather_single = comm.all_gather_single, refuse
+    try:
+        yield
+    finally:
+        comm.all_gather_single = real
+
+
 def exchange_worker(rank: int, world: int, store_path: str):
     dist.init_process_group("gloo", store=dist.FileStore(store_path, world), rank=rank, world_size=world)
     try:
@@ -59,6 +75,16 @@ def exchange_worker(rank: int, world: int, store_path: str):
             assert ex.rows == sum(ex.recv) and ex.sources == tuple(map(sum, splits)), case
             assert ex.uniform == (case == "uniform") and ex.ragged == (case == "ragged"), case
             assert ex.even == (case == "uniform" or case == "even_here_only" and rank == 0), case
+            # every rank's M given (a dispatcher knows them): the same, with nothing exchanged
+            counts = (splits[rank], list(ex.recv))
+            with no_collectives():
+                given = exchange("all_to_all", sum(splits[rank]), world, *counts, rows_per_rank=ex.sources)
+            assert (given.send, given.recv, given.rows, given.sources) == (ex.send, ex.recv, ex.rows, ex.sources)
+            assert given.ragged == ex.ragged and not given.uniform, case  # the others' splits stay unknown
+            with pytest.raises(ValueError, match=rf"rows_per_rank\[{rank}\] is {sum(splits[rank]) + 1}, but"):
+                wrong = list(ex.sources)
+                wrong[rank] += 1
+                exchange("all_to_all", sum(splits[rank]), world, *counts, rows_per_rank=wrong)
     finally:
         dist.destroy_process_group()
 
@@ -104,6 +130,14 @@ def test_only_a_uniform_all_to_all_takes_the_equal_split_path(monkeypatch):
         (("all_to_all", 10, 2), {"splits": [3, 4]}, r"sum to 7 rows, but a has M=10"),
         (("all_to_all", 10, 2), {"splits": [5, 5], "output_splits": [5]}, "output_splits must be 2"),
         (("all_reduce", 10, 2), {"splits": [5, 5]}, "splits apply to all_to_all only"),
+        (("reduce_scatter", 10, 2), {"rows_per_rank": [10, 10]}, "splits apply to all_to_all only"),
+        (("all_to_all", 10, 2), {"splits": [5, 5], "rows_per_rank": [10, 4]}, "goes with .* splits and output_splits"),
+        (("all_to_all", 10, 2), {"output_splits": [5, 5], "rows_per_rank": [10, 4]}, "goes with"),
+        (
+            ("all_to_all", 10, 2),
+            {"splits": [5, 5], "output_splits": [5, 2], "rows_per_rank": [10]},
+            "rows_per_rank must be 2",
+        ),
         (("all_to_all", 10, 2), {"reduction": "local"}, "reduction must be 'nccl', or 'local' for all_reduce"),
         (("all_reduce", 10, 2), {"reduction": "tree"}, "reduction must be"),
     ],

@@ -163,7 +163,8 @@ def split_worker(rank, world, store_path, nccl):
                 assert seq.shape == out.shape, what
                 if seq.numel():
                     assert rel_err(out, seq) < 1e-2, what
-        # ranks with different M (MoE experts), the counts exchanged: groups on the largest M's columns
+        # ranks with different M (MoE experts), the counts exchanged or every rank's M given: groups
+        # on the largest M's columns
         sizes, n, k = [4096 >> r for r in range(world)], 2048, 512
         splits = [[s // world] * (world - 1) + [s - (world - 1) * (s // world)] for s in sizes]
         parts = []
@@ -172,11 +173,14 @@ def split_worker(rank, world, store_path, nccl):
             start = sum(splits[s][:rank])
             parts.append((a_s.float() @ w_s.float().t())[start : start + splits[s][rank]])
         a, w = operands(50, rank, sizes[rank], n, k)
+        given = {"output_splits": [row[rank] for row in splits], "rows_per_rank": sizes}
         for cfg in (None, OverlapConfig(), OverlapConfig(kernel="sm80", tile_n=128)):
             if cfg is None or runs_on_this_gpu(cfg, "all_to_all"):
-                for _ in range(2):
-                    out = flashoverlap.gemm_all_to_all(a, w, splits=splits[rank], config=cfg)
-                assert rel_err(out, torch.cat(parts)) < 1e-2, f"M {sizes} {cfg}"
+                for counts in ({}, given):
+                    for _ in range(2):
+                        torch.full((4 * sizes[0] * n,), float("nan"), dtype=torch.bfloat16, device="cuda")  # poison
+                        out = flashoverlap.gemm_all_to_all(a, w, splits=splits[rank], config=cfg, **counts)
+                    assert rel_err(out, torch.cat(parts)) < 1e-2, f"M {sizes} {cfg} {sorted(counts)}"
         torch.cuda.synchronize()
     finally:
         dist.destroy_process_group()

@@ -301,9 +301,11 @@ def test_a_call_where_a_rank_has_no_rows_runs_the_plain_collective_alike(
     assert "sequential: a rank has no rows" in capfd.readouterr().err
 
 
-def test_ranks_with_different_m_decide_on_the_largest_and_share_its_columns(one_rank_group, monkeypatch):
-    """Ranks whose M differ (known to all where the counts were exchanged) make every choice on the
-    largest M, and plan their own groups on that M's tile columns; only layouts of whole columns."""
+@pytest.mark.parametrize("given", [False, True], ids=["exchanged", "rows_per_rank"])
+def test_ranks_with_different_m_decide_on_the_largest_and_share_its_columns(one_rank_group, monkeypatch, given):
+    """Ranks whose M differ (known to all where the counts were exchanged, or given as
+    ``rows_per_rank``: then nothing is exchanged) make every choice on the largest M, and plan their
+    own groups on that M's tile columns; only layouts of whole columns."""
     from flashoverlap import comm, overlap
     from flashoverlap.plan import make_plan
 
@@ -322,7 +324,12 @@ def test_ranks_with_different_m_decide_on_the_largest_and_share_its_columns(one_
     monkeypatch.setattr(overlap, "_trials", type(overlap._trials)())
     monkeypatch.setattr(overlap, "world_size", lambda group: 2)
     monkeypatch.setattr(overlap, "check_inputs", lambda a, w, layout: (m, n, k))
-    monkeypatch.setattr(comm, "exchange", lambda *args, **kwargs: ex)
+    counts = {"splits": [500, 500]}
+    if given:
+        counts.update(output_splits=[500, 1500], rows_per_rank=[m, largest])
+        monkeypatch.setattr(comm, "all_gather_single", lambda *args, **kwargs: pytest.fail("counts exchanged"))
+    else:
+        monkeypatch.setattr(comm, "exchange", lambda *args, **kwargs: ex)
     monkeypatch.setattr(torch.cuda, "device", lambda device: contextlib.nullcontext())
     monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (9, 0))
     monkeypatch.setattr(comm, "cuda_backend", lambda group: "nccl")
@@ -334,7 +341,7 @@ def test_ranks_with_different_m_decide_on_the_largest_and_share_its_columns(one_
     monkeypatch.setattr(overlap, "budget_communicator", lambda *args: None)
     monkeypatch.setattr(overlap, "trial", lambda *args: seen.append(("trial", args[-2], len(args[0]))) or 0)
     monkeypatch.setattr(overlap, "run_overlapped", lambda prep, *args, **kwargs: seen.append(("run", prep.plan)))
-    flashoverlap.gemm_all_to_all(bf16(m, k), bf16(n, k), splits=[500, 500])
+    flashoverlap.gemm_all_to_all(bf16(m, k), bf16(n, k), **counts)
     plan = seen[-1][1]
     assert seen[:-1] == [
         ("tuned", (largest, n, k)),
@@ -346,7 +353,7 @@ def test_ranks_with_different_m_decide_on_the_largest_and_share_its_columns(one_
     assert plan.m == m and plan.column_groups == shared
     for config in ({"layout": "rows"}, {"layout": "segments"}, {"symmetric": True}):
         with pytest.raises(ValueError, match=r"different M \(\[1000, 2500\] rows\): their groups are whole tile"):
-            flashoverlap.gemm_all_to_all(bf16(m, k), bf16(n, k), splits=[500, 500], config=config)
+            flashoverlap.gemm_all_to_all(bf16(m, k), bf16(n, k), **counts, config=config)
 
 
 def test_a_gloo_group_takes_no_point_to_point_layout(one_rank_group, monkeypatch):
@@ -503,6 +510,11 @@ def compile_worker(rank: int, world: int, store_path: str):
             (flashoverlap.gemm_all_to_all, {}, (64, 48)),
             (flashoverlap.gemm_all_to_all, {"splits": [40, 24], "output_splits": [40, 8]}, (48, 48)),
             (flashoverlap.gemm_all_to_all, {"splits": [40, 24]}, None),  # rows known once exchanged
+            (
+                flashoverlap.gemm_all_to_all,
+                {"splits": [40, 24], "output_splits": [40, 8], "rows_per_rank": [64, 48]},
+                (48, 48),
+            ),
         ]
         for fn, kwargs, shape in cases:
             out, graph = compiled(lambda a, w, fn=fn, kwargs=kwargs: fn(torch.relu(a), w, **kwargs) * 2, a, w)
@@ -510,10 +522,10 @@ def compile_worker(rank: int, world: int, store_path: str):
                 assert isinstance(out.shape[0], torch.SymInt) and out.shape[1] == 48, out.shape
             else:
                 assert tuple(out.shape) == shape and out.device.type == "cuda", (fn.__name__, out.shape)
-            ((collective, group, config, layout, splits, output_splits),) = op_calls(graph)
+            ((collective, group, config, layout, *counts),) = op_calls(graph)
             assert collective == fn.__name__.removeprefix("gemm_") and layout == "nk"
             assert group == (pair if "group" in kwargs else dist.group.WORLD).group_name
-            assert [splits, output_splits] == [kwargs.get("splits"), kwargs.get("output_splits")]
+            assert counts == [kwargs.get(key) for key in ("splits", "output_splits", "rows_per_rank")]
             wanted = kwargs.get("config")
             assert _config_of(config) == (None if wanted is None else resolve(wanted)), config
         dist.barrier()

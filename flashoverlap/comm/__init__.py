@@ -17,7 +17,7 @@ import torch.distributed as dist
 
 from .. import jit
 from ..plan import Plan, slot_view
-from .nccl import CTA_POLICY_ZERO, Direct, cuda_backend
+from .nccl import CTA_POLICY_ZERO, Direct, cuda_backend, group_fact
 
 COLLECTIVES = ("all_reduce", "reduce_scatter", "all_to_all")
 REDUCTIONS = ("nccl", "local")
@@ -186,18 +186,23 @@ def exchange(
     group: dist.ProcessGroup | None = None,
     device: torch.device | None = None,
     reduction: str = "nccl",
+    rows_per_rank: Sequence[int] | None = None,
 ) -> Exchange:
     """Validate and describe a call's communication; raises ``ValueError`` naming the problem.
 
     all_to_all: ``splits[d]`` rows of C (in order) go to rank d; without ``splits`` the rows are
     split evenly. ``output_splits[s]`` = rows rank s sends here; when omitted with ``splits`` every
     rank's splits are exchanged first (one small all-gather and a host sync), so every rank knows
-    every rank's M (``sources``) and whether the call is even (``uniform``).
+    every rank's M (``sources``) and whether the call is even (``uniform``). ``rows_per_rank``
+    (with ``splits`` and ``output_splits``): every rank's M as the caller knows it, so that ranks
+    whose M differ need no exchange (the call is then never ``uniform``).
     """
     if collective not in COLLECTIVES:
         raise ValueError(f"unknown collective {collective!r}; supported: {COLLECTIVES}")
-    if collective != "all_to_all" and (splits is not None or output_splits is not None):
+    if collective != "all_to_all" and (splits is not None or output_splits is not None or rows_per_rank is not None):
         raise ValueError(f"splits apply to all_to_all only, not {collective}")
+    if rows_per_rank is not None and (splits is None or output_splits is None):
+        raise ValueError("rows_per_rank (every rank's M) goes with an all-to-all's splits and output_splits")
     if reduction not in REDUCTIONS or (reduction == "local" and collective != "all_reduce"):
         raise ValueError(f"reduction must be 'nccl', or 'local' for all_reduce; got {reduction!r} for {collective}")
     if collective == "all_reduce":
@@ -210,6 +215,12 @@ def exchange(
     send = even if splits is None else _counts("splits", splits, world)
     if sum(send) != m:
         raise ValueError(f"splits {list(send)} sum to {sum(send)} rows, but a has M={m} rows")
+    if rows_per_rank is not None:
+        sources, rank = _counts("rows_per_rank", rows_per_rank, world), group_fact(group, "rank", dist.get_rank)
+        if sources[rank] != m:
+            raise ValueError(f"rows_per_rank[{rank}] is {sources[rank]}, but this rank's a has M={m} rows")
+        recv = _counts("output_splits", output_splits, world)
+        return Exchange(collective, send, recv, sum(recv), uniform=False, sources=sources)
     if output_splits is not None:
         recv = _counts("output_splits", output_splits, world)
         # without splits every rank splits its M (the same everywhere) evenly: then even is known
