@@ -177,19 +177,21 @@ GRADIENT_CASES = [  # collective, how the call is made
     ("all_to_all", "splits"),  # uneven, counts exchanged
     ("all_to_all", "both"),  # uneven, output_splits given
     ("all_to_all", "ragged"),  # ranks of different M, counts exchanged
+    ("all_to_all", "ragged_given"),  # ranks of different M, every count given (rows_per_rank)
 ]
 
 
 def check_gradients(
     rank: int, world: int, call, device: str, size: int = 1, tol: float | None = None, cases=GRADIENT_CASES
 ) -> None:
-    """``call(a, weight, collective, weight_layout=, splits=, output_splits=)`` with autograd on every
+    """``call(a, weight, collective, weight_layout=, splits=, output_splits=, rows_per_rank=)`` with autograd on every
     rank of an initialised group, against :func:`collective_problem`: the result and the gradients
     of a and the weight, every collective and every way all-to-all takes its counts. ``tol``: rel.
     error bound (None: exact to float64 rounding)."""
     for collective, how in cases:
         seed = GRADIENT_CASES.index((collective, how))
-        problem = collective_problem(collective, world, seed, ragged=how == "ragged", uneven=how != "even", size=size)
+        ragged = how in ("ragged", "ragged_given")
+        problem = collective_problem(collective, world, seed, ragged=ragged, uneven=how != "even", size=size)
         a, w, splits, output_splits, y, g, grad_a, grad_w = problem[rank]
         dtype = torch.float64 if tol is None else torch.bfloat16
         kn = how == "kn"
@@ -197,7 +199,9 @@ def check_gradients(
         weight = (w.t().contiguous() if kn else w).to(device, dtype).requires_grad_()
         counts = {}
         if collective == "all_to_all" and how != "even":
-            counts = {"splits": splits, "output_splits": output_splits if how == "both" else None}
+            counts = {"splits": splits, "output_splits": output_splits if how in ("both", "ragged_given") else None}
+        if how == "ragged_given":
+            counts["rows_per_rank"] = [len(problem[s][0]) for s in range(world)]
         out = call(x, weight, collective, weight_layout="kn" if kn else "nk", **counts)
         (out.double() * g.to(device)).sum().backward()
         got = {"result": (out, y), "grad a": (x.grad, grad_a), "grad w": (weight.grad, grad_w.t() if kn else grad_w)}
