@@ -330,7 +330,7 @@ def bench_shape(
     if fused is not None:
         variants["asynctp"] = lambda i: fused(a[i % sets], w[i % sets])
     cfgs = [for_collective(resolve(cfg), collective) if cfg is not None else None for cfg in configs]
-    errors, picked = {}, {}
+    errors, picked, kernels = {}, {}, {}  # kernels: config -> the name of its kernel-alone variant
     runs = [(j, path) for j in range(len(cfgs)) for path in nccl]
     for j, path in runs:
         # "registry" variants call without config=, as a user would (the lookup is part of the call)
@@ -343,12 +343,11 @@ def bench_shape(
         got, want = call(0).float(), seq(0).float()  # a call without config= decides here (timed if untuned)
         errors[j, path] = ((got - want).norm() / want.norm()).item()
         # what that call runs, as it decided
-        picked[j, path] = cfgs[j] or decide(a[0], w[0], collective).config or OverlapConfig(sequential=True)
-        if f"kernel{j}" not in variants and not picked[j, path].sequential:
-            segments = comm.interleave(ex, picked[j, path].layout)
-            variants[f"kernel{j}"] = kernel_alone(
-                prepare(m, n, k, dtype, "nk", a[0].device, picked[j, path], 0, segments), a, w
-            )
+        cfg = picked[j, path] = cfgs[j] or decide(a[0], w[0], collective).config or OverlapConfig(sequential=True)
+        if not cfg.sequential and cfg not in kernels:
+            kernels[cfg] = f"kernel{len(kernels)}"
+            segments = comm.interleave(ex, cfg.layout)
+            variants[kernels[cfg]] = kernel_alone(prepare(m, n, k, dtype, "nk", a[0].device, cfg, 0, segments), a, w)
     times = time_variants(variants, rounds, block, warmup, graphs=graphs)
 
     rows = []
@@ -378,7 +377,7 @@ def bench_shape(
                 "t_comm_ms": t_comm,
                 "t_seq_ms": t_seq,
                 "t_fo_ms": t_fo,
-                "t_kernel_ms": times.get(f"kernel{j}", float("nan")),
+                "t_kernel_ms": times.get(kernels.get(cfg, ""), float("nan")),
                 "t_decomp_ms": t_decomp,
                 "decomp_chunks": best_chunks,
                 "t_asynctp_ms": t_async,
@@ -388,7 +387,7 @@ def bench_shape(
                 "ideal_speedup": t_seq / max(t_gemm, t_comm),
                 "of_ideal": max(t_gemm, t_comm) / t_fo,
                 "efficiency": overlap_efficiency(t_seq, t_fo, t_gemm, t_comm),
-                "kernel_vs_cublas": t_gemm / times.get(f"kernel{j}", float("nan")),
+                "kernel_vs_cublas": t_gemm / times.get(kernels.get(cfg, ""), float("nan")),
                 "rel_err": errors[j, path],
             }
         )

@@ -9,7 +9,7 @@ synchronisation happens inside a call.
 Operands of every public entry point: a: [M, K]; weight: [N, K] like ``torch.nn.Linear``
 (``weight_layout="nk"``) or [K, N] (``"kn"``); bf16 or fp16, contiguous, on this rank's CUDA
 device; N and K multiples of 8; every rank passes the same shapes (but M for an all-to-all whose
-counts are exchanged: ``splits`` without ``output_splits``). ``config``: an
+counts are exchanged, ``splits`` without ``output_splits``, or given, ``rows_per_rank``). ``config``: an
 :class:`OverlapConfig`, a dict of its fields, or a YAML path (default: the registry's entry nearest
 the call, see :mod:`flashoverlap.registry`, else the built-in defaults). The result is a
 new tensor, ready on the current stream. Bad input raises ``ValueError``/``TypeError`` before
@@ -783,8 +783,8 @@ class _WithGradients(torch.autograd.Function):
             call = (a, weight, collective, group, config, weight_layout, splits, output_splits, rows_per_rank)
             out = _gemm_collective(*call, exchanged)
         else:  # any dtype: a model debugged on the CPU
-            counts = (splits, output_splits, group, a.device)
-            ex = comm.exchange(collective, a.shape[0], world_size(group), *counts, rows_per_rank=rows_per_rank)
+            given = (splits, output_splits, group, a.device)
+            ex = comm.exchange(collective, a.shape[0], world_size(group), *given, rows_per_rank=rows_per_rank)
             exchanged.append(ex)
             out = sequential(a, weight, weight_layout, ex, group)
         counts = None
