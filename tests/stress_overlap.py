@@ -5,7 +5,7 @@
 
 Random shapes (from a pool of random shapes, so that plans are reused as in a model), random
 collectives (all-reduce, reduce-scatter, all-to-all with uneven splits, and over ranks of different
-M with the counts exchanged), configs varying with the shape (among prebuilt kernel instances,
+M with the counts exchanged or every rank's M given), configs varying with the shape (among prebuilt kernel instances,
 symmetric windows and local reductions among them; GPU memory outside the cached plans must be flat
 once every pair has run) and two process groups, back to back with the host running ahead.
 FLASHOVERLAP_NCCL=direct: NCCL's C API.
@@ -171,14 +171,16 @@ def main() -> int:
         ):
             # every rank draws every rank's splits, so output_splits are known without exchange; or
             # (ragged) rank r has M / 2^r rows (MoE experts; none where that rounds to 0) and the
-            # counts are exchanged
+            # counts are exchanged, or (half of those) given with every rank's M
             ragged = rng.random() < 0.5
             rows = np.array([m >> r if ragged else m for r in range(world)])
             cuts = np.sort((rng.random(size=(world, world - 1)) * (rows[:, None] + 1)).astype(int), axis=1)
             splits = np.diff(np.concatenate([np.zeros((world, 1), int), cuts, rows[:, None]], axis=1), axis=1)
             kwargs = {"splits": splits[rank].tolist()}
-            if not ragged:
+            if not ragged or rng.random() < 0.5:  # (the same draws on every rank)
                 kwargs["output_splits"] = splits[:, rank].tolist()
+                if ragged:
+                    kwargs["rows_per_rank"] = rows.tolist()
         a, w = operands[(m, n, k)]
         a = a[: sum(kwargs["splits"])] if "splits" in kwargs else a  # a ragged rank's rows
         out = getattr(flashoverlap, f"gemm_{collective}")(a, w, group=group, config=config, **kwargs)
