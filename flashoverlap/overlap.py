@@ -589,6 +589,7 @@ def decide(
 FEWEST_COMM_SMS = 4  # NCCL on 2 CTAs fell far behind even a long GEMM (0.68x); on 4 it kept up (stop 21)
 
 
+@functools.lru_cache(maxsize=1024)  # every call of a timed shape asks (~8 us of numpy each, uncached)
 def lighter(cfg: OverlapConfig, shape: tuple[int, int, int], total_sms: int) -> OverlapConfig | None:
     """``cfg`` leaving NCCL as few SMs as the GEMM ``shape``'s whole-GPU grid spares at no cost, at
     least :data:`FEWEST_COMM_SMS` (the default partition): where the GEMM is long beside its
