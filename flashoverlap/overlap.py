@@ -450,21 +450,22 @@ def _gemm_collective(
         return torch.ops.flashoverlap.gemm_collective(
             a, weight, collective, _group_name(group), _config_text(config), weight_layout, *counts
         )
-    ex_list = [] if exchanged is None else exchanged
-    chosen = decide(a, weight, collective, group, config, weight_layout, splits, output_splits, rows_per_rank, ex_list)
+    chosen = decide(
+        a, weight, collective, group, config, weight_layout, splits, output_splits, rows_per_rank, exchanged
+    )
     if chosen.config is None:
-        return sequential(a, weight, weight_layout, ex_list[0], group)
+        return sequential(a, weight, weight_layout, chosen.ex, group)
     return run_overlapped(chosen.prep, a, weight, chosen.ex, chosen.budget, tail_group=chosen.tail)
 
 
 @dataclass(frozen=True, eq=False)
 class Decision:
-    """What a call runs (:func:`decide`): ``config`` None for the plain GEMM and collective, else
-    the overlapped call with its plan, exchange and communicators (:func:`run_overlapped`)."""
+    """What a call runs (:func:`decide`): its exchange, and ``config`` None for the plain GEMM and
+    collective, else the overlapped call with its plan and communicators (:func:`run_overlapped`)."""
 
-    config: OverlapConfig | None
+    ex: Exchange
+    config: OverlapConfig | None = None
     prep: Prepared | None = None
-    ex: Exchange | None = None
     budget: dist.ProcessGroup | comm.Direct | None = None
     tail: dist.ProcessGroup | comm.Direct | None = None
 
@@ -496,14 +497,14 @@ def decide(
     # call where this rank, or any rank known to, has no rows
     if world == 1 or m == 0 or ex.ragged and 0 in ex.sources:
         _say(ex, (m, n, k), a.dtype, group, "sequential: one rank" if world == 1 else "sequential: a rank has no rows")
-        return Decision(None)
+        return Decision(ex)
     # what every rank decides alike rests on: where the ranks' M differ (known where the counts were
     # exchanged), the largest, whose GEMM sets the pace
     shape = (max(ex.sources) if ex.ragged else m, n, k)
 
     def plain(why: str) -> Decision:
         _say(ex, shape, a.dtype, group, f"sequential: {why}")
-        return Decision(None)
+        return Decision(ex)
 
     backend = comm.cuda_backend(group)
     p2p = backend == "nccl"  # gloo carries CUDA tensors in collectives, not point to point
@@ -583,7 +584,7 @@ def decide(
             group,
             lambda: f"overlapped, {source} {differences(cfg, _DEFAULTS)}: {groups} group{'s' * (groups > 1)}",
         )
-        return Decision(cfg, prep, ex, budgets[pick], tail)
+        return Decision(ex, cfg, prep, budgets[pick], tail)
 
 
 FEWEST_COMM_SMS = 4  # NCCL on 2 CTAs fell far behind even a long GEMM (0.68x); on 4 it kept up (stop 21)

@@ -215,14 +215,13 @@ def exchange(
     send = even if splits is None else _counts("splits", splits, world)
     if sum(send) != m:
         raise ValueError(f"splits {list(send)} sum to {sum(send)} rows, but a has M={m} rows")
-    if rows_per_rank is not None:
-        sources, rank = _counts("rows_per_rank", rows_per_rank, world), group_fact(group, "rank", dist.get_rank)
-        if sources[rank] != m:
-            raise ValueError(f"rows_per_rank[{rank}] is {sources[rank]}, but this rank's a has M={m} rows")
-        recv = _counts("output_splits", output_splits, world)
-        return Exchange(collective, send, recv, sum(recv), uniform=False, sources=sources)
     if output_splits is not None:
         recv = _counts("output_splits", output_splits, world)
+        if rows_per_rank is not None:  # (splits given too, checked above)
+            sources, rank = _counts("rows_per_rank", rows_per_rank, world), group_fact(group, "rank", dist.get_rank)
+            if sources[rank] != m:
+                raise ValueError(f"rows_per_rank[{rank}] is {sources[rank]}, but this rank's a has M={m} rows")
+            return Exchange(collective, send, recv, sum(recv), uniform=False, sources=sources)
         # without splits every rank splits its M (the same everywhere) evenly: then even is known
         return Exchange(collective, send, recv, sum(recv), uniform=splits is None and recv == even)
     if splits is None or world == 1:  # (one rank: nothing to exchange)
