@@ -21,6 +21,7 @@ NCCL_DEBUG=INFO NCCL_DEBUG_SUBSYS=TUNING shows which kernel NCCL picked ("[Symme
 from __future__ import annotations
 
 import argparse
+import functools
 import os
 import sys
 
@@ -105,19 +106,20 @@ def main() -> int:
                 group = comm.Direct(group, torch.device("cuda", local))
             gemm = gemms[f"gemm{ctas}"]
 
-            def alone(i, send=send, recv=recv, group=group, collective=collective):
-                chunked(collective, send, recv, group)
-
-            def both(i, send=send, recv=recv, group=group, collective=collective, gemm=gemm):
+            # the chunks always on the side stream, as in an overlapped call: NCCL's copy-engine
+            # collectives (cudaMemcpyBatchAsync) reject torch's default stream, the legacy one
+            # (what crashed this probe's ce_direct runs in stop 20)
+            def run(i, with_gemm, send=send, recv=recv, group=group, collective=collective, gemm=gemm):
                 caller = torch.cuda.current_stream()
                 side.wait_stream(caller)
-                gemm(i)
+                if with_gemm:
+                    gemm(i)
                 with torch.cuda.stream(side):
                     chunked(collective, send, recv, group)
                 caller.wait_stream(side)
 
-            variants[f"{collective}:{mode}{ctas}"] = alone
-            variants[f"{collective}:both_{mode}{ctas}"] = both
+            variants[f"{collective}:{mode}{ctas}"] = functools.partial(run, with_gemm=False)
+            variants[f"{collective}:both_{mode}{ctas}"] = functools.partial(run, with_gemm=True)
         times = time_variants(variants, args.rounds, args.block, warmup=3)
         if dist.get_rank() == 0:
             for name, t in times.items():

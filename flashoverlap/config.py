@@ -33,6 +33,11 @@ class OverlapConfig:
     swizzle: tile raster in panels this many tiles wide (1, 2, 4, 8; persistent scheduler only) for
       L2 reuse; the scheduler applies less where the tile grid is small (plan.effective_swizzle).
     comm_sms: SMs left out of the GEMM's persistent grid so NCCL kernels can run beside it.
+    late_budget: leave the ``comm_sms`` SMs only from the wave after which the rest of the grid
+      still ends the GEMM in as many waves as every SM does (plan.late_after): the CTAs on them stop
+      there and NCCL's kernels, queued behind the GEMM, take their SMs. The early groups' collectives
+      wait until then, but the budget costs the GEMM no wave (where it does: 116 SMs take 9 waves
+      of 1024 tiles, 132 take 8). Hopper kernels (``sm90``), persistent scheduler, ``cluster_m`` 1.
     partition: waves per group, summing to the GEMM's wave count; ``None`` picks a default.
     layout: ``rows`` (groups rounded to row bands, stored in place; all-reduce, and reduce-scatter /
       all-to-all with a rotated schedule, a send / receive per group), ``tiles`` (exact wave
@@ -62,6 +67,7 @@ class OverlapConfig:
     scheduler: str = "persistent"
     swizzle: int = 1
     comm_sms: int = 16
+    late_budget: bool = False
     partition: tuple[int, ...] | None = None
     layout: str = "auto"
     epilogue: str = "auto"
@@ -124,6 +130,11 @@ def _problems(cfg: OverlapConfig) -> list[str]:
         problems.append(f"swizzle {cfg.swizzle} needs scheduler 'persistent' (stream-K tiles are planned unswizzled)")
     if cfg.comm_sms < 0:
         problems.append(f"comm_sms must be >= 0, got {cfg.comm_sms}")
+    if cfg.late_budget is True and (cfg.scheduler != "persistent" or cfg.cluster_m != 1):
+        problems.append(
+            f"late_budget stops CTAs of the persistent schedule one by one: scheduler 'persistent' and "
+            f"cluster_m 1, got {cfg.scheduler!r} and {cfg.cluster_m}"
+        )
     if cfg.partition is not None and (
         not cfg.partition or any(not isinstance(w, int) or isinstance(w, bool) or w < 1 for w in cfg.partition)
     ):
@@ -138,7 +149,7 @@ def _problems(cfg: OverlapConfig) -> list[str]:
         )
     if cfg.reduction not in REDUCTIONS:
         problems.append(f"reduction must be one of {list(REDUCTIONS)}, got {cfg.reduction!r}")
-    for name in ("sequential", "symmetric"):
+    for name in ("sequential", "symmetric", "late_budget"):
         if not isinstance(getattr(cfg, name), bool):
             problems.append(f"{name} must be true or false, got {getattr(cfg, name)!r}")
     return problems
@@ -229,6 +240,8 @@ def _family_problems(cfg: OverlapConfig, family: str, epilogue: str) -> list[str
     problems = validate_instance(*_instance(cfg, family), family=family)
     if family == "sm80" and epilogue == "tma":
         problems.append("epilogue 'tma' is a Hopper (sm90) kernel's; the sm80 kernels write through CUTLASS 2.x's")
+    if family == "sm80" and cfg.late_budget:  # two resident CTAs per SM: those that stop free no whole SM
+        problems.append("late_budget is for the Hopper (sm90) kernels")
     return problems
 
 

@@ -40,7 +40,7 @@ from .comm import Exchange
 from .comm.nccl import group_fact
 from .config import OverlapConfig, differences, for_collective, for_device, kernel_spec, resolve, takes_every_call
 from .gemm import SignalGemm, get_kernel
-from .plan import Plan, make_plan, rotation_rows, spare_sms
+from .plan import Plan, late_after, make_plan, rotation_rows, scheduled_tiles
 
 DTYPES = {torch.bfloat16: "bfloat16", torch.float16: "float16"}
 WEIGHT_LAYOUTS = ("nk", "kn")
@@ -134,6 +134,7 @@ class Prepared:
             self.plan.swizzle,
             self.plan.rotate,
             self.plan.interleave,
+            (self.plan.keep, self.plan.after),
             stream,
         )
 
@@ -202,13 +203,13 @@ def prepare(
 def _kernel(
     dtype: torch.dtype, weight_layout: str, device: torch.device, cfg: OverlapConfig
 ) -> tuple[OverlapConfig, SignalGemm, int]:
-    """``cfg`` completed for the device, its kernel, and the SMs that kernel's grid gets."""
+    """``cfg`` completed for the device, its kernel, and the SMs that kernel's grid gets (every SM
+    under a late budget: its plan keeps ``comm_sms`` of them for the last waves only)."""
     cfg, spec = kernel_spec(cfg, DTYPES[dtype], weight_layout, torch.cuda.get_device_capability(device))
     total_sms = torch.cuda.get_device_properties(device).multi_processor_count
-    sm_count = total_sms - cfg.comm_sms
-    if sm_count < 1:
+    if total_sms - cfg.comm_sms < 1:
         raise ValueError(f"comm_sms={cfg.comm_sms} leaves no SM for the GEMM on {device} ({total_sms} SMs)")
-    return cfg, get_kernel(spec), sm_count
+    return cfg, get_kernel(spec), total_sms if cfg.late_budget else total_sms - cfg.comm_sms
 
 
 def _plan(
@@ -224,6 +225,7 @@ def _plan(
     """The plan of a GEMM ``shape`` on ``kernel``'s grid (see :func:`prepare`)."""
     m, n, k = shape
     index, along_m = device.index, cfg.layout == "cols"
+    keep = kernel.num_ctas(m, n, k, sm_count - cfg.comm_sms, index, along_m, cfg.swizzle) if cfg.late_budget else 0
     return make_plan(
         m,
         n,
@@ -238,6 +240,7 @@ def _plan(
         rotate=rotate // cfg.tile_m,
         interleave=interleave,
         column_groups=columns,
+        keep=keep,
     )
 
 
@@ -560,10 +563,11 @@ def decide(
             return plain(f"{source} make one group, nothing to overlap")
         candidates = [cfg]
         # (on the shape every rank decides on: candidates that differ by rank would hang in NCCL)
-        light = lighter(cfg, shape, preps[0].sm_count + cfg.comm_sms) if timed else None
-        if light is not None and (light_prep := planned(light)).plan.num_groups > 1:
-            candidates.append(light)
-            preps.append(light_prep)
+        total_sms = preps[0].sm_count + cfg.comm_sms
+        late = later(cfg, shape, total_sms, torch.cuda.get_device_capability(a.device)) if timed else None
+        if late is not None and (late_prep := planned(late)).plan.num_groups > 1:
+            candidates.append(late)
+            preps.append(late_prep)
         full = group if group is not None else dist.group.WORLD
         for c, prep in zip(candidates, preps):
             call = (collective, "ragged" if ex.ragged else m, n, k, a.dtype, weight_layout, a.device.index, c)
@@ -587,22 +591,29 @@ def decide(
         return Decision(ex, cfg, prep, budgets[pick], tail)
 
 
-FEWEST_COMM_SMS = 4  # NCCL on 2 CTAs fell far behind even a long GEMM (0.68x); on 4 it kept up (stop 21)
-
-
-@functools.lru_cache(maxsize=1024)  # every call of a timed shape asks (~8 us of numpy each, uncached)
-def lighter(cfg: OverlapConfig, shape: tuple[int, int, int], total_sms: int) -> OverlapConfig | None:
-    """``cfg`` leaving NCCL as few SMs as the GEMM ``shape``'s whole-GPU grid spares at no cost, at
-    least :data:`FEWEST_COMM_SMS` (the default partition): where the GEMM is long beside its
-    collective, a few CTAs move the data during it and the GEMM keeps its waves (1.05x where 16 SMs
-    for NCCL lost, 0.93x: 4096x8192x28672, two H200s); None where that is not fewer SMs than
-    ``cfg``'s. ``shape``: what every rank decides on (the largest M where they differ)."""
+@functools.lru_cache(maxsize=1024)  # every call of a timed shape asks (a replace() validates)
+def later(
+    cfg: OverlapConfig, shape: tuple[int, int, int], total_sms: int, capability: tuple[int, int]
+) -> OverlapConfig | None:
+    """``cfg`` with its SM budget late (``late_budget``, the default partition for it): the GEMM on
+    every SM until the wave from which the rest still end it in as many waves. Beside GEMMs much
+    longer than their collective it won (two H200s, all-reduce over NVLink: 1.09x where 16 SMs from
+    the start gave 1.04x and 4 SMs 1.02x, 8192x4096x14336; 1.06x against 1.04x, 4096x8192x28672);
+    where the collective is long, NCCL starting that late falls behind (0.95x against 1.10x,
+    4096x8192x8192). None where no late budget can run ``cfg`` (kernels other than Hopper's) or
+    where its budget costs the GEMM ``shape`` no wave anyway. ``shape``: what every rank decides on
+    (the largest M where they differ: candidates that differ by rank would hang in NCCL)."""
     m, n, _ = shape
-    spare = spare_sms(m, n, cfg.tile_m, cfg.tile_n, cfg.cluster_m, cfg.swizzle, total_sms, total_sms)
-    sms = max(FEWEST_COMM_SMS, spare)
-    if cfg.scheduler != "persistent" or cfg.symmetric or sms >= cfg.comm_sms:
+    tiles = scheduled_tiles(m, n, cfg.tile_m, cfg.tile_n, cfg.cluster_m, cfg.swizzle)
+    ctas, keep = min(total_sms, tiles), min(total_sms - cfg.comm_sms, tiles)  # the persistent grids
+    if cfg.late_budget or keep >= ctas or late_after(tiles, ctas, keep) == 0:
         return None
-    return dataclasses.replace(cfg, comm_sms=sms, partition=None)
+    try:
+        late = dataclasses.replace(cfg, late_budget=True, partition=None)
+        for_device(late, capability)
+    except ValueError:
+        return None
+    return late
 
 
 MAX_SAID = 1024
@@ -682,7 +693,8 @@ def trial(
         return 0
     from .bench import time_variants
 
-    names = [f"overlapped, comm_sms {c.comm_sms}" for c in cfgs]  # the candidates differ in their SM budget
+    # the candidates differ in their SM budget
+    names = [f"overlapped, comm_sms {c.comm_sms}{' late' * c.late_budget}" for c in cfgs]
     variants = {"sequential": lambda i: sequential(a, weight, weight_layout, ex, full)}
     for name, prep, budget in zip(names, preps, budgets):
         variants[name] = lambda i, p=prep, b=budget: run_overlapped(p, a, weight, ex, b, tail_group=tail)

@@ -162,20 +162,36 @@ def wave_count(
     return int(wave_of_index(np.array([last]), ctas, stream_k_tiles)[0]) + 1
 
 
-def wave_of_index(index: np.ndarray, ctas: int, stream_k_tiles: int = 0) -> np.ndarray:
-    """Wave in which linear scheduler index ``index`` completes (see :func:`wave_count`)."""
+def wave_of_index(index: np.ndarray, ctas: int, stream_k_tiles: int = 0, keep: int = 0, after: int = 0) -> np.ndarray:
+    """Wave in which linear scheduler index ``index`` completes (see :func:`wave_count`); with
+    ``keep`` > 0, only the first ``keep`` CTAs go on after the whole grid's first ``after`` waves
+    (:func:`late_after`)."""
+    if keep:
+        return np.where(index < after * ctas, index // ctas, after + (index - after * ctas) // keep)
     if not stream_k_tiles:
         return index // ctas
     return np.where(index < stream_k_tiles, 0, 1 + (index - stream_k_tiles) // ctas)
 
 
-def default_partition(num_waves: int) -> tuple[int, ...]:
+def late_after(tiles: int, ctas: int, keep: int) -> int:
+    """Waves a grid of ``ctas`` CTAs works on ``tiles`` before all but its first ``keep`` stop (a
+    late SM budget: the stopped CTAs' SMs go to NCCL): the fewest after which the ``keep`` still
+    finish in as many waves as the whole grid (0 where they need no more waves on their own)."""
+    waves = -(-tiles // ctas)
+    return max(0, -(-(tiles - keep * waves) // (ctas - keep)))
+
+
+def default_partition(num_waves: int, after: int = 0) -> tuple[int, ...]:
     """Waves per group when no config says otherwise.
 
     A one-wave first group starts communication early (what matters when communication is the
     long pole); a one-wave last group keeps the exposed tail short (what matters when the GEMM
-    is); the middle goes in pairs of waves to bound the per-collective latency.
+    is); the middle goes in pairs of waves to bound the per-collective latency. Under a late SM
+    budget (``after`` > 0: no SM for NCCL before that wave ends) the first ``after`` waves are one
+    group, their collectives could not start earlier anyway; the rest as above.
     """
+    if 0 < after < num_waves:
+        return (after, *default_partition(num_waves - after))
     if num_waves <= 3:
         return (1,) * num_waves
     middle = num_waves - 2
@@ -191,6 +207,8 @@ class Plan:
     cluster_m: int
     ctas: int
     stream_k_tiles: int
+    keep: int  # CTAs that go on after the first ``after`` waves (a late SM budget; 0: all of them)
+    after: int
     swizzle: int  # as applied (see effective_swizzle)
     layout: str
     rotate: int  # tile rows the schedule starts at (see the module doc)
@@ -299,10 +317,13 @@ def make_plan(
     rotate: int = 0,
     interleave: int = 1,
     column_groups: Sequence[int] | None = None,
+    keep: int = 0,
 ) -> Plan:
     """Plan C[m, n] computed by a persistent grid of ``ctas`` CTAs; see the module doc.
 
     ``stream_k_tiles``: leading tiles a stream-K schedule splits along K (0: none).
+    ``keep``: a late SM budget: only that many of the CTAs go on after the waves of
+    :func:`late_after` (0, or ``ctas`` and more: all of them throughout).
     ``swizzle``: the most the scheduler may swizzle (see :func:`schedule_order`).
     ``rotate``: tile rows the ``rows`` layout's schedule starts at, a multiple of
     :func:`rotation_rows` / ``tile_m`` below the tile rows (0: none).
@@ -356,6 +377,10 @@ def make_plan(
         raise ValueError(f"stream_k_tiles must be in [0, {len(order_padded)}], got {stream_k_tiles!r}")
     if stream_k_tiles and swizzle > 1:
         raise ValueError("stream-K schedules are planned without swizzle")
+    if not isinstance(keep, (int, np.integer)) or keep < 0 or keep and stream_k_tiles:
+        raise ValueError(f"keep must be an integer >= 0 (CTAs), without stream-K tiles, got {keep!r}")
+    keep = int(keep) if keep < ctas else 0
+    after = late_after(len(order_padded), ctas, keep) if keep else 0
     num_waves = wave_count(m, n, tile_m, tile_n, cluster_m, ctas, stream_k_tiles, swizzle)
     if column_groups is not None:
         column_groups = np.asarray(column_groups, dtype=np.int64)
@@ -368,7 +393,7 @@ def make_plan(
                 f"the same or the next, got {column_groups.tolist()}"
             )
         partition = ()  # none requested: the groups are the columns'
-    partition = tuple(default_partition(num_waves) if partition is None else partition)
+    partition = tuple(default_partition(num_waves, after) if partition is None else partition)
     if any(not isinstance(w, (int, np.integer)) or w < 1 for w in partition):
         raise ValueError(f"group sizes must be positive integers (waves), got {list(partition)}")
     if column_groups is None and sum(partition) != num_waves:
@@ -380,7 +405,7 @@ def make_plan(
     real = order_padded >= 0
     order = order_padded[real]
     wave = np.empty(tiles_m * tiles_n, dtype=np.int64)
-    wave[order] = wave_of_index(np.nonzero(real)[0], ctas, stream_k_tiles)
+    wave[order] = wave_of_index(np.nonzero(real)[0], ctas, stream_k_tiles, keep, after)
     group_of_wave = np.repeat(np.arange(len(partition)), partition)
     mt, nt = np.divmod(np.arange(tiles_m * tiles_n), tiles_n)
     cols = np.minimum(tile_n, n - nt * tile_n)
@@ -411,6 +436,8 @@ def make_plan(
         cluster_m=cluster_m,
         ctas=ctas,
         stream_k_tiles=int(stream_k_tiles),
+        keep=keep,
+        after=after,
         swizzle=scheduler_grid(tiles_m, tiles_n, cluster_m, swizzle)[2],
         layout=layout,
         rotate=int(rotate),

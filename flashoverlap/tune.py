@@ -98,7 +98,8 @@ class Problem:
     of wave w added or copied into the result after the group's collective (the own segment in
     the ``rows`` layout, a ``local`` all-reduce's sums) and that operation's model (empty /
     None: none); finish_ms: work after the last collective whatever the partition (a ``local``
-    all-reduce's adds where the GEMM leaves them no SM).
+    all-reduce's adds where the GEMM leaves them no SM); start_wave: collectives start after this
+    wave at the earliest (a late SM budget's first waves leave NCCL no SM: plan.late_after).
     """
 
     wave_bytes: tuple[float, ...]
@@ -109,6 +110,7 @@ class Problem:
     local_bytes: tuple[float, ...] = ()
     local: CommModel | None = None
     finish_ms: float = 0.0
+    start_wave: int = 0
 
     @property
     def num_waves(self) -> int:
@@ -150,7 +152,7 @@ def makespan(problem: Problem, partition: Sequence[int]) -> float:
         kept = local[done + waves] - local[done]
         done += waves
         model = problem.tail if g == len(partition) - 1 else problem.during
-        end = max(end, done * problem.wave_ms) + problem.group_ms(model, nbytes, kept)
+        end = max(end, max(done, problem.start_wave) * problem.wave_ms) + problem.group_ms(model, nbytes, kept)
     return max(end + problem.finish_ms, problem.host.time_ms(len(partition)))
 
 
@@ -160,7 +162,8 @@ def best_partition(problem: Problem) -> tuple[tuple[int, ...], float]:
     ``finish[g, j]``: earliest end of the collectives of waves 1..j split into g groups, the last
     ending at wave j. A later finish never lets a later group start earlier, so the best prefix is
     the one to extend: finish[g, j] = min over i < j of max(finish[g - 1, i], j * wave_ms) +
-    comm(waves i+1..j), the last group costed on the full communicator. The host time depends on
+    comm(waves i+1..j) (no start before wave ``start_wave``), the last group costed on the full
+    communicator. The host time depends on
     the group count alone, so the answer is the best over g of max(finish[g, W], host(g)).
     O(waves^3), vectorised over the split point.
     """
@@ -173,7 +176,7 @@ def best_partition(problem: Problem) -> tuple[tuple[int, ...], float]:
         for j in range(g, total + 1):
             model = problem.tail if j == total else problem.during
             i = np.arange(g - 1, j)
-            t = np.maximum(finish[g - 1, i], j * problem.wave_ms) + problem.group_ms(
+            t = np.maximum(finish[g - 1, i], max(j, problem.start_wave) * problem.wave_ms) + problem.group_ms(
                 model, prefix[j] - prefix[i], local[j] - local[i]
             )
             best = int(np.argmin(t))
@@ -221,10 +224,12 @@ def choose(problem: Problem, sequential_ms: float, margin: float = 0.02) -> Choi
 # Per collective; reduce-scatter / all-to-all also try the row-band layout (equal splits), with
 # 4 SMs too: 128 CTAs make whole waves of the 1024-, 2048- and 4096-tile grids of the suite
 # (the kernel then runs at cuBLAS speed). All-reduce rings on 4 CTAs are too slow beside a GEMM as
-# long as the collective (0.82x) but keep up beside a longer one (1.05x, 4096x8192x28672, stop 21).
+# long as the collective (0.82x) but keep up beside a longer one (1.05x, 4096x8192x28672, stop 21);
+# there a late budget did better still (1.06x; 1.09x on 8192x4096x14336, stop 22).
 DEFAULT_CANDIDATES = {
     "all_reduce": (
         {},
+        {"late_budget": True},
         {"comm_sms": 4},
         {"comm_sms": 8},
         {"comm_sms": 24},
@@ -495,7 +500,7 @@ def tune_shape(
         if None in comm_models:
             problems.append(None)
             continue
-        problems.append(Problem(sent, per_wave_ms, *comm_models, host, kept, local))
+        problems.append(Problem(sent, per_wave_ms, *comm_models, host, kept, local, start_wave=prep.plan.after))
         if pattern == "all_gather":
             problems[-1] = with_local_adds(problems[-1], _local_model(pattern, dtype, rounds), cfg.comm_sms)
         choices.append((choose(problems[-1], sequential_ms, margin), j))

@@ -44,7 +44,7 @@ def random_plan_args(
     default_share: float = 0.3,
 ) -> dict:
     """make_plan keyword arguments (all but ``layout``) for a random problem: edge tiles, clusters,
-    stream-K, swizzles, random or default partitions."""
+    stream-K, swizzles, late SM budgets, random or default partitions."""
     tile_m, tile_n = int(rng.choice([128, 256])), int(rng.choice([64, 128, 256]))
     m = int(rng.integers(1, max_tiles * tile_m))
     n = 8 * int(rng.integers(1, max_tiles * tile_n // 8))
@@ -52,6 +52,7 @@ def random_plan_args(
     padded = scheduled_tiles(m, n, tile_m, tile_n, cluster_m)
     stream_k = int(rng.integers(0, padded + 1)) if rng.random() < stream_k_share else 0
     swizzle = 1 if stream_k else int(rng.choice([1, 2, 4, 8]))
+    keep = int(rng.integers(1, ctas)) if ctas > 1 and not stream_k and rng.random() < 0.3 else 0  # late budget
     waves = wave_count(m, n, tile_m, tile_n, cluster_m, ctas, stream_k, swizzle)
     partition = None if rng.random() < default_share else random_partition(rng, waves)
     return dict(
@@ -64,6 +65,7 @@ def random_plan_args(
         stream_k_tiles=stream_k,
         partition=partition,
         swizzle=swizzle,
+        keep=keep,
     )
 
 

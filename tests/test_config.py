@@ -64,6 +64,10 @@ def test_auto_layout_epilogue_kernel_and_tile_k_follow_collective_and_device():
         for_device(OverlapConfig(tile_m=64, layout="rows"), HOPPER)
     with pytest.raises(ValueError, match=r"cannot run on sm_86: scheduler 'streamk' not in"):
         for_device(OverlapConfig(scheduler="streamk", layout="rows"), (8, 6))
+    # a late budget is the Hopper kernels': on an Ampere GPU no family takes it
+    assert for_device(OverlapConfig(late_budget=True, layout="rows"), HOPPER)[0].kernel == "sm90"
+    with pytest.raises(ValueError, match="late_budget is for the Hopper"):
+        for_device(OverlapConfig(late_budget=True, layout="rows"), (8, 0))
 
 
 @pytest.mark.parametrize(
@@ -93,6 +97,10 @@ def test_auto_layout_epilogue_kernel_and_tile_k_follow_collective_and_device():
         ({"swizzle": 3}, r"swizzle must be one of \[1, 2, 4, 8\], got 3"),
         ({"swizzle": 2.0}, "swizzle must be an integer"),
         ({"swizzle": 4, "scheduler": "streamk"}, "swizzle 4 needs scheduler 'persistent'"),
+        ({"late_budget": 1}, "late_budget must be true or false"),
+        ({"late_budget": True, "scheduler": "streamk"}, "late_budget stops CTAs of the persistent schedule"),
+        ({"late_budget": True, "cluster_m": 2}, r"cluster_m 1, got 'persistent' and 2"),
+        ({"late_budget": True, "kernel": "sm80"}, "late_budget is for the Hopper"),
     ],
 )
 def test_invalid_values_are_named(data, message):

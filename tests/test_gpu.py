@@ -32,6 +32,9 @@ CONFIGS = [
     ("bfloat16", "nk", OverlapConfig(scheduler="streamk", layout="tiles")),
     ("bfloat16", "nk", OverlapConfig(tile_m=256, tile_n=128, layout="tiles")),
     ("bfloat16", "nk", OverlapConfig(tile_n=128, comm_sms=20)),
+    # late SM budgets: CTAs stop after the first waves (their tiles taken by the rest)
+    ("bfloat16", "nk", OverlapConfig(late_budget=True)),
+    ("bfloat16", "nk", OverlapConfig(late_budget=True, comm_sms=40, swizzle=4, layout="cols")),
     ("bfloat16", "kn", OverlapConfig()),
     ("float16", "nk", OverlapConfig(layout="tiles")),
     ("float16", "nk", OverlapConfig()),
@@ -233,18 +236,18 @@ def test_column_parallel_linear_on_one_gpu(nccl_one_rank, sequence_parallel):
 
 
 def test_an_untuned_call_is_timed_once_against_sequential(nccl_one_rank, capfd):
-    """overlap.trial on a group of one rank: real timing of the defaults, the same with fewer SMs
-    for NCCL and the plain path, decided once per plans and communicators, the inputs and counters
+    """overlap.trial on a group of one rank: real timing of the defaults, the same with its SM
+    budget late and the plain path, decided once per plans and communicators, the inputs and counters
     left as they were."""
     m, n, k = 2048, 4096, 1024
     a, w, ref = operands(m, n, k, torch.bfloat16, "nk", seed=5)
     snapshot = a.clone()
     cfg = for_collective(OverlapConfig(), "all_reduce")
     prep = prepare(m, n, k, torch.bfloat16, "nk", a.device, cfg)
-    light = overlap.lighter(cfg, (m, n, k), prep.sm_count + cfg.comm_sms)
-    assert light is not None and light.comm_sms < cfg.comm_sms
-    cfgs = [cfg, light]
-    preps = [prep, prepare(m, n, k, torch.bfloat16, "nk", a.device, light)]
+    late = overlap.later(cfg, (m, n, k), prep.sm_count + cfg.comm_sms, torch.cuda.get_device_capability())
+    assert late is not None and late.late_budget
+    cfgs = [cfg, late]
+    preps = [prep, prepare(m, n, k, torch.bfloat16, "nk", a.device, late)]
     ex = comm.exchange("all_reduce", m, 1)
     budgets = [overlap.budget_communicator(c, "all_reduce", dist.group.WORLD, a.device) for c in cfgs]
     overlap._trials.clear()

@@ -27,6 +27,7 @@ CONFIGS = [
     OverlapConfig(scheduler="streamk", comm_sms=12),
     OverlapConfig(kernel="sm80"),
     OverlapConfig(swizzle=4),
+    OverlapConfig(late_budget=True),  # NCCL's SMs from the last waves on
     OverlapConfig(symmetric=True),  # NCCL symmetric-memory kernels
     OverlapConfig(layout="tiles", symmetric=True),
     OverlapConfig(reduction="local"),  # partial sums all-gathered, then added
@@ -103,6 +104,8 @@ SPLIT_CONFIGS = [
     OverlapConfig(layout="segments"),  # each group: the same rows of every segment, one collective
     OverlapConfig(layout="segments", kernel="sm80", tile_n=128),
     OverlapConfig(layout="segments", symmetric=True, comm_sms=4),
+    OverlapConfig(layout="segments", late_budget=True),
+    OverlapConfig(layout="rows", late_budget=True, comm_sms=24),
 ]
 
 

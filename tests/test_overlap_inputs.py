@@ -182,7 +182,7 @@ def test_which_path_a_call_takes(
     assert plan.num_groups == waves and [p for p in taken if p != "planned"] == paths
     # one wave without config, or a sequential entry for the shape: not even planned
     assert ("planned" in taken) == ((config is not None or waves > 1) and tuned != ({"sequential": True}, True))
-    # (the plan's one-tile-wide waves leave NCCL more SMs than the defaults do: no lighter candidate)
+    # (3 tiles: a late budget saves no wave, no second candidate)
     assert trials == [["overlapped, comm_sms 16", "sequential"]] * timed
     what = f"[flashoverlap] all_reduce {plan.m}x{plan.n}x64 bfloat16, 1 rank: "
     lines = [line for line in capfd.readouterr().err.splitlines() if line.startswith(what)]
@@ -190,34 +190,33 @@ def test_which_path_a_call_takes(
 
 
 @pytest.mark.parametrize(
-    ("m", "n", "want"),
+    ("m", "n", "late"),
     [
-        (4096, 8192, 4),  # 1024 tiles: 8 waves on 128 of 132 SMs, as on all 132
-        (128 * 60, 1024, 12),  # 240 tiles: 2 waves on 120 SMs
-        (128 * 33, 1024, 4),  # 132 tiles: one wave on 132 SMs, 2 on fewer (as on the defaults' 116)
-        (128 * 50, 1024, None),  # 200 tiles: 2 waves on 100 SMs, more than the defaults leave NCCL
+        (4096, 8192, True),  # 1024 tiles: 9 waves on the defaults' 116 SMs, 8 on all 132
+        (128 * 33, 1024, True),  # 132 tiles: one wave on 132 SMs, 2 on 116
+        (128 * 29, 1024, False),  # 116 tiles: one wave either way
+        (128 * 60, 1024, True),  # 240 tiles: 3 waves on 116 SMs, 2 on 132
+        (128 * 50, 1024, False),  # 200 tiles: 2 waves either way
     ],
 )
-def test_the_lighter_candidate_keeps_the_waves_of_the_whole_gpu(m, n, want):
+def test_the_later_candidate_is_the_config_with_its_budget_late_where_that_saves_a_wave(m, n, late):
     from flashoverlap import overlap
     from flashoverlap.config import OverlapConfig
-    from flashoverlap.plan import wave_count
 
     cfg = OverlapConfig(partition=(1,) * 99)  # a partition belongs to its waves: dropped
-    light = overlap.lighter(cfg, (m, n, 64), 132)
-    assert light == (None if want is None else OverlapConfig(comm_sms=want))
-    if want is None:
+    assert overlap.later(cfg, (m, n, 64), 132, (9, 0)) == (OverlapConfig(late_budget=True) if late else None)
+    if not late:
         return
-    waves = {sms: wave_count(m, n, 128, 256, 1, 132 - sms) for sms in (0, want - 1, want, cfg.comm_sms)}
-    assert waves[want] == waves[0] or want == overlap.FEWEST_COMM_SMS  # whole-GPU waves, or the fewest SMs
-    assert waves[want - 1] <= waves[want] <= waves[cfg.comm_sms]
-    for other in ({"symmetric": True}, {"scheduler": "streamk"}, {"comm_sms": want}):
-        assert overlap.lighter(OverlapConfig(**other), (m, n, 64), 132) is None
+    assert overlap.later(OverlapConfig(comm_sms=24), (m, n, 64), 132, (9, 0)).comm_sms == 24
+    others = ({"late_budget": True}, {"comm_sms": 0}, {"scheduler": "streamk"}, {"cluster_m": 2}, {"kernel": "sm80"})
+    for other in others:
+        assert overlap.later(OverlapConfig(**other), (m, n, 64), 132, (9, 0)) is None
+    assert overlap.later(cfg, (m, n, 64), 108, (8, 0)) is None  # no Hopper kernels: no late budget
 
 
 def test_a_timed_call_runs_the_fastest_candidate(one_rank_group, monkeypatch):
-    """A call without a tuned config times the defaults, the same with NCCL on fewer SMs
-    (:func:`overlap.lighter`) and sequential once; the fastest runs, with its own plan and communicator."""
+    """A call without a tuned config times the defaults, the same with its SM budget late
+    (:func:`overlap.later`) and sequential once; the fastest runs, with its own plan and communicator."""
     from flashoverlap import bench, overlap
     from flashoverlap.plan import make_plan
 
@@ -225,8 +224,9 @@ def test_a_timed_call_runs_the_fastest_candidate(one_rank_group, monkeypatch):
     preps, ran = {}, []
 
     def prepare(m, n, k, dtype, layout, device, cfg, *args):
-        plan = make_plan(m, n, tile_m=128, tile_n=256, cluster_m=1, ctas=132 - cfg.comm_sms, layout="rows")
-        return preps.setdefault(cfg.comm_sms, overlap.Prepared(plan, *(None,) * 5, 132 - cfg.comm_sms, None))
+        sms = 132 if cfg.late_budget else 132 - cfg.comm_sms
+        plan = make_plan(m, n, tile_m=128, tile_n=256, cluster_m=1, ctas=sms, layout="rows", keep=132 - cfg.comm_sms)
+        return preps.setdefault(cfg.late_budget, overlap.Prepared(plan, *(None,) * 5, sms, None))
 
     monkeypatch.setattr(overlap, "_trials", type(overlap._trials)())
     monkeypatch.setattr(overlap, "world_size", lambda group: 2)
@@ -240,13 +240,14 @@ def test_a_timed_call_runs_the_fastest_candidate(one_rank_group, monkeypatch):
     monkeypatch.setattr(overlap, "check_agreement", lambda *args: None)
     monkeypatch.setattr(overlap, "budget_communicator", lambda cfg, *args: f"budget {cfg.comm_sms}")
     monkeypatch.setattr(overlap, "run_overlapped", lambda prep, a, w, ex, budget, **kw: ran.append((prep, budget)))
-    times = {"sequential": 1.0, "overlapped, comm_sms 16": 0.95, "overlapped, comm_sms 4": 0.9}
+    times = {"sequential": 1.0, "overlapped, comm_sms 16": 0.95, "overlapped, comm_sms 16 late": 0.9}
     monkeypatch.setattr(bench, "time_variants", lambda variants, *args, **kwargs: {v: times[v] for v in variants})
     for _ in range(2):
         flashoverlap.gemm_all_reduce(bf16(m, 64), bf16(n, 64))
-    assert ran == [(preps[4], "budget 4")] * 2 and len(overlap._trials) == 1
+    assert ran == [(preps[True], "budget 16")] * 2 and len(overlap._trials) == 1
+    assert (preps[True].plan.after, preps[True].plan.partition) == (6, (6, 1, 1))
     chosen = overlap.decide(bf16(m, 64), bf16(n, 64), "all_reduce")
-    assert chosen.config.comm_sms == 4 and chosen.prep is preps[4]
+    assert chosen.config.late_budget and chosen.prep is preps[True]
 
 
 @pytest.mark.parametrize("config", [None, {}])
@@ -309,8 +310,8 @@ def test_ranks_with_different_m_decide_on_the_largest_and_share_its_columns(one_
     from flashoverlap import comm, overlap
     from flashoverlap.plan import make_plan
 
-    # the largest M's grid spares NCCL more SMs than the defaults leave (no lighter candidate), this
-    # rank's own would spare 4: every rank must time the same candidates
+    # the largest M's grid takes as many waves with the defaults' budget as without (no late
+    # candidate), this rank's own would not: every rank must time the same candidates
     m, n, k, largest = 1000, 4096, 64, 2500
     ex = comm.Exchange("all_to_all", (500, 500), (500, 1500), 2000, uniform=False, sources=(m, largest))
     shared = make_plan(largest, n, tile_m=128, tile_n=256, cluster_m=1, ctas=16, layout="cols").column_groups

@@ -12,6 +12,7 @@ from flashoverlap.plan import (
     SLOT_DTYPE,
     default_partition,
     effective_swizzle,
+    late_after,
     make_plan,
     rotation_rows,
     schedule_order,
@@ -263,6 +264,58 @@ def test_stream_k_waves():
     assert plan.tiles_per_group == (6, 4) and plan.stream_k_tiles == 6
     with pytest.raises(ValueError, match="stream_k_tiles"):
         make_plan(256, 256, tile_m=128, tile_n=256, cluster_m=1, ctas=1, stream_k_tiles=3)
+
+
+def late_steps(tiles: int, ctas: int, keep: int, after: int) -> np.ndarray:
+    """The step (the CTA's how-manieth tile) at which each linear index is taken: a transcription of
+    RotatingTileScheduler::linear_index (csrc/rotating_scheduler.cuh), CTA by CTA."""
+    step_of = np.full(tiles, -1)
+    for cta in range(ctas):
+        for step in range(tiles + 1):
+            if keep == 0 or step < after:
+                index = cta + step * ctas
+            elif cta >= keep:
+                break
+            else:
+                index = after * ctas + (step - after) * keep + cta
+            if index >= tiles:
+                break
+            assert step_of[index] == -1, f"index {index} taken twice"
+            step_of[index] = step
+    return step_of
+
+
+def test_late_budget_keeps_the_whole_grids_waves():
+    # 1024 tiles on 132 SMs take 8 waves; 16 SMs for NCCL from the start cost a ninth (116 CTAs),
+    # from the end of wave 6 on none; 4 SMs cost none even from the start
+    assert wave_count(4096, 8192, 128, 256, 1, 132) == 8 and wave_count(4096, 8192, 128, 256, 1, 116) == 9
+    assert late_after(1024, 132, 116) == 6 and late_after(1024, 132, 128) == 0
+    # 10 tiles on 4 CTAs, 2 going on after the first wave
+    assert wave_of_index(np.arange(10), 4, keep=2, after=1).tolist() == [0] * 4 + [1, 1, 2, 2, 3, 3]
+    rng = np.random.default_rng(5)
+    for _ in range(300):
+        ctas = int(rng.integers(2, 140))
+        tiles, keep = int(rng.integers(1, 12 * ctas)), int(rng.integers(1, ctas))
+        after = late_after(tiles, ctas, keep)
+        steps = late_steps(tiles, ctas, keep, after)
+        assert (steps >= 0).all(), "a tile nobody takes"
+        assert steps.tolist() == wave_of_index(np.arange(tiles), ctas, keep=keep, after=after).tolist()
+        waves = -(-tiles // ctas)
+        assert steps.max() + 1 == waves, "the late budget cost a wave"
+        if after:  # the fewest: stopping a wave earlier would cost one
+            assert late_steps(tiles, ctas, keep, after - 1).max() + 1 > waves
+
+
+def test_late_budget_plans():
+    args = dict(tile_m=128, tile_n=256, cluster_m=1, ctas=132)
+    plain, late = make_plan(4096, 8192, **args), make_plan(4096, 8192, **args, keep=116)
+    assert (late.keep, late.after, late.num_waves) == (116, 6, plain.num_waves) and plain.keep == plain.after == 0
+    assert (late.wave[late.order] == wave_of_index(np.arange(1024), 132, keep=116, after=6)).all()
+    assert make_plan(4096, 8192, **args, keep=132).keep == 0  # every CTA goes on: no late budget
+    with pytest.raises(ValueError, match="keep"):
+        make_plan(4096, 8192, **args, keep=100, stream_k_tiles=64)
+    with pytest.raises(ValueError, match="keep"):
+        make_plan(4096, 8192, **args, keep=-1)
 
 
 def test_counter_targets_and_slot_table():

@@ -1,5 +1,7 @@
 """The tuner's cost model and partition search on synthetic problems (CPU)."""
 
+import dataclasses
+
 import numpy as np
 import pytest
 
@@ -47,6 +49,22 @@ def test_the_search_stays_exact_with_host_time_per_group():
         partition, best = best_partition(hosted)
         brute = min(makespan(hosted, c) for c in partitions(p.num_waves))
         assert best == pytest.approx(brute) and makespan(hosted, partition) == pytest.approx(best)
+
+
+def test_the_search_stays_exact_when_collectives_wait_for_a_late_budget():
+    rng = np.random.default_rng(6)
+    for _ in range(40):
+        p = problem(rng)
+        late = dataclasses.replace(p, start_wave=int(rng.integers(0, p.num_waves + 1)))
+        partition, best = best_partition(late)
+        brute = min(makespan(late, c) for c in partitions(p.num_waves))
+        assert best == pytest.approx(brute) and makespan(late, partition) == pytest.approx(best)
+        assert best >= best_partition(p)[1] - 1e-12  # waiting never helps the communication
+    # one wave per group, 1 ms each of GEMM and of collective: the first group's collective waits
+    # for the end of wave 2 instead of 1, and pushes the rest (1 ms per group from then on)
+    paced = Problem((1.0,) * 4, 1.0, CommModel(0.0, 1.0), CommModel(0.0, 1.0))
+    assert makespan(paced, (1, 1, 1, 1)) == pytest.approx(5.0)
+    assert makespan(dataclasses.replace(paced, start_wave=2), (1, 1, 1, 1)) == pytest.approx(6.0)
 
 
 def test_the_search_stays_exact_with_rows_kept_locally():

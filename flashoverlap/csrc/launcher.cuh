@@ -37,24 +37,27 @@ int stream_k_tiles(P const&, long) {
   return 0;
 }
 
-// Tile rows rotated or interleaved (rotating_scheduler.cuh); stream-K schedulers take neither (the
-// planner refuses).
+// Tile rows rotated or interleaved, a late SM budget (rotating_scheduler.cuh); stream-K schedulers
+// take none of them (the planner refuses).
 template <class A>
-auto set_rows(A& args, int rotate_m, int interleave, int) -> decltype(void(args.rotate_m = rotate_m)) {
+auto set_rows(A& args, int rotate_m, int interleave, int keep, int after, int)
+    -> decltype(void(args.rotate_m = rotate_m)) {
   args.rotate_m = rotate_m;
   args.interleave = interleave;
+  args.keep = keep;
+  args.after = after;
 }
 template <class A>
-void set_rows(A&, int, int, long) {}
+void set_rows(A&, int, int, int, int, long) {}
 
 typename Kernel::TileSchedulerArguments scheduler_arguments(int along_m, int swizzle, int rotate_m = 0,
-                                                            int interleave = 1) {
+                                                            int interleave = 1, int keep = 0, int after = 0) {
   typename Kernel::TileSchedulerArguments sched{};
   // The raster the planner was told (flashoverlap.plan.schedule_order): along N (or M), swizzle.
   using Raster = cutlass::gemm::kernel::detail::RasterOrderOptions;
   sched.max_swizzle_size = swizzle;
   sched.raster_order = along_m ? Raster::AlongM : Raster::AlongN;
-  set_rows(sched, rotate_m, interleave, 0);
+  set_rows(sched, rotate_m, interleave, keep, after, 0);
   return sched;
 }
 
@@ -69,7 +72,7 @@ int fo_signals_per_tile() { return Epilogue::kSignalsPerTile; }
 typename Gemm::Arguments gemm_arguments(void const* a, void const* b, void* out, void const* tiles,
                                         unsigned* counters, int M, int N, int K, int tiles_m, int tiles_n,
                                         int sm_count, int device, int along_m, int swizzle, int rotate_m,
-                                        int interleave) {
+                                        int interleave, int keep, int after) {
   auto stride_a = cutlass::make_cute_packed_stride(typename Kernel::StrideA{}, cute::make_shape(M, K, 1));
   auto stride_b = cutlass::make_cute_packed_stride(typename Kernel::StrideB{}, cute::make_shape(N, K, 1));
   return typename Gemm::Arguments{
@@ -79,7 +82,7 @@ typename Gemm::Arguments gemm_arguments(void const* a, void const* b, void* out,
       Epilogue::make_arguments(static_cast<Element*>(out), static_cast<flashoverlap::TileSlot const*>(tiles),
                                counters, M, N, tiles_m, tiles_n, interleave > 1),
       hardware(device, sm_count),
-      scheduler_arguments(along_m, swizzle, rotate_m, interleave)};
+      scheduler_arguments(along_m, swizzle, rotate_m, interleave, keep, after)};
 }
 
 typename Kernel::Params schedule(int M, int N, int K, int sm_count, int device, int along_m, int swizzle) {
@@ -108,15 +111,16 @@ int fo_stream_k_tiles(int M, int N, int K, int sm_count, int device, int along_m
 // Bytes of scratch the schedule needs (stream-K partial sums); 0 for plain persistent kernels.
 long long fo_workspace_size(int M, int N, int K, int sm_count, int device, int along_m, int swizzle) {
   auto args =
-      gemm_arguments(nullptr, nullptr, nullptr, nullptr, nullptr, M, N, K, 1, 1, sm_count, device, along_m, swizzle, 0, 1);
+      gemm_arguments(nullptr, nullptr, nullptr, nullptr, nullptr, M, N, K, 1, 1, sm_count, device, along_m, swizzle, 0, 1,
+                     0, 0);
   return static_cast<long long>(Gemm::get_workspace_size(args));
 }
 
 int fo_run(void const* a, void const* b, void* out, void const* tiles, unsigned* counters, void* workspace, int M,
            int N, int K, int tiles_m, int tiles_n, int sm_count, int device, int along_m, int swizzle,
-           int rotate_m, int interleave, void* stream) {
+           int rotate_m, int interleave, int keep, int after, void* stream) {
   auto args = gemm_arguments(a, b, out, tiles, counters, M, N, K, tiles_m, tiles_n, sm_count, device, along_m,
-                             swizzle, rotate_m, interleave);
+                             swizzle, rotate_m, interleave, keep, after);
   Gemm gemm;
   if (gemm.can_implement(args) != cutlass::Status::kSuccess) {
     return fail("can_implement", "CUTLASS rejected the problem (alignment or shape)");

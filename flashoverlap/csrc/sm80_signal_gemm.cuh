@@ -190,7 +190,10 @@ long long fo_workspace_size(int, int, int, int, int, int, int) { return 0; }
 
 int fo_run(void const* a, void const* b, void* out, void const* tiles, unsigned* counters, void*, int M, int N, int K,
            int tiles_m, int tiles_n, int sm_count, int, int along_m, int swizzle, int rotate_m, int interleave,
-           void* stream) {
+           int keep, int, void* stream) {
+  if (keep != 0) {  // two resident blocks per SM: CTAs that stop would free no whole SM
+    return fail("launch", "a late SM budget needs the sm90 kernels");
+  }
   int const grid = grid_size(M, N, sm_count, swizzle);
   if (grid <= 0) {
     return fail("launch", "the kernel cannot be resident on this device (shared memory or threads)");

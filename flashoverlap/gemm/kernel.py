@@ -21,7 +21,7 @@ class SignalGemm:
         for fn in (lib.fo_num_ctas, lib.fo_stream_k_tiles, lib.fo_workspace_size):
             fn.argtypes = [ctypes.c_int] * 7
         lib.fo_workspace_size.restype = ctypes.c_longlong
-        lib.fo_run.argtypes = [ctypes.c_void_p] * 6 + [ctypes.c_int] * 11 + [ctypes.c_void_p]
+        lib.fo_run.argtypes = [ctypes.c_void_p] * 6 + [ctypes.c_int] * 13 + [ctypes.c_void_p]
         self._lib = lib
         self.signals_per_tile: int = lib.fo_signals_per_tile()
 
@@ -51,13 +51,15 @@ class SignalGemm:
         swizzle: int,
         rotate: int,
         interleave: int,
+        late: tuple[int, int],
         stream: torch.cuda.Stream,
     ) -> None:
         """C = a @ B into ``out`` at the tile slots given by ``slots``, bumping ``counters``.
 
         ``tiles`` is the (tiles_m, tiles_n) grid; ``workspace`` holds :meth:`workspace_size` bytes;
         ``rotate``, ``interleave``: the tile row the schedule starts at and the segments it
-        interleaves (plan.schedule_order).
+        interleaves (plan.schedule_order); ``late``: (keep, after), the CTAs that go on after
+        ``after`` waves of the whole grid ((0, 0): all of them; plan.late_after).
         """
         m, k = a.shape
         n = weight.shape[0] if self.spec.weight_layout == "nk" else weight.shape[1]
@@ -79,6 +81,7 @@ class SignalGemm:
             swizzle,
             rotate,
             interleave,
+            *late,
             stream.cuda_stream,
         )
         jit.check(self._lib, status, "fo_last_error")
