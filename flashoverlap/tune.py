@@ -225,11 +225,13 @@ def choose(problem: Problem, sequential_ms: float, margin: float = 0.02) -> Choi
 # 4 SMs too: 128 CTAs make whole waves of the 1024-, 2048- and 4096-tile grids of the suite
 # (the kernel then runs at cuBLAS speed). All-reduce rings on 4 CTAs are too slow beside a GEMM as
 # long as the collective (0.82x) but keep up beside a longer one (1.05x, 4096x8192x28672, stop 21);
-# there a late budget did better still (1.06x; 1.09x on 8192x4096x14336, stop 22).
+# there a late budget did better still (1.06x; 1.09x on 8192x4096x14336, stop 22), and with NCCL's
+# symmetric kernels (faster per CTA over NVLink) also beside 4096x8192x8192 (1.11x against 1.09x).
 DEFAULT_CANDIDATES = {
     "all_reduce": (
         {},
         {"late_budget": True},
+        {"late_budget": True, "symmetric": True},
         {"comm_sms": 4},
         {"comm_sms": 8},
         {"comm_sms": 24},
