@@ -690,6 +690,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     if not shapes:
         parser.error("give --shapes and/or --shapes-file")
     candidates = args.candidates or list(DEFAULT_CANDIDATES[args.collective])
+    if args.transport != "nvlink":  # P2P disabled: calls run without windows (overlap.decide)
+        candidates = [c for c in candidates if not c.get("symmetric")] or parser.error(
+            "symmetric windows need peer access: with P2P disabled the candidates must not all be symmetric"
+        )
     for candidate in candidates:  # before any process group or GPU work
         try:
             for_collective(resolve(candidate), args.collective)

@@ -250,6 +250,26 @@ def test_a_timed_call_runs_the_fastest_candidate(one_rank_group, monkeypatch):
     assert chosen.config.late_budget and chosen.prep is preps[True]
 
 
+@pytest.mark.parametrize("p2p_disabled", [False, True])
+def test_no_window_where_p2p_is_disabled(one_rank_group, monkeypatch, p2p_disabled):
+    """NCCL's symmetric kernels reach peers through CUDA IPC whatever NCCL_P2P_DISABLE says: with
+    P2P disabled a call runs without a window, as where ranks lack peer access."""
+    from flashoverlap import overlap
+    from flashoverlap.plan import make_plan
+
+    plan = make_plan(4096, 8192, tile_m=128, tile_n=256, cluster_m=1, ctas=116, layout="rows")
+    monkeypatch.setenv("NCCL_P2P_DISABLE", "1" if p2p_disabled else "0")
+    monkeypatch.setattr(overlap, "world_size", lambda group: 2)
+    monkeypatch.setattr(overlap, "check_inputs", lambda a, w, layout: (4096, 8192, 64))
+    monkeypatch.setattr(torch.cuda, "device", lambda device: contextlib.nullcontext())
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (9, 0))
+    monkeypatch.setattr(overlap, "prepare", lambda *args: overlap.Prepared(plan, *(None,) * 5, 116, None))
+    monkeypatch.setattr(overlap, "check_agreement", lambda *args: None)
+    monkeypatch.setattr(overlap, "budget_communicator", lambda *args: None)
+    chosen = overlap.decide(bf16(4096, 64), bf16(8192, 64), "all_reduce", config={"symmetric": True})
+    assert chosen.config.symmetric is not p2p_disabled
+
+
 @pytest.mark.parametrize("config", [None, {}])
 def test_a_group_of_one_rank_runs_the_plain_gemm_before_any_lookup(one_rank_group, monkeypatch, capfd, config):
     """The same model run without tensor parallelism pays only the input checks: no registry

@@ -327,6 +327,10 @@ def test_summary_and_cli_errors(capsys, monkeypatch):
         tune.main(["--collective", "reduce_scatter", "--shapes", "8x8x8", "--output", "x.yaml",
                    "--candidates", '{"layout": "tiles"}'])  # fmt: skip
     assert 'candidate {"layout": "tiles"}: reduce_scatter needs layout' in capsys.readouterr().err
+    with pytest.raises(SystemExit):  # P2P disabled: calls run without windows, nothing left to tune
+        tune.main(["--shapes", "8x8x8", "--output", "x.yaml", "--transport", "pcie",
+                   "--candidates", '{"symmetric": true}'])  # fmt: skip
+    assert "symmetric windows need peer access" in capsys.readouterr().err
 
 
 def test_partitions_enumerate_every_split_once():
