@@ -6,8 +6,9 @@
 # (nvidia-cutlass) may sit in .whl/; a prebuilt kernel cache in .kcache/ (python -m flashoverlap.precompile).
 #   tests   GPU and multi-GPU tests (both kernel families; GPU_TESTS=0: multi-GPU ones only)
 #   stress  10,000 random calls checked against the sequential path (STRESS_CALLS)
-#   bench   each collective, NVLink and P2P off: all-reduce with CONFIGS (default: the defaults),
-#           reduce-scatter / all-to-all with the defaults and the rows layout (SHAPES, ROUNDS, TRACE);
+#   bench   each collective, NVLink and P2P off: all-reduce with CONFIGS (default: the registry and the
+#           defaults) and late budgets, reduce-scatter / all-to-all with the registry, the defaults, the
+#           rows and segments layouts (SHAPES, ROUNDS, TRACE); windows over NVLink only;
 #   sm80    the Ampere/Ada kernels forced on Hopper, P2P off: tuned (registry in $OUT/sm80), beside the Hopper ones
 #   swizzle each collective (COLLECTIVES) over NVLink with swizzled rasters beside the plain one
 #   tune    the tuner on bench/suite.yaml, TUNE_COLLECTIVES (all_reduce), NVLink and P2P off (TRANSPORTS) ->
@@ -41,22 +42,25 @@ for step in $steps; do
     for transport in ${TRANSPORTS:-nvlink pcie}; do
       sym=()  # symmetric windows need peer access: NVLink only
       [ "$transport" = nvlink ] && sym=('{"symmetric": true}' '{"symmetric": true, "comm_sms": 4}')
+      late=('{"late_budget": true}')  # NCCL's SMs from the last waves on; in a window over NVLink
+      [ "$transport" = nvlink ] && late+=('{"late_budget": true, "symmetric": true}')
       gather=('{"reduction": "local"}')  # all-gathered partial sums (copy engines with symmetric windows)
       [ "$transport" = nvlink ] && gather+=('{"reduction": "local", "symmetric": true, "comm_sms": 0}' \
         '{"reduction": "local", "symmetric": true, "comm_sms": 4}')  # 4 SMs for the adds, the GEMM's waves kept
       bench "all_reduce_$transport" -- --transport "$transport" --shapes ${SHAPES:-4096x8192x8192 8192x8192x8192} \
-        --configs ${CONFIGS:-'{}'} "${sym[@]}" "${gather[@]}" --nccl c10d direct \
+        --configs ${CONFIGS:-registry '{}'} "${late[@]}" "${sym[@]}" "${gather[@]}" --nccl c10d direct \
         --rounds "${ROUNDS:-15}" --csv "$OUT/all_reduce_$transport.csv" \
         ${TRACE:+--trace "$OUT/trace_$transport.json"}
       rows=('{"layout": "rows"}' '{"layout": "rows", "comm_sms": 4}' '{"layout": "rows", "comm_sms": 24}'
             '{"layout": "segments"}' '{"layout": "segments", "comm_sms": 4}')
       seg=()  # segments in a window: NCCL's symmetric reduce-scatter / copy-engine all-to-all
-      [ "$transport" = nvlink ] && seg=('{"layout": "segments", "symmetric": true, "comm_sms": 4}')
+      [ "$transport" = nvlink ] && seg=('{"layout": "segments", "symmetric": true, "comm_sms": 4}'
+        '{"layout": "rows", "late_budget": true, "symmetric": true}')
       bench "reduce_scatter_$transport" -- --transport "$transport" --collective reduce_scatter \
-        --shapes 16384x8192x4096 --configs '{}' "${rows[@]}" "${sym[@]}" "${seg[@]}" \
+        --shapes 16384x8192x4096 --configs registry '{}' "${rows[@]}" "${sym[@]}" "${seg[@]}" \
         --rounds "${ROUNDS:-15}" --csv "$OUT/reduce_scatter_$transport.csv"
       bench "all_to_all_$transport" -- --transport "$transport" --collective all_to_all \
-        --shapes 8192x4096x7168 --configs '{}' "${rows[@]}" "${sym[@]}" ${sym:+'{"symmetric": true, "comm_sms": 0}'} \
+        --shapes 8192x4096x7168 --configs registry '{}' "${rows[@]}" "${sym[@]}" ${sym:+'{"symmetric": true, "comm_sms": 0}'} \
         "${seg[@]}" ${seg:+'{"layout": "segments", "symmetric": true, "comm_sms": 0}'} \
         --rounds "${ROUNDS:-15}" --csv "$OUT/all_to_all_$transport.csv"
     done ;;
