@@ -569,8 +569,9 @@ def decide(
             return plain(f"{source} make one group, nothing to overlap")
         candidates = [cfg]
         # (on the shape every rank decides on: candidates that differ by rank would hang in NCCL)
-        total_sms = preps[0].sm_count + cfg.comm_sms
-        late = later(cfg, shape, total_sms, torch.cuda.get_device_capability(a.device)) if timed else None
+        late = None
+        if timed and not cfg.late_budget:  # (a late hint is late already; its grid is every SM)
+            late = later(cfg, shape, preps[0].sm_count + cfg.comm_sms, torch.cuda.get_device_capability(a.device))
         if late is not None and (late_prep := planned(late)).plan.num_groups > 1:
             candidates.append(late)
             preps.append(late_prep)

@@ -163,8 +163,8 @@ def best_partition(problem: Problem) -> tuple[tuple[int, ...], float]:
     ending at wave j. A later finish never lets a later group start earlier, so the best prefix is
     the one to extend: finish[g, j] = min over i < j of max(finish[g - 1, i], j * wave_ms) +
     comm(waves i+1..j) (no start before wave ``start_wave``), the last group costed on the full
-    communicator. The host time depends on
-    the group count alone, so the answer is the best over g of max(finish[g, W], host(g)).
+    communicator. The host time depends on the group count alone, so the answer is the best over g
+    of max(finish[g, W], host(g)).
     O(waves^3), vectorised over the split point.
     """
     total = problem.num_waves
