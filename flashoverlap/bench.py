@@ -273,9 +273,11 @@ def decomposed(a, w, ex, chunks: int, stream: torch.cuda.Stream) -> torch.Tensor
 
 def async_tp(a: torch.Tensor, w: torch.Tensor) -> Callable[[torch.Tensor, torch.Tensor], torch.Tensor] | None:
     """torch's fused_matmul_reduce_scatter (symmetric memory), or None where it does not run here.
-    Not with P2P disabled: it moves data through CUDA IPC peer memory, not NCCL, so it would use
-    the very links the emulated machine lacks."""
-    if os.environ.get("NCCL_P2P_DISABLE") == "1":
+    Only over NVLink (registry.transport): it moves data through CUDA IPC peer memory, not NCCL, so
+    with P2P disabled it would use the very links the emulated machine lacks."""
+    from . import registry
+
+    if registry.transport() != "nvlink":
         return None
     try:
         import torch.distributed._symmetric_memory as symm_mem

@@ -522,11 +522,11 @@ def decide(
     timed = explicit is None and not (found is not None and found.exact)
     hint = found.config if found is not None and not (timed and found.config.sequential) else None
     cfg = explicit or for_collective(hint or default_config(collective, ex, shape), collective)
-    if cfg.symmetric and os.environ.get("NCCL_P2P_DISABLE") == "1":
+    if cfg.symmetric and registry.transport() != "nvlink":
         # NCCL maps a window's peers through CUDA IPC wherever the driver allows peer access, whatever
         # NCCL_P2P_DISABLE says: its symmetric kernels would bypass the transport the user forced
-        # (two H200s, P2P off: 3.4x "faster" than sequential, over NVLink). As without peer access:
-        # no window.
+        # (two H200s, P2P off: 3.4x "faster" than sequential, over NVLink). Without peer access NCCL
+        # registers nothing anyway: no window either way.
         cfg = without_window(cfg)
     source = (
         "your config"
@@ -598,7 +598,7 @@ def decide(
         return Decision(ex, cfg, prep, budgets[pick], tail)
 
 
-@functools.lru_cache(maxsize=256)  # calls under NCCL_P2P_DISABLE=1 ask every time (a replace() validates)
+@functools.lru_cache(maxsize=256)  # calls without NVLink ask every time (a replace() validates)
 def without_window(cfg: OverlapConfig) -> OverlapConfig:
     return dataclasses.replace(cfg, symmetric=False)
 
