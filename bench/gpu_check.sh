@@ -73,7 +73,8 @@ for step in $steps; do
       --output "$OUT/sm80/h200_x2.yaml" --csv "$OUT/sm80_tune.csv" > "$OUT/sm80_tune.log" 2>&1
     tail -4 "$OUT/sm80_tune.log"
     bench sm80_pcie FLASHOVERLAP_CONFIG_DIRS="$OUT/sm80" -- --transport pcie --shapes 8192x4096x14336 \
-      --rounds "${ROUNDS:-15}" --configs '{}' registry '{"kernel": "sm80"}' '{"kernel": "sm80", "comm_sms": 8}' \
+      --rounds "${ROUNDS:-15}" --configs '{}' registry '{"kernel": "sm80"}' '{"kernel": "sm80", "comm_sms": 4}' \
+      '{"kernel": "sm80", "comm_sms": 8}' \
       --csv "$OUT/sm80_pcie.csv" ;;
   swizzle)
     for collective in ${COLLECTIVES:-all_reduce reduce_scatter all_to_all}; do

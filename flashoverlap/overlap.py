@@ -569,12 +569,13 @@ def decide(
             return plain(f"{source} make one group, nothing to overlap")
         candidates = [cfg]
         # (on the shape every rank decides on: candidates that differ by rank would hang in NCCL)
-        late = None
+        other = None
         if timed and not cfg.late_budget:  # (a late hint is late already; its grid is every SM)
-            late = later(cfg, shape, preps[0].sm_count + cfg.comm_sms, torch.cuda.get_device_capability(a.device))
-        if late is not None and (late_prep := planned(late)).plan.num_groups > 1:
-            candidates.append(late)
-            preps.append(late_prep)
+            capability = torch.cuda.get_device_capability(a.device)
+            other = alternative(cfg, shape, preps[0].sm_count + cfg.comm_sms, capability)
+        if other is not None and (other_prep := planned(other)).plan.num_groups > 1:
+            candidates.append(other)
+            preps.append(other_prep)
         full = group if group is not None else dist.group.WORLD
         for c, prep in zip(candidates, preps):
             call = (collective, "ragged" if ex.ragged else m, n, k, a.dtype, weight_layout, a.device.index, c)
@@ -603,27 +604,45 @@ def without_window(cfg: OverlapConfig) -> OverlapConfig:
     return dataclasses.replace(cfg, symmetric=False)
 
 
+FEWEST_COMM_SMS = 4  # NCCL's CTAs beside an Ampere/Ada GEMM when a call without config= times fewer
+
+
 @functools.lru_cache(maxsize=1024)  # every call of a timed shape asks (a replace() validates)
-def later(
+def alternative(
     cfg: OverlapConfig, shape: tuple[int, int, int], total_sms: int, capability: tuple[int, int]
 ) -> OverlapConfig | None:
-    """``cfg`` with its SM budget late (``late_budget``, the default partition for it): the GEMM on
-    every SM until the wave from which the rest still end it in as many waves. Beside GEMMs much
-    longer than their collective it won (two H200s, all-reduce over NVLink: 1.09x where 16 SMs from
-    the start gave 1.04x and 4 SMs 1.02x, 8192x4096x14336; 1.06x against 1.04x, 4096x8192x28672);
-    where the collective is long, NCCL starting that late falls behind (0.95x against 1.10x,
-    4096x8192x8192). None where no late budget can run ``cfg`` (kernels other than Hopper's) or
-    where its budget costs the GEMM ``shape`` no wave anyway. ``shape``: what every rank decides on
-    (the largest M where they differ: candidates that differ by rank would hang in NCCL)."""
-    m, n, _ = shape
-    tiles = scheduled_tiles(m, n, cfg.tile_m, cfg.tile_n, cfg.cluster_m, cfg.swizzle)
-    ctas, keep = min(total_sms, tiles), min(total_sms - cfg.comm_sms, tiles)  # the persistent grids
-    if cfg.late_budget or keep >= ctas or late_after(tiles, ctas, keep) == 0:
+    """What a call without a tuned config times beside ``cfg`` (and sequential): ``cfg`` with NCCL's
+    SMs taken differently, the default partition for them.
+
+    Hopper kernels: the SM budget late (``late_budget``): the GEMM on every SM until the wave from
+    which the rest still end it in as many waves. Beside GEMMs much longer than their collective it
+    won (two H200s, all-reduce over NVLink: 1.09x where 16 SMs from the start gave 1.04x and 4 SMs
+    1.02x, 8192x4096x14336; 1.06x against 1.04x, 4096x8192x28672); where the collective is long,
+    NCCL starting that late falls behind (0.95x against 1.10x, 4096x8192x8192). None where the
+    budget costs the GEMM ``shape`` no wave anyway.
+
+    Ampere/Ada kernels (their CTAs cannot stop early): NCCL on :data:`FEWEST_COMM_SMS` SMs. NCCL on
+    more CTAs slowed that GEMM although they ran on SMs of their own (forced on two H200s, P2P off,
+    all-reduce 8192x4096x14336: the GEMM 2.2 ms alone, 3.3 ms beside NCCL on 16 CTAs, 1.02x; 4 CTAs
+    1.22-1.24x on three machines). None where ``cfg`` leaves NCCL no more than that.
+
+    ``shape``: what every rank decides on (the largest M where they differ: candidates that differ
+    by rank would hang in NCCL)."""
+    if cfg.late_budget:
         return None
     try:
+        if for_device(cfg, capability)[0].kernel == "sm80":
+            if cfg.comm_sms <= FEWEST_COMM_SMS:
+                return None
+            return dataclasses.replace(cfg, comm_sms=FEWEST_COMM_SMS, partition=None)
+        m, n, _ = shape
+        tiles = scheduled_tiles(m, n, cfg.tile_m, cfg.tile_n, cfg.cluster_m, cfg.swizzle)
+        ctas, keep = min(total_sms, tiles), min(total_sms - cfg.comm_sms, tiles)  # the persistent grids
+        if keep >= ctas or late_after(tiles, ctas, keep) == 0:
+            return None
         late = dataclasses.replace(cfg, late_budget=True, partition=None)
         for_device(late, capability)
-    except ValueError:
+    except ValueError:  # no late budget for this scheduler or cluster shape
         return None
     return late
 

@@ -244,7 +244,7 @@ def test_an_untuned_call_is_timed_once_against_sequential(nccl_one_rank, capfd):
     snapshot = a.clone()
     cfg = for_collective(OverlapConfig(), "all_reduce")
     prep = prepare(m, n, k, torch.bfloat16, "nk", a.device, cfg)
-    late = overlap.later(cfg, (m, n, k), prep.sm_count + cfg.comm_sms, torch.cuda.get_device_capability())
+    late = overlap.alternative(cfg, (m, n, k), prep.sm_count + cfg.comm_sms, torch.cuda.get_device_capability())
     assert late is not None and late.late_budget
     cfgs = [cfg, late]
     preps = [prep, prepare(m, n, k, torch.bfloat16, "nk", a.device, late)]

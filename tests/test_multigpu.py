@@ -3,6 +3,7 @@
 import contextlib
 import os
 import time
+from pathlib import Path
 
 import pytest
 import torch
@@ -10,6 +11,7 @@ import torch.distributed as dist
 
 import flashoverlap
 from flashoverlap import OverlapConfig, comm, signal
+from flashoverlap.config import resolve
 from flashoverlap.overlap import rotation_unit, sequential
 
 from .helpers import check_column_parallel, check_gradients, no_host_sync, rel_err, runs_on_this_gpu, spawn_ranks
@@ -26,6 +28,7 @@ CONFIGS = [
     OverlapConfig(tile_n=128, layout="tiles"),
     OverlapConfig(scheduler="streamk", comm_sms=12),
     OverlapConfig(kernel="sm80"),
+    resolve(Path(__file__).parent.parent / "configs" / "consumer_pcie.yaml"),  # as shipped: sm80, 4 SMs for NCCL
     OverlapConfig(swizzle=4),
     OverlapConfig(late_budget=True),  # NCCL's SMs from the last waves on
     OverlapConfig(symmetric=True),  # NCCL symmetric-memory kernels

@@ -1,6 +1,7 @@
 """Bad input is rejected with a clear message before anything is launched (CPU: gloo, one rank)."""
 
 import contextlib
+import dataclasses
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -199,24 +200,38 @@ def test_which_path_a_call_takes(
         (128 * 50, 1024, False),  # 200 tiles: 2 waves either way
     ],
 )
-def test_the_later_candidate_is_the_config_with_its_budget_late_where_that_saves_a_wave(m, n, late):
+def test_the_hopper_alternative_is_the_config_with_its_budget_late_where_that_saves_a_wave(m, n, late):
     from flashoverlap import overlap
     from flashoverlap.config import OverlapConfig
 
     cfg = OverlapConfig(partition=(1,) * 99)  # a partition belongs to its waves: dropped
-    assert overlap.later(cfg, (m, n, 64), 132, (9, 0)) == (OverlapConfig(late_budget=True) if late else None)
+    assert overlap.alternative(cfg, (m, n, 64), 132, (9, 0)) == (OverlapConfig(late_budget=True) if late else None)
     if not late:
         return
-    assert overlap.later(OverlapConfig(comm_sms=24), (m, n, 64), 132, (9, 0)).comm_sms == 24
-    others = ({"late_budget": True}, {"comm_sms": 0}, {"scheduler": "streamk"}, {"cluster_m": 2}, {"kernel": "sm80"})
+    assert overlap.alternative(OverlapConfig(comm_sms=24), (m, n, 64), 132, (9, 0)).comm_sms == 24
+    others = ({"late_budget": True}, {"comm_sms": 0}, {"scheduler": "streamk"}, {"cluster_m": 2})
     for other in others:
-        assert overlap.later(OverlapConfig(**other), (m, n, 64), 132, (9, 0)) is None
-    assert overlap.later(cfg, (m, n, 64), 108, (8, 0)) is None  # no Hopper kernels: no late budget
+        assert overlap.alternative(OverlapConfig(**other), (m, n, 64), 132, (9, 0)) is None
+
+
+@pytest.mark.parametrize("capability", [(8, 0), (8, 9), (9, 0)])
+def test_the_ampere_ada_alternative_leaves_nccl_fewer_sms(capability):
+    """The Ampere/Ada kernels cannot stop CTAs early: an untuned call times NCCL on fewer SMs instead,
+    whatever the shape, where the config leaves it more."""
+    from flashoverlap import overlap
+    from flashoverlap.config import OverlapConfig
+
+    cfg = OverlapConfig(kernel="sm80" if capability == (9, 0) else "auto", partition=(1,) * 99)
+    fewer = overlap.alternative(cfg, (4096, 8192, 64), 132, capability)
+    assert fewer == OverlapConfig(kernel=cfg.kernel, comm_sms=overlap.FEWEST_COMM_SMS)
+    assert overlap.alternative(cfg, (128 * 29, 1024, 64), 132, capability) == fewer  # one wave either way
+    for sms in (0, overlap.FEWEST_COMM_SMS):
+        assert overlap.alternative(dataclasses.replace(cfg, comm_sms=sms), (4096, 8192, 64), 132, capability) is None
 
 
 def test_a_timed_call_runs_the_fastest_candidate(one_rank_group, monkeypatch):
     """A call without a tuned config times the defaults, the same with its SM budget late
-    (:func:`overlap.later`) and sequential once; the fastest runs, with its own plan and communicator."""
+    (:func:`overlap.alternative`) and sequential once; the fastest runs, with its own plan and communicator."""
     from flashoverlap import bench, overlap
     from flashoverlap.plan import make_plan
 
