@@ -67,7 +67,7 @@ for step in $steps; do
   sm80)
     # the tuner's pick for the Ampere/Ada kernels (a registry of their own, $OUT/sm80), then the bench
     mkdir -p "$OUT/sm80"
-    timeout 300 torchrun --nproc-per-node "$NGPU" -m flashoverlap.tune --collective all_reduce --transport pcie --top 3 \
+    timeout 300 torchrun --nproc-per-node "$NGPU" -m flashoverlap.tune --collective all_reduce --transport pcie --top 6 \
       --shapes 8192x4096x14336 --candidates '{"kernel": "sm80"}' '{"kernel": "sm80", "comm_sms": 4}' \
       '{"kernel": "sm80", "comm_sms": 8}' '{"kernel": "sm80", "tile_n": 128}' \
       --output "$OUT/sm80/h200_x2.yaml" --csv "$OUT/sm80_tune.csv" > "$OUT/sm80_tune.log" 2>&1

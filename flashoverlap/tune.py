@@ -674,7 +674,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--transport", choices=sorted(bench.TRANSPORTS), default="nvlink")
     parser.add_argument("--dtype", choices=["bfloat16", "float16"], default="bfloat16")
     parser.add_argument("--rounds", type=int, default=10)
-    parser.add_argument("--top", type=int, default=2, help="predicted-best candidates measured for real")
+    # the model misses what NCCL on more CTAs costs a GEMM beside it (Ampere/Ada kernels, P2P off: 16 SMs
+    # predicted 3 % slower than 8, measured 18 %): more finalists, so that the measurements decide
+    parser.add_argument("--top", type=int, default=4, help="predicted-best candidates measured for real")
     parser.add_argument("--margin", type=float, default=0.02, help="overlap must beat sequential by this")
     parser.add_argument("--output", required=True, help="registry YAML to write or update")
     parser.add_argument("--csv", help="also write the predicted-vs-measured rows here")
