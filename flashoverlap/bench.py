@@ -306,8 +306,8 @@ def bench_shape(
     import flashoverlap
 
     from . import comm
-    from .config import OverlapConfig, for_collective, resolve
-    from .overlap import decide, prepare, sequential
+    from .config import OverlapConfig, resolve
+    from .overlap import decide, for_call, prepare, sequential
 
     m, n, k = shape
     world = dist.get_world_size()
@@ -331,7 +331,7 @@ def bench_shape(
     fused = async_tp(a[0], w[0]) if collective == "reduce_scatter" else None
     if fused is not None:
         variants["asynctp"] = lambda i: fused(a[i % sets], w[i % sets])
-    cfgs = [for_collective(resolve(cfg), collective) if cfg is not None else None for cfg in configs]
+    cfgs = [for_call(resolve(cfg), ex, shape) if cfg is not None else None for cfg in configs]
     errors, picked, kernels = {}, {}, {}  # kernels: config -> the name of its kernel-alone variant
     runs = [(j, path) for j in range(len(cfgs)) for path in nccl]
     for j, path in runs:

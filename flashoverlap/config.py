@@ -44,7 +44,8 @@ class OverlapConfig:
       groups, packed slots, restored after; all-reduce), ``cols`` (groups of whole tile columns;
       any collective), ``segments`` (reduce-scatter / all-to-all with equal segments: each group
       the same rows of every rank's segment, stored segment after segment at full width, one
-      ordinary collective per group), or ``auto``: ``rows`` for all-reduce, ``cols`` for the others.
+      ordinary collective per group), or ``auto``: ``rows`` for all-reduce; for the others
+      ``segments`` where they carry the call, else ``cols`` (:func:`resolutions`, overlap.for_call).
     epilogue: ``tma`` (bulk tensor stores overlapped with the next tile; ``rows`` / ``segments``),
       ``direct`` (register stores into any slot), or ``auto``: ``tma`` for ``rows``, else ``direct``.
     sequential: run the plain GEMM then the collective (where overlap cannot pay).
@@ -157,8 +158,9 @@ def _problems(cfg: OverlapConfig) -> list[str]:
 
 @functools.lru_cache(maxsize=256)  # once per config: replace() re-validates, every call would pay it
 def for_collective(cfg: OverlapConfig, collective: str) -> OverlapConfig:
-    """``cfg`` with an ``auto`` layout resolved for ``collective``; raises where the config cannot
-    run it."""
+    """``cfg`` with an ``auto`` layout resolved for ``collective`` as a call that ``segments`` cannot
+    carry resolves it (``cols``; overlap.for_call picks for a known call); raises where the config
+    cannot run it."""
     layout = cfg.layout if cfg.layout != "auto" else ("rows" if collective == "all_reduce" else "cols")
     if collective != "all_reduce" and layout == "tiles":
         raise ValueError(
@@ -183,6 +185,20 @@ def for_collective(cfg: OverlapConfig, collective: str) -> OverlapConfig:
     if cfg.reduction == "local" and collective != "all_reduce":
         raise ValueError(f"reduction 'local' is for all_reduce (partial sums gathered, then added), not {collective}")
     return dataclasses.replace(cfg, layout=layout)
+
+
+@functools.lru_cache(maxsize=256)  # every call asks (a replace() validates)
+def resolutions(cfg: OverlapConfig, collective: str) -> tuple[OverlapConfig, ...]:
+    """What ``cfg`` may run for ``collective``, best first (:func:`for_collective` each): an ``auto``
+    layout of a reduce-scatter / all-to-all is ``segments`` where that layout carries the call
+    (overlap.for_call decides, knowing the call), else ``cols``; any other config, one."""
+    fallback = for_collective(cfg, collective)
+    if cfg.layout != "auto" or collective == "all_reduce":
+        return (fallback,)
+    try:
+        return for_collective(dataclasses.replace(cfg, layout="segments"), collective), fallback
+    except ValueError:  # a schedule that cannot interleave (stream-K)
+        return (fallback,)
 
 
 def takes_every_call(cfg: OverlapConfig, collective: str) -> bool:

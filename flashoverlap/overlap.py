@@ -38,7 +38,16 @@ import torch.distributed as dist
 from . import comm, registry, signal
 from .comm import Exchange
 from .comm.nccl import group_fact
-from .config import OverlapConfig, differences, for_collective, for_device, kernel_spec, resolve, takes_every_call
+from .config import (
+    OverlapConfig,
+    differences,
+    for_collective,
+    for_device,
+    kernel_spec,
+    resolutions,
+    resolve,
+    takes_every_call,
+)
 from .gemm import SignalGemm, get_kernel
 from .plan import Plan, late_after, make_plan, rotation_rows, scheduled_tiles
 
@@ -407,19 +416,19 @@ def carries(cfg: OverlapConfig, ex: Exchange, shape: tuple[int, int, int], p2p: 
 
 
 _DEFAULTS = OverlapConfig()  # frozen: built once (each construction validates)
-_SEGMENTS = dataclasses.replace(_DEFAULTS, layout="segments")
 
 
-def default_config(collective: str, ex: Exchange, shape: tuple[int, int, int]) -> OverlapConfig:
-    """The built-in config of a call without a tuned one: the defaults, in the ``segments`` layout
-    for a reduce-scatter / all-to-all whose segments that layout carries (equal, of whole tile
-    rows): the same plain collective per group as ``cols`` (``auto``), with the TMA-store kernel
-    (0.87 of cuBLAS against 0.83 for ``cols``, 8192x4096x7168 with 16 SMs left to NCCL, one H200)
-    and less to copy (a reduce-scatter lands in place). Either way timed against sequential first
-    (:func:`trial`)."""
-    if collective != "all_reduce" and carries(_SEGMENTS, ex, shape):
-        return _SEGMENTS
-    return _DEFAULTS
+@functools.lru_cache(maxsize=1024)  # every call asks
+def for_call(cfg: OverlapConfig, ex: Exchange, shape: tuple[int, int, int]) -> OverlapConfig:
+    """``cfg`` resolved for the call ``ex`` of GEMM ``shape``: the first of its resolutions
+    (config.resolutions) that carries the call as every rank sees it (:func:`carries`), else the
+    last. An ``auto`` layout of a reduce-scatter / all-to-all thus runs ``segments`` where its
+    segments are equal and of whole tile rows: the same plain collective per group as ``cols`` with
+    the TMA-store kernel (0.87 of cuBLAS against 0.83 for ``cols``, 8192x4096x7168 with 16 SMs left
+    to NCCL, one H200) and less to copy (a reduce-scatter lands in place). Your config, a registry
+    entry and the defaults alike, so that ``config={}`` runs what a call without config starts from."""
+    *preferred, last = resolutions(cfg, ex.collective)
+    return next((c for c in preferred if carries(c, ex, shape)), last)
 
 
 def rotation_unit(cfg: OverlapConfig, shape: tuple[int, int, int]) -> int:
@@ -489,7 +498,8 @@ def decide(
     check first; a call without ``config=`` that is not tuned for its very shape is timed on first
     use, :func:`trial`). ``exchanged``: the call's :class:`Exchange` is appended to it."""
     world = world_size(group)
-    explicit = for_collective(resolve(config), collective) if config is not None else None
+    given = resolve(config) if config is not None else None
+    explicit = for_collective(given, collective) if given is not None else None  # its layout resolved below
     m, n, k = check_inputs(a, weight, weight_layout)
     if explicit is not None and world > 1 and not explicit.sequential:  # no kernel here: fail before communicating
         for_device(explicit, torch.cuda.get_device_capability(a.device))
@@ -521,7 +531,7 @@ def decide(
     # defaults, which replace a hint of sequential
     timed = explicit is None and not (found is not None and found.exact)
     hint = found.config if found is not None and not (timed and found.config.sequential) else None
-    cfg = explicit or for_collective(hint or default_config(collective, ex, shape), collective)
+    cfg = for_call(given or hint or _DEFAULTS, ex, shape)
     if cfg.symmetric and registry.transport() != "nvlink":
         # NCCL maps a window's peers through CUDA IPC wherever the driver allows peer access, whatever
         # NCCL_P2P_DISABLE says: its symmetric kernels would bypass the transport the user forced

@@ -27,7 +27,7 @@ from typing import Any
 import yaml
 
 from . import jit, registry
-from .config import OverlapConfig, for_collective, json_object, kernel_spec, resolve
+from .config import OverlapConfig, json_object, kernel_spec, resolutions, resolve
 from .gemm import GemmSpec, generate
 from .gemm.generator import DTYPES, WEIGHT_LAYOUTS
 
@@ -45,16 +45,17 @@ def load_items(path: str) -> list[dict[str, Any]]:
     return data
 
 
-def call_and_config(item: dict[str, Any]) -> tuple[dict[str, str], OverlapConfig]:
-    """Split an item into its call (collective, dtype, weight_layout) and its config, resolved for
-    the collective; raises ``ValueError`` for what no GPU could run."""
+def call_and_configs(item: dict[str, Any]) -> tuple[dict[str, str], tuple[OverlapConfig, ...]]:
+    """Split an item into its call (collective, dtype, weight_layout) and the configs it may run,
+    resolved for the collective (an ``auto`` layout of a reduce-scatter / all-to-all: ``segments``
+    and ``cols``, which one depends on the call); raises ``ValueError`` for what no GPU could run."""
     call = {key: item.get(key, default) for key, default in CALL_KEYS.items()}
     if call["dtype"] not in DTYPES:
         raise ValueError(f"dtype must be one of {sorted(DTYPES)}, got {call['dtype']!r}")
     if call["weight_layout"] not in WEIGHT_LAYOUTS:
         raise ValueError(f"weight_layout must be one of {sorted(WEIGHT_LAYOUTS)}, got {call['weight_layout']!r}")
     cfg = resolve({key: value for key, value in item.items() if key not in CALL_KEYS})
-    return call, for_collective(cfg, call["collective"])
+    return call, resolutions(cfg, call["collective"])
 
 
 def spec_for(call: dict[str, str], cfg: OverlapConfig, capability: tuple[int, int]) -> GemmSpec | None:
@@ -102,12 +103,13 @@ def main(argv: Sequence[str] | None = None) -> int:
     wanted = []  # (where, call, config, skip where this GPU has no kernel for it)
     for item in items or ([] if args.registry else [{}]):
         try:
-            wanted.append((json.dumps(item), *call_and_config(item), args.skip_unsupported))
+            call, cfgs = call_and_configs(item)
+            wanted += [(json.dumps(item), call, cfg, args.skip_unsupported) for cfg in cfgs]
         except (ValueError, TypeError) as exc:
             parser.error(f"{json.dumps(item)}: {exc}")
     for entry in registry.entries() if args.registry else []:
         call = {**CALL_KEYS, "collective": entry.collective, "dtype": entry.dtype}
-        wanted.append((entry.source, call, for_collective(entry.config, entry.collective), True))
+        wanted += [(entry.source, call, cfg, True) for cfg in resolutions(entry.config, entry.collective)]
     specs: dict[str, GemmSpec] = {}
     for where, call, cfg, skip in wanted:
         try:

@@ -246,7 +246,7 @@ DEFAULT_CANDIDATES = {
         {"layout": "rows", "comm_sms": 4},
         {"layout": "rows", "comm_sms": 8},
         {"layout": "rows", "comm_sms": 24},
-        {"layout": "segments"},
+        {"layout": "cols"},  # ({} is segments where they carry the call: overlap.for_call)
         {"layout": "segments", "comm_sms": 4},
         # the own segment last: NCCL's late SMs carry only the other ranks' rows, in a window
         # (all-to-all 8192x4096x7168 over NVLink: 1.11-1.13x against 1.08-1.10x, stop 22)
@@ -446,8 +446,8 @@ def tune_shape(
 
     from . import comm
     from .bench import kernel_alone, operand_sets, time_variants
-    from .config import for_collective, resolve
-    from .overlap import DTYPES, prepare, sequential
+    from .config import resolve
+    from .overlap import DTYPES, for_call, prepare, sequential
     from .plan import widest_budget
 
     m, n, k = shape
@@ -455,7 +455,7 @@ def tune_shape(
     a, w = operand_sets(m, n, k, dtype)
     sets = len(a)
     ex = comm.exchange(collective, m, world)
-    cfgs = [for_collective(resolve(c), collective) for c in candidates]
+    cfgs = [for_call(resolve(c), ex, shape) for c in candidates]
     preps = [
         prepare(m, n, k, dtype, "nk", a[0].device, cfg, interleave=comm.interleave(ex, cfg.layout)) for cfg in cfgs
     ]
@@ -466,7 +466,7 @@ def tune_shape(
         wider = {**candidate, "comm_sms": widest_budget(prep.plan, total)}
         if cfg.scheduler != "persistent" or wider["comm_sms"] <= cfg.comm_sms or wider in candidates:
             continue
-        cfgs.append(for_collective(resolve(wider), collective))
+        cfgs.append(for_call(resolve(wider), ex, shape))
         segments = comm.interleave(ex, cfgs[-1].layout)
         preps.append(prepare(m, n, k, dtype, "nk", a[0].device, cfgs[-1], interleave=segments))
         candidates.append(wider)
@@ -588,8 +588,8 @@ def _host_model(collective: str, a, w, candidate: dict, num_waves: int, calls: i
     import flashoverlap
 
     from . import comm
-    from .config import for_collective, resolve
-    from .overlap import prepare
+    from .config import resolve
+    from .overlap import for_call, prepare
 
     overlapped = getattr(flashoverlap, f"gemm_{collective}")
     (m, k), n = a[0].shape, w[0].shape[0]
@@ -605,8 +605,9 @@ def _host_model(collective: str, a, w, candidate: dict, num_waves: int, calls: i
             overlapped(a[i % len(a)], w[i % len(w)], config=cfg)
             spent.append((time.perf_counter() - start) * 1e3)
         torch.cuda.synchronize()
-        resolved = for_collective(resolve(cfg), collective)
-        segments = comm.interleave(comm.exchange(collective, m, dist.get_world_size()), resolved.layout)
+        ex = comm.exchange(collective, m, dist.get_world_size())
+        resolved = for_call(resolve(cfg), ex, (m, n, k))
+        segments = comm.interleave(ex, resolved.layout)
         counts.append(prepare(m, n, k, a[0].dtype, "nk", a[0].device, resolved, interleave=segments).plan.num_groups)
         times.append(statistics.median(spent))
     # the slowest rank's times, so that every rank predicts (and so plans) the same calls

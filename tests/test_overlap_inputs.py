@@ -300,7 +300,7 @@ def test_a_group_of_one_rank_runs_the_plain_gemm_before_any_lookup(one_rank_grou
     taken = []
     monkeypatch.setattr(overlap, "check_inputs", lambda a, w, layout: (256, 256, 64))
     monkeypatch.setattr(overlap, "tuned_config", unexpected)
-    monkeypatch.setattr(overlap, "default_config", unexpected)
+    monkeypatch.setattr(overlap, "for_call", unexpected)
     monkeypatch.setattr(torch.cuda, "device", unexpected)
     monkeypatch.setattr(overlap, "sequential", lambda *args: taken.append(args[3].collective))
     for fn in ENTRY_POINTS:
@@ -469,23 +469,30 @@ def test_a_trial_holds_for_every_m_of_its_power_of_two(one_rank_group, monkeypat
     assert trials == [512, 1024, 512]
 
 
-def test_the_default_config_takes_segments_where_they_carry_the_call():
+def test_an_auto_layout_takes_segments_where_they_carry_the_call():
+    """Your config, a registry entry and the defaults alike: ``config={}`` runs what a call without
+    config starts from."""
     from flashoverlap import comm
-    from flashoverlap.overlap import default_config
+    from flashoverlap.config import OverlapConfig
+    from flashoverlap.overlap import for_call
 
-    shape = (4096, 4096, 1024)
+    auto, shape = OverlapConfig(), (4096, 4096, 1024)
     even = comm.exchange("reduce_scatter", 4096, 2)
-    assert default_config("reduce_scatter", even, shape).layout == "segments"
-    assert default_config("all_to_all", comm.exchange("all_to_all", 4096, 4), shape).layout == "segments"
-    assert (
-        default_config("reduce_scatter", comm.exchange("reduce_scatter", 4000, 2), (4000, 4096, 1024)).layout == "auto"
+    assert for_call(auto, even, shape).layout == "segments"
+    assert for_call(OverlapConfig(comm_sms=24, kernel="sm80"), even, shape) == OverlapConfig(
+        comm_sms=24, kernel="sm80", layout="segments"
     )
+    assert for_call(auto, comm.exchange("all_to_all", 4096, 4), shape).layout == "segments"
+    assert for_call(auto, comm.exchange("reduce_scatter", 4000, 2), (4000, 4096, 1024)).layout == "cols"
     uneven = comm.exchange("all_to_all", 4096, 2, splits=[1024, 3072], output_splits=[1024, 1024])
-    assert default_config("all_to_all", uneven, shape).layout == "auto"  # cols
-    assert default_config("all_reduce", comm.exchange("all_reduce", 4096, 2), shape).layout == "auto"  # rows
+    assert for_call(auto, uneven, shape).layout == "cols"
+    assert for_call(auto, comm.exchange("all_reduce", 4096, 2), shape).layout == "rows"
     # even here, but other ranks' splits unknown: what all ranks choose alike cannot rest on it
     given = comm.exchange("all_to_all", 4096, 2, splits=[2048, 2048], output_splits=[2048, 2048])
-    assert default_config("all_to_all", given, shape).layout == "auto"
+    assert for_call(auto, given, shape).layout == "cols"
+    assert for_call(OverlapConfig(scheduler="streamk"), even, shape).layout == "cols"  # no interleaved schedule
+    for layout in ("cols", "rows", "segments"):  # a layout given is kept
+        assert for_call(OverlapConfig(layout=layout), even, shape).layout == layout
 
 
 def test_one_wave_counts_tiles_against_the_sms_left(monkeypatch):

@@ -24,7 +24,8 @@ def test_items_name_the_kernels_the_runtime_would_build(capsys):
         '{"tile_n": 256}',  # the default again: built once
         '{"sequential": true}',  # nothing to build
     )
-    assert names == [
+    assert names == [  # an auto layout of a reduce-scatter: segments or cols, by call (overlap.for_call)
+        "fo_gemm_float16_kn_128x256x64_c1x1_persistent_tma_sm_90a",
         "fo_gemm_float16_kn_128x256x64_c1x1_persistent_direct_sm_90a",
         "fo_gemm_bfloat16_nk_128x128x32_c1x1_persistent_direct_sm_90",
         "fo_gemm_bfloat16_nk_128x256x64_c1x1_persistent_tma_sm_90a",
@@ -40,6 +41,7 @@ def test_files_and_the_registry_add_items(tmp_path, capsys):
     path.write_text("- {tile_n: 128}\n- {collective: all_to_all}\n")
     assert listed(capsys, "--gpu-arch", "sm_90", "--file", str(path)) == [
         "fo_gemm_bfloat16_nk_128x128x64_c1x1_persistent_tma_sm_90a",
+        "fo_gemm_bfloat16_nk_128x256x64_c1x1_persistent_tma_sm_90a",
         "fo_gemm_bfloat16_nk_128x256x64_c1x1_persistent_direct_sm_90a",
     ]
     # every overlapped entry of the shipped registry, for the arch asked for

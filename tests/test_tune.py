@@ -374,11 +374,15 @@ def test_default_candidates_are_prebuilt_for_hopper():
     from flashoverlap.tune import DEFAULT_CANDIDATES
 
     items = precompile.load_items(str(Path(__file__).resolve().parent.parent / "bench" / "kernels.yaml"))
-    prebuilt = {precompile.spec_for(*precompile.call_and_config(item), (9, 0)) for item in items}
+    prebuilt = set()
+    for item in items:
+        call, cfgs = precompile.call_and_configs(item)
+        prebuilt |= {precompile.spec_for(call, cfg, (9, 0)) for cfg in cfgs}
     for collective, candidates in DEFAULT_CANDIDATES.items():
         for candidate in candidates:
-            call, cfg = precompile.call_and_config({**candidate, "collective": collective})
-            assert precompile.spec_for(call, cfg, (9, 0)) in prebuilt, (collective, candidate)
+            call, cfgs = precompile.call_and_configs({**candidate, "collective": collective})
+            for cfg in cfgs:
+                assert precompile.spec_for(call, cfg, (9, 0)) in prebuilt, (collective, candidate, cfg.layout)
 
 
 def test_a_model_that_cannot_be_fitted_drops_its_candidates_instead_of_the_run(monkeypatch):
