@@ -95,7 +95,8 @@ def test_gemm_all_reduce_on_all_gpus(mode, nccl):
 
 
 SPLIT_CONFIGS = [
-    OverlapConfig(),
+    OverlapConfig(),  # segments where the call's segments carry them, else cols
+    OverlapConfig(layout="cols"),
     OverlapConfig(tile_n=128),
     OverlapConfig(scheduler="streamk", comm_sms=12),
     OverlapConfig(kernel="sm80", tile_n=128),
