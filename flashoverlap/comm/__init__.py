@@ -273,29 +273,25 @@ def gathered_rows(t: torch.Tensor, group: dist.ProcessGroup | None) -> torch.Ten
 
 
 def adjoint(
-    collective: str,
+    name: str,
     grad: torch.Tensor,
     group: dist.ProcessGroup | None,
     counts: tuple[tuple[int, ...], tuple[int, ...]] | None = None,
 ) -> torch.Tensor:
-    """The gradient of a call's rows of C, from the gradient of its result: all-reduce: ``grad``
-    itself (every rank holds the result alike, as after Megatron's row-parallel linear);
-    reduce-scatter: every rank's ``grad`` all-gathered; all-to-all: the rows sent back, ``counts`` =
-    the call's (send, recv) rows per rank, None where the call split evenly (so every rank takes
-    the same path as in the call: Exchange.uniform)."""
+    """The gradient of a call's rows of C, from the gradient of its result (``name``: the call's
+    collective): all-reduce: ``grad`` itself (every rank holds the result alike, as after
+    Megatron's row-parallel linear); reduce-scatter: every rank's ``grad`` all-gathered;
+    all-to-all: the rows sent back (the call's exchange reversed), ``counts`` = the call's (send,
+    recv) rows per rank, None where the call split evenly (so every rank takes the same path as in
+    the call: Exchange.uniform)."""
     grad = grad.contiguous()
-    if collective == "all_reduce":
+    if name == "all_reduce":
         return grad
-    if collective == "reduce_scatter":
+    if name == "reduce_scatter":
         return gathered_rows(grad, group)
-    if counts is None:
-        back = torch.empty_like(grad)
-        dist.all_to_all_single(back, grad, group=group)
-        return back
-    send, recv = counts
-    back = grad.new_empty((sum(send), grad.shape[1]))
-    dist.all_to_all_single(back, grad, list(send), list(recv), group=group)
-    return back
+    send, recv = counts or ((), ())  # the call's exchange, reversed
+    back = Exchange("all_to_all", send=recv, recv=send, rows=sum(send) if counts else len(grad), uniform=not counts)
+    return collective(back, grad, group)
 
 
 def rows_carry(ex: Exchange, unit: int) -> bool:
