@@ -633,8 +633,9 @@ def alternative(
 
     Ampere/Ada kernels (their CTAs cannot stop early): NCCL on :data:`FEWEST_COMM_SMS` SMs. NCCL on
     more CTAs slowed that GEMM although they ran on SMs of their own (forced on two H200s, P2P off,
-    all-reduce 8192x4096x14336: the GEMM 2.2 ms alone, 3.3 ms beside NCCL on 16 CTAs, 1.02x; 4 CTAs
-    1.22-1.24x on three machines). None where ``cfg`` leaves NCCL no more than that.
+    all-reduce 8192x4096x14336: the GEMM 2.2 ms alone, 3.1-3.3 ms beside NCCL on 16 CTAs, 1.00-1.03x;
+    4 CTAs 1.15-1.20x with the default partition, 1.21-1.25x with one-wave groups). None where
+    ``cfg`` leaves NCCL no more than that.
 
     ``shape``: what every rank decides on (the largest M where they differ: candidates that differ
     by rank would hang in NCCL)."""
