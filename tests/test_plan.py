@@ -18,7 +18,6 @@ from flashoverlap.plan import (
     schedule_order,
     scheduler_grid,
     slot_view,
-    spare_sms,
     wave_count,
     wave_of_index,
     widest_budget,
@@ -180,7 +179,7 @@ def test_widest_budget_keeps_the_wave_count_and_no_wider_one_does():
         if ctas > args["cluster_m"]:  # a cluster fewer takes more waves
             assert waves(ctas=ctas - args["cluster_m"]) > waves(ctas=args["ctas"])
         # measured against the whole GPU's grid instead of the plan's
-        whole = total - spare_sms(**grid, ctas=total, total_sms=total)
+        whole = total - widest_budget(make_plan(**{**args, "ctas": total, "partition": None, "keep": 0}), total)
         assert waves(ctas=whole) == waves(ctas=total) <= waves(ctas=args["ctas"])
         if whole > args["cluster_m"]:
             assert waves(ctas=whole - args["cluster_m"]) > waves(ctas=total)
