@@ -16,9 +16,10 @@ new tensor, ready on the current stream. Bad input raises ``ValueError``/``TypeE
 anything is launched. A group of one rank runs the plain GEMM; so does a call without ``config``
 whose GEMM is one group (one wave: nothing to overlap), or that is not tuned for its shape and lost
 to sequential when first timed (:func:`trial`: the defaults or the nearest tuned shape's config,
-and the same with its SM budget late, against the plain call). Where an operand requires gradients, the call
-is differentiable (:func:`with_gradients`). Inside a graph ``torch.compile`` traces, a call is the
-one operator ``flashoverlap::gemm_collective`` (:func:`_gemm_collective`).
+and the same with NCCL's SMs taken differently, :func:`alternative`, against the plain call).
+Where an operand requires gradients, the call is differentiable (:func:`with_gradients`). Inside a
+graph ``torch.compile`` traces, a call is the one operator ``flashoverlap::gemm_collective``
+(:func:`_gemm_collective`).
 """
 
 from __future__ import annotations
