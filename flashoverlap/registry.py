@@ -17,8 +17,9 @@ splits, segments not whole tile rows), itself one that carries every call; ``mea
 free-form information. A call with ``config=None`` takes the entry of its GPU, world size, collective,
 transport and dtype whose shape is nearest (log-distance over M, N, K); a ``partition`` (waves per
 group) is kept only for the exact shape. An entry of another shape is a hint: a call takes it, or
-the same with its SM budget late, or the sequential path, whichever its first timing finds fastest
-(overlap.trial); so does a call with no matching entry, from the built-in defaults.
+the same with NCCL's SMs taken differently (overlap.alternative), or the sequential path, whichever
+its first timing finds fastest (overlap.trial); so does a call with no matching entry, from the
+built-in defaults.
 
 Files are read from ``FLASHOVERLAP_CONFIG_DIRS`` (``os.pathsep``-separated directories, searched
 first) and the repository's ``configs/`` directory.
