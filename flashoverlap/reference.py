@@ -4,8 +4,10 @@ Tiles are computed in the plan's execution order (fp32 accumulate, rounded to th
 like the kernel's epilogue) and written into their slots of a NaN-poisoned buffer; each group's
 collective runs on its contiguous range as soon as the group and every group before it are
 complete (the order the communication stream issues them), through the same per-group code as
-the GPU path; C is restored at the end where the layout needs it. Run it under gloo with several
-processes to check every layout decision without a GPU.
+the GPU path; C is restored at the end where the layout needs it. With ``window``, the buffers
+stand apart from the result as in a symmetric window, and the result is copied out of them as the
+GPU path does (group by group where comm.landed gives the range, else at the end). Run it under
+gloo with several processes to check every layout decision without a GPU.
 """
 
 from __future__ import annotations
@@ -27,6 +29,7 @@ def run_plan(
     *,
     group: dist.ProcessGroup | None = None,
     weight_layout: str = "nk",
+    window: bool = False,
 ) -> torch.Tensor:
     """The result the GPU path returns for ``plan`` and exchange ``ex`` (see comm.exchange)."""
     m, n, _ = check_inputs(a, weight, weight_layout, device_type="cpu")
@@ -43,7 +46,13 @@ def run_plan(
         raise ValueError(
             f"this rank's plan must start at row {start} (comm.rows_rotation), not {plan.rotate * plan.tile_m}"
         )
-    out, buffer, recv = comm.buffers(ex, plan, lambda shape: torch.full(shape, float("nan"), dtype=a.dtype))
+
+    def poisoned(shape):
+        return torch.full(shape, float("nan"), dtype=a.dtype)
+
+    out, buffer, recv = comm.buffers(ex, plan, poisoned)
+    result = poisoned(out.shape) if window else out
+    copy_out = window and comm.landed(ex, plan, 0, out) is not None
     remaining = np.array(plan.tiles_per_group)
     issued = 0
     for tile in plan.order:
@@ -52,10 +61,14 @@ def run_plan(
         remaining[plan.group[tile]] -= 1
         while issued < plan.num_groups and remaining[issued] == 0:
             comm.communicate_group(ex, plan, issued, buffer, recv, out, group)
-            comm.finish_group(ex, plan, issued, buffer, recv, out)
+            comm.finish_group(ex, plan, issued, buffer, recv, result)
+            if copy_out:
+                comm.landed(ex, plan, issued, result).copy_(comm.landed(ex, plan, issued, out))
             issued += 1
     if issued != plan.num_groups:
         raise AssertionError(f"plan left groups {list(range(issued, plan.num_groups))} incomplete")
     if plan.layout == "tiles":
-        comm.restore(buffer, out, plan)
-    return out
+        comm.restore(buffer, result, plan)
+    if result is not out and comm.lands_in_out(ex, plan) and not copy_out:
+        result.copy_(out)
+    return result

@@ -495,6 +495,21 @@ def lands_in_out(ex: Exchange, plan: Plan) -> bool:
     return plan.layout == "rows" or plan.layout == "segments" and ex.collective == "reduce_scatter"
 
 
+def landed(ex: Exchange, plan: Plan, g: int, out: torch.Tensor) -> torch.Tensor | None:
+    """The part of ``out`` (:func:`buffers`) that group ``g``'s collective completes, where the
+    result lands there (:func:`lands_in_out`) in one range: an all-reduce's row band, a ``segments``
+    reduce-scatter's rows of the group; else None (the ``rows`` layout of reduce-scatter /
+    all-to-all lands in parts of several segments, the own one's after a local step)."""
+    if not lands_in_out(ex, plan):
+        return None
+    if ex.collective == "all_reduce":
+        return out.view(-1)[plan.bounds[g] : plan.bounds[g + 1]]
+    if plan.layout == "segments":
+        r0, r1 = plan.segment_rows(g)
+        return out[r0:r1]
+    return None
+
+
 def add_partials(parts: torch.Tensor, out: torch.Tensor) -> None:
     """``out`` = the sum of the rows of ``parts`` [world, n] (one rounding, as NCCL's sum of two)."""
     if len(parts) == 2:  # an add runs at 2.7 TB/s, a sum over the leading dimension at 1.3 (H200)
