@@ -333,10 +333,10 @@ def run_overlapped(
     device = a.device
     caller = torch.cuda.current_stream(device)
     stream = side_stream(device)
-    # Not where one communicator serves both (c10d's for comm_sms 0: its stream orders them anyway),
-    # nor for the rows layout's exchange, whose last group's own-segment step reads earlier receives.
-    apart = tail_group is not None and tail_group is not group
-    apart = apart and comm.comm_pattern(ex.collective, plan.layout, ex.reduction) != "exchange"
+    # (not where one communicator serves both, c10d's for comm_sms 0: its stream orders them anyway)
+    apart = (
+        tail_group is not None and tail_group is not group and comm.tail_apart(ex.collective, plan.layout, ex.reduction)
+    )
     tail_stream = side_stream(device, "tail") if apart else stream
 
     def alloc(shape):

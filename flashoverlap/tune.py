@@ -7,7 +7,9 @@ The model (see ../shared/DESIGN.md, "Configs and tuning"):
 * a collective on ``b`` bytes takes ``latency_ms + b / bandwidth`` (:class:`CommModel`, fitted
   from a few NCCL sizes by :func:`fit_comm`, interpolated between them), on the budget
   communicator while the GEMM runs and on the full one for the last group;
-* collectives run one after another on the communication stream; in the ``rows`` layout of
+* collectives run one after another on the communication stream, but for the last group's, which
+  starts as the GEMM ends beside whatever is still queued there (a stream of its own,
+  ``tail_apart``; not in the ``rows`` layout of reduce-scatter / all-to-all); in the ``rows`` layout of
   reduce-scatter / all-to-all, a group's rows of the rank's own segment are added / copied into
   the result there instead (``local``, a model of that memory operation by size); a ``local``
   all-reduce adds the gathered partial sums of each group after its all-gather, and the ``cols``
@@ -99,7 +101,9 @@ class Problem:
     the ``rows`` layout, a ``local`` all-reduce's sums) and that operation's model (empty /
     None: none); finish_ms: work after the last collective whatever the partition (a ``local``
     all-reduce's adds where the GEMM leaves them no SM); start_wave: collectives start after this
-    wave at the earliest (a late SM budget's first waves leave NCCL no SM: plan.late_after).
+    wave at the earliest (a late SM budget's first waves leave NCCL no SM: plan.late_after);
+    tail_apart: the last group's collective starts as the GEMM ends, beside the others' backlog
+    (comm.tail_apart), not behind it.
     """
 
     wave_bytes: tuple[float, ...]
@@ -111,6 +115,7 @@ class Problem:
     local: CommModel | None = None
     finish_ms: float = 0.0
     start_wave: int = 0
+    tail_apart: bool = False
 
     @property
     def num_waves(self) -> int:
@@ -151,8 +156,10 @@ def makespan(problem: Problem, partition: Sequence[int]) -> float:
         nbytes = sum(problem.wave_bytes[done : done + waves])
         kept = local[done + waves] - local[done]
         done += waves
-        model = problem.tail if g == len(partition) - 1 else problem.during
-        end = max(end, max(done, problem.start_wave) * problem.wave_ms) + problem.group_ms(model, nbytes, kept)
+        last = g == len(partition) - 1
+        start = max(done, problem.start_wave) * problem.wave_ms
+        took = problem.group_ms(problem.tail if last else problem.during, nbytes, kept)
+        end = max(end, start + took) if last and problem.tail_apart else max(end, start) + took
     return max(end + problem.finish_ms, problem.host.time_ms(len(partition)))
 
 
@@ -163,8 +170,9 @@ def best_partition(problem: Problem) -> tuple[tuple[int, ...], float]:
     ending at wave j. A later finish never lets a later group start earlier, so the best prefix is
     the one to extend: finish[g, j] = min over i < j of max(finish[g - 1, i], j * wave_ms) +
     comm(waves i+1..j) (no start before wave ``start_wave``), the last group costed on the full
-    communicator. The host time depends on the group count alone, so the answer is the best over g
-    of max(finish[g, W], host(g)).
+    communicator (with ``tail_apart``, max(finish[g - 1, i], W * wave_ms + comm): still the best
+    prefix). The host time depends on the group count alone, so the answer is the best over g of
+    max(finish[g, W], host(g)).
     O(waves^3), vectorised over the split point.
     """
     total = problem.num_waves
@@ -176,9 +184,12 @@ def best_partition(problem: Problem) -> tuple[tuple[int, ...], float]:
         for j in range(g, total + 1):
             model = problem.tail if j == total else problem.during
             i = np.arange(g - 1, j)
-            t = np.maximum(finish[g - 1, i], max(j, problem.start_wave) * problem.wave_ms) + problem.group_ms(
-                model, prefix[j] - prefix[i], local[j] - local[i]
-            )
+            start = max(j, problem.start_wave) * problem.wave_ms
+            took = problem.group_ms(model, prefix[j] - prefix[i], local[j] - local[i])
+            if j == total and problem.tail_apart:
+                t = np.maximum(finish[g - 1, i], start + took)
+            else:
+                t = np.maximum(finish[g - 1, i], start) + took
             best = int(np.argmin(t))
             finish[g, j], came_from[g, j] = t[best], i[best]
     ends = [max(finish[g, total] + problem.finish_ms, problem.host.time_ms(g)) for g in range(1, total + 1)]
@@ -505,7 +516,10 @@ def tune_shape(
         if None in comm_models:
             problems.append(None)
             continue
-        problems.append(Problem(sent, per_wave_ms, *comm_models, host, kept, local, start_wave=prep.plan.after))
+        apart = cfg.comm_sms > 0 and comm.tail_apart(collective, cfg.layout, cfg.reduction)  # (0: one communicator)
+        problems.append(
+            Problem(sent, per_wave_ms, *comm_models, host, kept, local, start_wave=prep.plan.after, tail_apart=apart)
+        )
         if pattern == "all_gather":
             problems[-1] = with_local_adds(problems[-1], _local_model(pattern, dtype, rounds), cfg.comm_sms)
         choices.append((choose(problems[-1], sequential_ms, margin), j))

@@ -188,7 +188,7 @@ def test_partial_sums_add_up_whatever_the_world_size(world):
 def test_where_each_layout_leaves_its_result():
     """Which calls need a step per group after the collective (comm.finish_group) and which find
     their result in the buffers' out (copied out of a symmetric window)."""
-    from flashoverlap.comm import finishes, interleave, lands_in_out
+    from flashoverlap.comm import finishes, interleave, lands_in_out, tail_apart
     from flashoverlap.plan import make_plan
 
     def plan(layout, segments=1):
@@ -210,3 +210,36 @@ def test_where_each_layout_leaves_its_result():
     for (ex, layout), expected in cases.items():
         p = plan(layout, interleave(ex, layout))
         assert (finishes(ex, p), lands_in_out(ex, p)) == expected, (ex.collective, ex.reduction, layout)
+        # the last group's collective may run beside the others' but where its own-segment step
+        # reads what they received (the rows layout's exchange)
+        exchange_rows = layout == "rows" and ex.collective != "all_reduce"
+        assert tail_apart(ex.collective, layout, ex.reduction) is not exchange_rows
+
+
+def test_landed_ranges_cover_the_result_once():
+    """A window's result is copied out per group where comm.landed gives each group's range: the
+    ranges of all groups cover the result exactly once."""
+    from flashoverlap.comm import interleave, landed
+    from flashoverlap.plan import make_plan
+
+    ar, rs, a2a = exchange("all_reduce", 1024, 2), exchange("reduce_scatter", 1024, 2), exchange("all_to_all", 1024, 2)
+    for ex, layout, covered in [
+        (ar, "rows", True),
+        (rs, "segments", True),
+        (rs, "rows", False),
+        (ar, "tiles", False),
+        (a2a, "cols", False),
+        (a2a, "segments", False),
+    ]:
+        p = make_plan(
+            1024, 256, tile_m=128, tile_n=128, cluster_m=1, ctas=3, layout=layout, interleave=interleave(ex, layout)
+        )
+        out = torch.zeros(ex.rows, p.n)
+        parts = [landed(ex, p, g, out) for g in range(p.num_groups)]
+        if not covered:
+            assert all(part is None for part in parts), (ex.collective, layout)
+            continue
+        assert p.num_groups > 1
+        for part in parts:
+            part += 1
+        assert (out == 1).all(), (ex.collective, layout)

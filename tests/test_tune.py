@@ -67,6 +67,23 @@ def test_the_search_stays_exact_when_collectives_wait_for_a_late_budget():
     assert makespan(dataclasses.replace(paced, start_wave=2), (1, 1, 1, 1)) == pytest.approx(6.0)
 
 
+def test_the_search_stays_exact_with_the_last_collective_beside_the_backlog():
+    rng = np.random.default_rng(9)
+    for _ in range(40):
+        p = problem(rng)
+        apart = dataclasses.replace(p, start_wave=int(rng.integers(0, p.num_waves + 1)), tail_apart=True)
+        partition, best = best_partition(apart)
+        brute = min(makespan(apart, c) for c in partitions(p.num_waves))
+        assert best == pytest.approx(brute) and makespan(apart, partition) == pytest.approx(best)
+        behind = dataclasses.replace(apart, tail_apart=False)
+        assert all(makespan(apart, c) <= makespan(behind, c) + 1e-12 for c in partitions(p.num_waves, 3))
+    # 1 ms per wave and per collective, none before wave 2: three groups queue behind one another
+    # until 5 ms; the last starts at the GEMM's end (4 ms) beside them instead of at 5
+    paced = Problem((1.0,) * 4, 1.0, CommModel(0.0, 1.0), CommModel(0.0, 1.0), start_wave=2)
+    assert makespan(paced, (1, 1, 1, 1)) == pytest.approx(6.0)
+    assert makespan(dataclasses.replace(paced, tail_apart=True), (1, 1, 1, 1)) == pytest.approx(5.0)
+
+
 def test_the_search_stays_exact_with_rows_kept_locally():
     """The rows layout of reduce-scatter / all-to-all: the last waves are the rank's own rows, added
     or copied locally instead of communicated."""

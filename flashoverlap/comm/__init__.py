@@ -331,6 +331,13 @@ def rows_rotation(ex: Exchange, layout: str, rank: int) -> int:
     return (rank + 1) % len(ex.send) * ex.send[0]
 
 
+def tail_apart(collective: str, layout: str, reduction: str = "nccl") -> bool:
+    """Whether a call's last group may communicate beside the earlier groups' collectives, on a
+    stream of its own (overlap.run_overlapped): all but the ``rows`` layout's exchange, whose last
+    group's own-segment step reads what the earlier groups received."""
+    return comm_pattern(collective, layout, reduction) != "exchange"
+
+
 def buffers(ex: Exchange, plan: Plan, alloc) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
     """(out, buffer, recv) of one call: the [ex.rows, n] result, the flat buffer the GEMM writes
     (``out`` itself for an all-reduce in the ``rows`` layout) and the flat buffer received rows
