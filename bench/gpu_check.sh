@@ -8,7 +8,7 @@
 #   stress  10,000 random calls checked against the sequential path (STRESS_CALLS)
 #   bench   each collective, NVLink and P2P off: all-reduce with CONFIGS (default: the registry and the
 #           defaults) and late budgets, reduce-scatter / all-to-all with the registry, the defaults, the
-#           rows and segments layouts (SHAPES, ROUNDS, TRACE); windows over NVLink only;
+#           rows and segments layouts (COLLECTIVES, SHAPES, ROUNDS, TRACE); windows over NVLink only;
 #   sm80    the Ampere/Ada kernels forced on Hopper, P2P off: tuned (registry in $OUT/sm80), beside the Hopper ones
 #   swizzle each collective (COLLECTIVES) over NVLink with swizzled rasters beside the plain one
 #   tune    the tuner on bench/suite.yaml, TUNE_COLLECTIVES (all_reduce), NVLink and P2P off (TRANSPORTS) ->
@@ -39,6 +39,7 @@ for step in $steps; do
     timeout 600 torchrun --nproc-per-node "$NGPU" tests/stress_overlap.py --calls "${STRESS_CALLS:-10000}" \
       > "$OUT/stress.log" 2>&1; tail -2 "$OUT/stress.log" ;;
   bench)
+    wants() { [[ " ${COLLECTIVES:-all_reduce reduce_scatter all_to_all} " == *" $1 "* ]]; }
     for transport in ${TRANSPORTS:-nvlink pcie}; do
       sym=()  # symmetric windows need peer access: NVLink only
       [ "$transport" = nvlink ] && sym=('{"symmetric": true}' '{"symmetric": true, "comm_sms": 4}')
@@ -47,7 +48,7 @@ for step in $steps; do
       gather=('{"reduction": "local"}')  # all-gathered partial sums (copy engines with symmetric windows)
       [ "$transport" = nvlink ] && gather+=('{"reduction": "local", "symmetric": true, "comm_sms": 0}' \
         '{"reduction": "local", "symmetric": true, "comm_sms": 4}')  # 4 SMs for the adds, the GEMM's waves kept
-      bench "all_reduce_$transport" -- --transport "$transport" --shapes ${SHAPES:-4096x8192x8192 8192x8192x8192} \
+      wants all_reduce && bench "all_reduce_$transport" -- --transport "$transport" --shapes ${SHAPES:-4096x8192x8192 8192x8192x8192} \
         --configs ${CONFIGS:-registry '{}'} "${late[@]}" "${sym[@]}" "${gather[@]}" --nccl c10d direct \
         --rounds "${ROUNDS:-15}" --csv "$OUT/all_reduce_$transport.csv" \
         ${TRACE:+--trace "$OUT/trace_$transport.json"}
@@ -56,10 +57,10 @@ for step in $steps; do
       seg=()  # segments in a window: NCCL's symmetric reduce-scatter / copy-engine all-to-all
       [ "$transport" = nvlink ] && seg=('{"layout": "segments", "symmetric": true, "comm_sms": 4}'
         '{"layout": "rows", "late_budget": true, "symmetric": true}')
-      bench "reduce_scatter_$transport" -- --transport "$transport" --collective reduce_scatter \
+      wants reduce_scatter && bench "reduce_scatter_$transport" -- --transport "$transport" --collective reduce_scatter \
         --shapes 16384x8192x4096 --configs registry '{}' "${rows[@]}" "${sym[@]}" "${seg[@]}" \
         --rounds "${ROUNDS:-15}" --csv "$OUT/reduce_scatter_$transport.csv"
-      bench "all_to_all_$transport" -- --transport "$transport" --collective all_to_all \
+      wants all_to_all && bench "all_to_all_$transport" -- --transport "$transport" --collective all_to_all \
         --shapes 8192x4096x7168 --configs registry '{}' "${rows[@]}" "${sym[@]}" ${sym:+'{"symmetric": true, "comm_sms": 0}'} \
         "${seg[@]}" ${seg:+'{"layout": "segments", "symmetric": true, "comm_sms": 0}'} \
         --rounds "${ROUNDS:-15}" --csv "$OUT/all_to_all_$transport.csv"
