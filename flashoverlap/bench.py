@@ -58,11 +58,12 @@ def parse_shape(text: str) -> tuple[int, int, int]:
 
 
 def parse_config(text: str) -> dict | None:
-    """A JSON object of OverlapConfig fields, or ``registry`` (None: what a call without ``config=``
-    runs, the tuned registry's entry for the shape)."""
-    from .config import json_object
+    """A JSON object of OverlapConfig fields or a YAML config file (config.cli_config), or
+    ``registry`` (None: what a call without ``config=`` runs, the tuned registry's entry for the
+    shape)."""
+    from .config import cli_config
 
-    return None if text == "registry" else json_object(text)
+    return None if text == "registry" else cli_config(text)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -78,8 +79,8 @@ def build_parser() -> argparse.ArgumentParser:
         nargs="+",
         type=parse_config,
         default=[{}],
-        help="OverlapConfig fields as JSON objects, or 'registry' (the tuned configs, as with no config=); "
-        "each is one flashoverlap variant",
+        help="OverlapConfig fields as JSON objects or YAML config files, or 'registry' (the tuned configs, "
+        "as with no config=); each is one flashoverlap variant",
     )
     parser.add_argument("--collective", choices=COLLECTIVES, default="all_reduce")
     parser.add_argument("--dtype", choices=["bfloat16", "float16"], default="bfloat16")

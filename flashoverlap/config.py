@@ -273,17 +273,26 @@ def _instance(cfg: OverlapConfig, family: str) -> tuple[int, int, int, int, str]
     return cfg.tile_m, cfg.tile_n, tile_k, cfg.cluster_m, cfg.scheduler
 
 
-def json_object(text: str) -> dict[str, Any]:
-    """A JSON object given on a command line (an argparse ``type``): config fields and the like."""
+def cli_config(text: str) -> dict[str, Any]:
+    """A config given on a command line (an argparse ``type``): a JSON object of its fields, or
+    the path of a YAML config file (``configs/consumer_pcie.yaml``), whose fields it returns once
+    they validate."""
     import argparse
     import json
 
+    if text.endswith((".yaml", ".yml")):
+        try:
+            OverlapConfig.from_yaml(text)
+        except (OSError, ValueError) as exc:
+            raise argparse.ArgumentTypeError(str(exc)) from None
+        with open(text) as handle:
+            return yaml.safe_load(handle) or {}
     try:
         value = json.loads(text)
     except json.JSONDecodeError as exc:
-        raise argparse.ArgumentTypeError(f"expected a JSON object, got {text!r}: {exc}") from None
+        raise argparse.ArgumentTypeError(f"expected a JSON object or a .yaml file, got {text!r}: {exc}") from None
     if not isinstance(value, dict):
-        raise argparse.ArgumentTypeError(f"expected a JSON object, got {text!r}")
+        raise argparse.ArgumentTypeError(f"expected a JSON object or a .yaml file, got {text!r}")
     return value
 
 

@@ -27,7 +27,7 @@ from typing import Any
 import yaml
 
 from . import jit, registry
-from .config import OverlapConfig, json_object, kernel_spec, resolutions, resolve
+from .config import OverlapConfig, cli_config, kernel_spec, resolutions, resolve
 from .gemm import GemmSpec, generate
 from .gemm.generator import DTYPES, WEIGHT_LAYOUTS
 
@@ -72,7 +72,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         description=__doc__,
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
-    parser.add_argument("items", nargs="*", type=json_object, help="configs as JSON objects (default: '{}')")
+    parser.add_argument(
+        "items", nargs="*", type=cli_config, help="configs as JSON objects or YAML config files (default: '{}')"
+    )
     parser.add_argument(
         "--gpu-arch", choices=sorted(GPU_ARCHS), help="the GPUs' compute capability (default: this machine's GPU)"
     )

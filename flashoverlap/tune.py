@@ -673,7 +673,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     import torch.distributed as dist
 
     from . import bench
-    from .config import for_collective, json_object, resolve
+    from .config import cli_config, for_collective, resolve
 
     parser = argparse.ArgumentParser(
         prog="python -m flashoverlap.tune",
@@ -684,7 +684,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--shapes", nargs="+", type=bench.parse_shape, help="MxNxK ...")
     parser.add_argument("--shapes-file", help="YAML list of shapes (see python -m flashoverlap.bench)")
     parser.add_argument(
-        "--candidates", nargs="+", type=json_object, help="configs to tune from, JSON (default: per collective)"
+        "--candidates",
+        nargs="+",
+        type=cli_config,
+        help="configs to tune from: JSON objects or YAML config files (default: per collective)",
     )
     parser.add_argument("--transport", choices=sorted(bench.TRANSPORTS), default="nvlink")
     parser.add_argument("--dtype", choices=["bfloat16", "float16"], default="bfloat16")

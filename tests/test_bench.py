@@ -22,6 +22,35 @@ def test_shapes_and_configs_parse_with_clear_errors():
     assert bench.parse_config("registry") is None  # the tuned registry's pick, as a call without config=
 
 
+def test_configs_from_yaml_files(tmp_path, capsys):
+    """A config file stands for its fields on every command line that takes configs (the shipped
+    consumer config among them); a bad one is refused naming the file and the key."""
+    from pathlib import Path
+
+    from flashoverlap import precompile, tune
+    from flashoverlap.config import OverlapConfig
+
+    shipped = Path(__file__).resolve().parent.parent / "configs" / "consumer_pcie.yaml"
+    fields = bench.parse_config(str(shipped))
+    assert fields["kernel"] == "sm80" and OverlapConfig(**fields) == OverlapConfig.from_yaml(shipped)
+    good = tmp_path / "few.yaml"
+    good.write_text("comm_sms: 4\npartition: [1, 2]\n")
+    assert bench.parse_config(str(good)) == {"comm_sms": 4, "partition": [1, 2]}
+    bad = tmp_path / "bad.yaml"
+    bad.write_text("comm_sms: -1\n")
+    with pytest.raises(argparse.ArgumentTypeError, match="bad.yaml.*comm_sms"):
+        bench.parse_config(str(bad))
+    with pytest.raises(argparse.ArgumentTypeError, match="not found"):
+        bench.parse_config(str(tmp_path / "missing.yaml"))
+    args = bench.build_parser().parse_args(["--configs", str(good), "registry"])
+    assert args.configs == [{"comm_sms": 4, "partition": [1, 2]}, None]
+    assert precompile.main(["--gpu-arch", "sm_89", str(shipped), "--list"]) == 0  # the family's kernel, listed
+    assert "sm_89" in capsys.readouterr().out
+    with pytest.raises(SystemExit):
+        tune.main(["--shapes", "8x8x8", "--output", "x.yaml", "--candidates", str(bad)])
+    assert "bad.yaml" in capsys.readouterr().err
+
+
 def test_config_labels_name_what_ran():
     from flashoverlap.config import OverlapConfig, for_collective
 
