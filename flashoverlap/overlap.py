@@ -423,11 +423,16 @@ def tuned_config(
     """The registry's config for this call (flashoverlap.registry), None without one. Where the
     entry cannot take the call (:func:`carries`; entries are tuned with equal splits on NCCL:
     unequal all-to-all splits, say), the entry's measured ``fallback``, else None."""
-    key = (torch.cuda.get_device_name(a.device), world, ex.collective, registry.transport(), DTYPES[a.dtype], shape)
+    key = (_device_name(a.device.index), world, ex.collective, registry.transport(), DTYPES[a.dtype], shape)
     found = registry.lookup(*key)
     if found is not None and not carries(found.config, ex, shape, p2p):
         found = registry.lookup(*key, fallback=True)
     return found
+
+
+@functools.cache  # every call without config= asks
+def _device_name(index: int) -> str:
+    return torch.cuda.get_device_name(index)
 
 
 def carries(cfg: OverlapConfig, ex: Exchange, shape: tuple[int, int, int], p2p: bool = True) -> bool:

@@ -137,8 +137,12 @@ def load(paths: Iterable[Path]) -> list[Entry]:
 
 
 def config_dirs() -> list[Path]:
-    extra = [Path(p) for p in os.environ.get("FLASHOVERLAP_CONFIG_DIRS", "").split(os.pathsep) if p]
-    return [*extra, REPO_CONFIGS]
+    return list(_dirs(os.environ.get("FLASHOVERLAP_CONFIG_DIRS", "")))
+
+
+@functools.lru_cache(maxsize=16)  # every call without config= asks (as the variable's text: cheap to hash)
+def _dirs(spec: str) -> tuple[Path, ...]:
+    return (*(Path(p) for p in spec.split(os.pathsep) if p), REPO_CONFIGS)
 
 
 @functools.cache
@@ -190,12 +194,13 @@ def lookup(
 ) -> Found | None:
     """The tuned config for a call (see the module doc), or None; ``fallback``: the entry's config
     for calls its config cannot carry instead (None where it has none; overlap.carries)."""
-    return _lookup(tuple(config_dirs()), gpu, world, collective, transport, dtype, tuple(shape), fallback)
+    spec = os.environ.get("FLASHOVERLAP_CONFIG_DIRS", "")
+    return _lookup(spec, gpu, world, collective, transport, dtype, tuple(shape), fallback)
 
 
 @functools.lru_cache(maxsize=1024)  # every call without config= asks: keep the search off its host time
 def _lookup(
-    dirs: tuple[Path, ...],
+    spec: str,
     gpu: str,
     world: int,
     collective: str,
@@ -204,7 +209,7 @@ def _lookup(
     shape: tuple[int, ...],
     fallback: bool,
 ) -> Found | None:
-    entry = nearest(_entries_in(dirs), gpu, world, collective, transport, dtype, shape)
+    entry = nearest(_entries_in(_dirs(spec)), gpu, world, collective, transport, dtype, shape)
     config = None if entry is None else entry.fallback if fallback else entry.config
     if config is None:
         return None

@@ -149,12 +149,13 @@ def test_an_entry_is_not_used_for_unequal_all_to_all_splits_it_cannot_carry(tmp_
     symmetric windows cannot carry, gets the defaults (or the entry's fallback) instead of an error."""
     import torch
 
+    from flashoverlap import overlap
     from flashoverlap.overlap import tuned_config
 
     a2a = {**ENTRY, "collective": "all_to_all", "config": config}
     write(tmp_path, {"gpu": "NVIDIA H200", "world": 2, "entries": [a2a]})
     monkeypatch.setenv("FLASHOVERLAP_CONFIG_DIRS", str(tmp_path))
-    monkeypatch.setattr(torch.cuda, "get_device_name", lambda device=None: "NVIDIA H200")
+    monkeypatch.setattr(overlap, "_device_name", lambda index: "NVIDIA H200")
     monkeypatch.setattr(registry, "transport", lambda: "nvlink")
     a = torch.empty(4096, 8192, dtype=torch.bfloat16)
     shape = (4096, 8192, 8192)
