@@ -189,16 +189,23 @@ def for_collective(cfg: OverlapConfig, collective: str) -> OverlapConfig:
 
 @functools.lru_cache(maxsize=256)  # every call asks (a replace() validates)
 def resolutions(cfg: OverlapConfig, collective: str) -> tuple[OverlapConfig, ...]:
-    """What ``cfg`` may run for ``collective``, best first (:func:`for_collective` each): an ``auto``
-    layout of a reduce-scatter / all-to-all is ``segments`` where that layout carries the call
-    (overlap.for_call decides, knowing the call), else ``cols``; any other config, one."""
-    fallback = for_collective(cfg, collective)
+    """What ``cfg`` may run for ``collective``, best first, each valid (:func:`for_collective`): an
+    ``auto`` layout of a reduce-scatter / all-to-all is ``segments`` where that layout carries the
+    call (overlap.for_call decides, knowing the call), else ``cols``, of those two the ones that
+    can run the config (``epilogue: tma`` stores rows: ``segments`` alone; a stream-K schedule
+    cannot interleave: ``cols`` alone); any other config, one. Raises where none can."""
     if cfg.layout != "auto" or collective == "all_reduce":
-        return (fallback,)
-    try:
-        return for_collective(dataclasses.replace(cfg, layout="segments"), collective), fallback
-    except ValueError:  # a schedule that cannot interleave (stream-K)
-        return (fallback,)
+        return (for_collective(cfg, collective),)
+    valid, problems = [], []
+    for layout in ("segments", "cols"):
+        try:
+            valid.append(for_collective(dataclasses.replace(cfg, layout=layout), collective))
+        except ValueError as exc:
+            problems.append(f"as {layout!r}: {exc}")
+    if not valid:
+        neither = "; ".join(problems)
+        raise ValueError(f"layout 'auto' runs {collective} in layout 'segments' or 'cols', neither takes it: {neither}")
+    return tuple(valid)
 
 
 def takes_every_call(cfg: OverlapConfig, collective: str) -> bool:
@@ -207,7 +214,7 @@ def takes_every_call(cfg: OverlapConfig, collective: str) -> bool:
     tile rows, and symmetric windows equal all-to-all splits."""
     if collective == "all_reduce":
         return True
-    layout = for_collective(cfg, collective).layout
+    layout = resolutions(cfg, collective)[-1].layout  # (what a call the first cannot carry gets)
     return layout not in EQUAL_SEGMENTS and not (cfg.symmetric and collective == "all_to_all")
 
 

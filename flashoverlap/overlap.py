@@ -42,7 +42,6 @@ from .comm.nccl import group_fact
 from .config import (
     OverlapConfig,
     differences,
-    for_collective,
     for_device,
     kernel_spec,
     resolutions,
@@ -530,7 +529,7 @@ def decide(
     use, :func:`trial`). ``exchanged``: the call's :class:`Exchange` is appended to it."""
     world = world_size(group)
     given = resolve(config) if config is not None else None
-    explicit = for_collective(given, collective) if given is not None else None  # its layout resolved below
+    explicit = resolutions(given, collective)[0] if given is not None else None  # its layout resolved below
     m, n, k = check_inputs(a, weight, weight_layout)
     if explicit is not None and world > 1 and not explicit.sequential:  # no kernel here: fail before communicating
         for_device(explicit, torch.cuda.get_device_capability(a.device))

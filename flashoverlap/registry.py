@@ -39,7 +39,7 @@ from typing import Any, NamedTuple
 import yaml
 
 from .comm import COLLECTIVES
-from .config import OverlapConfig, for_collective, takes_every_call
+from .config import OverlapConfig, resolutions, takes_every_call
 
 TRANSPORTS = ("nvlink", "pcie", "net")
 DTYPES = ("bfloat16", "float16")
@@ -118,7 +118,7 @@ def _config(data: Any, collective: str, where: str) -> OverlapConfig:
     """An entry's config (or fallback), valid for its collective."""
     config = OverlapConfig.from_dict(data, source=where)
     try:
-        for_collective(config, collective)
+        resolutions(config, collective)
     except ValueError as exc:
         raise ValueError(f"{where}: {exc}") from None
     return config

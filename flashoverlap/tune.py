@@ -673,7 +673,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     import torch.distributed as dist
 
     from . import bench
-    from .config import cli_config, for_collective, resolve
+    from .config import cli_config, resolutions, resolve
 
     parser = argparse.ArgumentParser(
         prog="python -m flashoverlap.tune",
@@ -719,7 +719,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         )
     for candidate in candidates:  # before any process group or GPU work
         try:
-            for_collective(resolve(candidate), args.collective)
+            resolutions(resolve(candidate), args.collective)
         except ValueError as exc:
             parser.error(f"candidate {json.dumps(candidate)}: {exc}")
     if "RANK" not in os.environ:

@@ -89,7 +89,12 @@ def test_reference_inputs_must_be_on_cpu():
     [
         (flashoverlap.gemm_reduce_scatter, {"config": {"layout": "tiles"}}, "reduce_scatter needs layout 'cols'"),
         (flashoverlap.gemm_all_to_all, {"config": {"layout": "tiles"}}, "all_to_all needs layout 'cols'"),
-        (flashoverlap.gemm_all_to_all, {"config": {"epilogue": "tma"}}, "layout 'rows' or 'segments'"),
+        (flashoverlap.gemm_all_to_all, {"config": {"epilogue": "tma", "scheduler": "streamk"}}, "neither takes it"),
+        (
+            flashoverlap.gemm_all_to_all,
+            {"config": {"epilogue": "tma", "layout": "cols"}},
+            "layout 'rows' or 'segments'",
+        ),
         (flashoverlap.gemm_reduce_scatter, {}, "a is on cpu"),
         (flashoverlap.gemm_all_to_all, {"splits": [64]}, "a is on cpu"),
     ],
@@ -474,7 +479,7 @@ def test_an_auto_layout_takes_segments_where_they_carry_the_call():
     config starts from."""
     from flashoverlap import comm
     from flashoverlap.config import OverlapConfig
-    from flashoverlap.overlap import for_call
+    from flashoverlap.overlap import for_call, rotation_unit
 
     auto, shape = OverlapConfig(), (4096, 4096, 1024)
     even = comm.exchange("reduce_scatter", 4096, 2)
@@ -493,6 +498,25 @@ def test_an_auto_layout_takes_segments_where_they_carry_the_call():
     assert for_call(OverlapConfig(scheduler="streamk"), even, shape).layout == "cols"  # no interleaved schedule
     for layout in ("cols", "rows", "segments"):  # a layout given is kept
         assert for_call(OverlapConfig(layout=layout), even, shape).layout == layout
+    # the TMA epilogue stores rows: an auto layout with it runs segments alone, and a call that
+    # segments cannot carry is refused before any launch (comm.check_layout) instead of as a config
+    tma = OverlapConfig(epilogue="tma")
+    assert for_call(tma, even, shape) == OverlapConfig(epilogue="tma", layout="segments")
+    assert for_call(tma, uneven, shape).layout == "segments"
+    with pytest.raises(ValueError, match="layout 'segments' runs"):
+        comm.check_layout(uneven, "segments", rotation_unit(tma, shape))
+
+
+def test_an_auto_layout_that_no_layout_can_run_names_both():
+    from flashoverlap.config import OverlapConfig, resolutions, takes_every_call
+
+    with pytest.raises(
+        ValueError, match="neither takes it: as 'segments': .*persistent.*; as 'cols': .*epilogue 'tma'"
+    ):
+        resolutions(OverlapConfig(epilogue="tma", scheduler="streamk"), "all_to_all")
+    # what a registry entry's config must be to stand in for every call
+    assert takes_every_call(OverlapConfig(), "all_to_all")  # cols where segments cannot carry
+    assert not takes_every_call(OverlapConfig(epilogue="tma"), "all_to_all")  # segments or nothing
 
 
 def test_one_wave_counts_tiles_against_the_sms_left(monkeypatch):
