@@ -164,6 +164,9 @@ def test_summary_per_variant(tmp_path, capsys):
     # whatever the registry picked per shape is one method
     picks = [row(config='registry:{"sequential": true}', speedup=0.99), row(config="registry:{}", speedup=1.21)]
     assert bench.summarize(picks).splitlines()[1].split() == ["registry", "2", "1.100", "0.990", "0.33", "0.80", "1/2"]
+    assert "of_ideal > 1" not in bench.summarize(rows)
+    # beyond the bound (it times one whole collective): said, not hidden
+    assert bench.summarize([row(of_ideal=1.03)]).splitlines()[-1].startswith("of_ideal > 1 (1 row)")
     # the same from saved CSVs, no GPUs
     path = tmp_path / "r.csv"
     bench.write_csv(str(path), rows)
