@@ -127,7 +127,7 @@ class Prepared:
     # exchange -> (the window region, its (out, buffer, recv) there): the same every call
     window_views: dict = field(default_factory=dict)
     group_done: list = field(default_factory=list)  # an event per group (comm.finish_group)
-    gemm_done: torch.cuda.Event | None = None  # the last group's counter seen (a window's copies out)
+    gemm_done: torch.cuda.Event | None = None  # the GEMM's end on the caller's stream (a window's copies out)
 
     def launch(self, a: torch.Tensor, weight: torch.Tensor, buffer: torch.Tensor, stream: torch.cuda.Stream) -> None:
         """Enqueue the signal GEMM on ``stream``, writing the plan's slots of ``buffer``."""
@@ -169,7 +169,7 @@ def _keep(cache: OrderedDict, key: tuple, value, limit: int) -> None:
         cache.popitem(last=False)
 
 
-SIDE_ROLES = ("comm", "tail", "finish")  # what side_stream keeps a stream for
+SIDE_ROLES = ("comm", "finish")  # what side_stream keeps a stream for
 _side_streams: dict[tuple[int, str], torch.cuda.Stream] = {}
 _windows: dict[tuple, comm.nccl.Window] = {}  # symmetric windows per (budget, tail) group pair
 
@@ -325,9 +325,10 @@ def run_overlapped(
     tail_group: dist.ProcessGroup | comm.Direct | None = None,
 ) -> torch.Tensor:
     """One overlapped call; the last group's collective, which runs after the GEMM has freed
-    every SM, goes to ``tail_group`` (a communicator free to use them all) when given, on a stream
-    of its own: it starts as the GEMM ends, beside what the budget communicator still has queued,
-    not behind it. Either group may be a :class:`comm.nccl.Direct` (comm.direct)."""
+    every SM, goes to ``tail_group`` (a communicator free to use them all) when given, on the
+    caller's stream behind the GEMM: it starts as the GEMM ends, beside what the budget
+    communicator still has queued, not behind it. Either group may be a :class:`comm.nccl.Direct`
+    (comm.direct)."""
     plan = prep.plan
     device = a.device
     caller = torch.cuda.current_stream(device)
@@ -336,7 +337,6 @@ def run_overlapped(
     apart = (
         tail_group is not None and tail_group is not group and comm.tail_apart(ex.collective, plan.layout, ex.reduction)
     )
-    tail_stream = side_stream(device, "tail") if apart else stream
 
     def alloc(shape):
         return torch.empty(shape, dtype=a.dtype, device=device)
@@ -373,17 +373,21 @@ def run_overlapped(
         prep.gemm_done = torch.cuda.Event()
     timeout = signal.debug_timeout()
 
-    for side in dict.fromkeys((stream, tail_stream)):
-        join(side, caller, device)  # operands ready; earlier users of the buffers done
+    join(stream, caller, device)  # operands ready; earlier users of the buffers done
     join(caller, stream, device)  # a call from another stream may not have reset the counters yet
     prep.launch(a, weight, buffer, caller)
+    if copy_out:
+        prep.gemm_done.record(caller)
     last = len(prep.targets) - 1
     for g, target in enumerate(prep.targets):
-        on, issuer = (tail_group, tail_stream) if g == last and tail_group is not None else (group, stream)
+        # The last collective, apart: on the caller's stream, ordered after the GEMM without a
+        # counter wait or another stream (on a stream of its own behind a counter wait, stop 24's
+        # traces showed c10d starting it 108-126 us after the GEMM's end).
+        issuer = caller if g == last and apart else stream
+        on = tail_group if g == last and tail_group is not None else group
         with torch.cuda.stream(issuer):
-            signal.wait_geq(issuer, prep.counters, g, target, timeout, prep.report)
-            if copy_out and g == last:
-                prep.gemm_done.record(issuer)
+            if issuer is stream:
+                signal.wait_geq(issuer, prep.counters, g, target, timeout, prep.report)
             comm.communicate_group(ex, plan, g, buffer, recv, out, on)
             if finisher is not None:
                 prep.group_done[g].record(issuer)
@@ -398,8 +402,8 @@ def run_overlapped(
             for g, done in enumerate(prep.group_done):
                 finisher.wait_event(done)
                 comm.landed(ex, plan, g, result).copy_(comm.landed(ex, plan, g, out))
-    if tail_stream is not stream:
-        join(stream, tail_stream, device)
+    if apart:  # the stream saw all but the last counter
+        join(stream, caller, device)
     signal.reset(prep.counters, stream)  # stream-ordered: the next call's GEMM waits for it through `caller`
     # The caller's stream waits for the side streams, so the buffers of this call (allocated on it,
     # freed on return) are safe to reuse on it without record_stream.

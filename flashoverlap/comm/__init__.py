@@ -332,9 +332,9 @@ def rows_rotation(ex: Exchange, layout: str, rank: int) -> int:
 
 
 def tail_apart(collective: str, layout: str, reduction: str = "nccl") -> bool:
-    """Whether a call's last group may communicate beside the earlier groups' collectives, on a
-    stream of its own (overlap.run_overlapped): all but the ``rows`` layout's exchange, whose last
-    group's own-segment step reads what the earlier groups received."""
+    """Whether a call's last group may communicate beside the earlier groups' collectives, on the
+    caller's stream behind the GEMM (overlap.run_overlapped): all but the ``rows`` layout's
+    exchange, whose last group's own-segment step reads what the earlier groups received."""
     return comm_pattern(collective, layout, reduction) != "exchange"
 
 
