@@ -12,7 +12,7 @@
 #   sm80    the Ampere/Ada kernels forced on Hopper, P2P off: tuned (registry in $OUT/sm80), beside the Hopper ones
 #   swizzle each collective (COLLECTIVES) over NVLink with swizzled rasters beside the plain one
 #   tune    the tuner on bench/suite.yaml, TUNE_COLLECTIVES (all_reduce), NVLink and P2P off (TRANSPORTS) ->
-#           $OUT/tuned/h200_x2.yaml (a copy of configs/h200_x2.yaml, updated); TUNE_ARGS: more tuner
+#           $OUT/tuned/$REGISTRY (this machine's file of configs/, e.g. h200_x2.yaml: a copy, updated); TUNE_ARGS: more tuner
 #           arguments (JSON without spaces, e.g. --candidates {} {"reduction":"local","symmetric":true,"comm_sms":0})
 #   brute   the tuner with --brute-force 4 on two shapes: its pick against the best measured
 #   suite   bench/suite.yaml with the registry's configs beside the defaults ($OUT/tuned first if there),
@@ -71,7 +71,7 @@ for step in $steps; do
     timeout 300 torchrun --nproc-per-node "$NGPU" -m flashoverlap.tune --collective all_reduce --transport pcie --top 6 \
       --shapes 8192x4096x14336 --candidates '{"kernel": "sm80"}' '{"kernel": "sm80", "comm_sms": 4}' \
       '{"kernel": "sm80", "comm_sms": 8}' '{"kernel": "sm80", "tile_n": 128}' \
-      --output "$OUT/sm80/h200_x2.yaml" --csv "$OUT/sm80_tune.csv" > "$OUT/sm80_tune.log" 2>&1
+      --output "$OUT/sm80/$REGISTRY" --csv "$OUT/sm80_tune.csv" > "$OUT/sm80_tune.log" 2>&1
     tail -4 "$OUT/sm80_tune.log"
     bench sm80_pcie FLASHOVERLAP_CONFIG_DIRS="$OUT/sm80" -- --transport pcie --shapes 8192x4096x14336 \
       --rounds "${ROUNDS:-15}" --configs '{}' registry '{"kernel": "sm80"}' '{"kernel": "sm80", "comm_sms": 4}' \
@@ -86,12 +86,12 @@ for step in $steps; do
     done ;;
   tune)
     mkdir -p "$OUT/tuned"
-    [ -f "$OUT/tuned/h200_x2.yaml" ] || cp configs/h200_x2.yaml "$OUT/tuned/h200_x2.yaml"
+    [ -f "$OUT/tuned/$REGISTRY" ] || [ ! -f "configs/$REGISTRY" ] || cp "configs/$REGISTRY" "$OUT/tuned/$REGISTRY"
     for collective in ${TUNE_COLLECTIVES:-all_reduce}; do
       for transport in ${TRANSPORTS:-nvlink pcie}; do
         name=tune_$transport; [ "$collective" = all_reduce ] || name=tune_${collective}_$transport
         timeout 420 torchrun --nproc-per-node "$NGPU" -m flashoverlap.tune --collective "$collective" \
-          --transport "$transport" --shapes-file bench/suite.yaml --output "$OUT/tuned/h200_x2.yaml" \
+          --transport "$transport" --shapes-file bench/suite.yaml --output "$OUT/tuned/$REGISTRY" \
           --csv "$OUT/$name.csv" ${TUNE_ARGS:-} > "$OUT/$name.log" 2>&1
         tail -12 "$OUT/$name.log"
       done

@@ -13,6 +13,10 @@ if compgen -G ".whl/*.whl" >/dev/null; then
 fi
 export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH}
 NGPU=$(python3 -c 'import torch; print(torch.cuda.device_count())')
+# the registry file of this machine, as configs/ names them (h200_x2.yaml, h100_x2.yaml, rtx4090_x2.yaml)
+REGISTRY=$(nvidia-smi --query-gpu=name --format=csv,noheader | head -1 | tr 'A-Z' 'a-z' |
+  grep -o 'rtx [0-9]*\|[ahl][0-9]\+' | head -1 | tr -d ' ')
+REGISTRY=${REGISTRY:-gpu}_x$NGPU.yaml
 { nvidia-smi --query-gpu=name,memory.total,clocks.max.sm --format=csv; nvidia-smi topo -m; nvcc --version | tail -1;
   python3 -c 'import torch; print("torch", torch.__version__, "nccl", torch.cuda.nccl.version())'; } > "$OUT/env.txt" 2>&1
 head -3 "$OUT/env.txt"

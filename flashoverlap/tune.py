@@ -8,7 +8,7 @@ The model (see ../shared/DESIGN.md, "Configs and tuning"):
   from a few NCCL sizes by :func:`fit_comm`, interpolated between them), on the budget
   communicator while the GEMM runs and on the full one for the last group;
 * collectives run one after another on the communication stream, but for the last group's, which
-  starts as the GEMM ends beside whatever is still queued there (a stream of its own,
+  starts as the GEMM ends beside whatever is still queued there (on the caller's stream,
   ``tail_apart``; not in the ``rows`` layout of reduce-scatter / all-to-all); in the ``rows`` layout of
   reduce-scatter / all-to-all, a group's rows of the rank's own segment are added / copied into
   the result there instead (``local``, a model of that memory operation by size); a ``local``
@@ -238,11 +238,15 @@ def choose(problem: Problem, sequential_ms: float, margin: float = 0.02) -> Choi
 # long as the collective (0.82x) but keep up beside a longer one (1.05x, 4096x8192x28672, stop 21);
 # there a late budget did better still (1.06x; 1.09x on 8192x4096x14336, stop 22), and with NCCL's
 # symmetric kernels (faster per CTA over NVLink) also beside 4096x8192x8192 (1.11x against 1.09x).
+# Where the collective is most of the GEMM's length, symmetric kernels from the first wave on
+# (16384x8192x4096 on H100x2, 8 SMs: 1.24x against 1.08x for the best plain ring, stop 25).
 DEFAULT_CANDIDATES = {
     "all_reduce": (
         {},
         {"late_budget": True},
         {"late_budget": True, "symmetric": True},
+        {"symmetric": True},
+        {"symmetric": True, "comm_sms": 8},
         {"comm_sms": 4},
         {"comm_sms": 8},
         {"comm_sms": 24},
