@@ -18,6 +18,7 @@ from flashoverlap.tune import (
     format_summary,
     makespan,
     partitions,
+    pick_finalists,
     wave_bytes,
     with_local_adds,
     write_registry,
@@ -38,6 +39,28 @@ def test_dynamic_programming_finds_the_brute_force_optimum():
         partition, best = best_partition(p)
         brute = min(makespan(p, c) for c in partitions(p.num_waves))
         assert best == pytest.approx(brute) and makespan(p, partition) == pytest.approx(best)
+
+
+def test_finalists_hedge_each_measured_candidate_with_its_default_partition():
+    rng = np.random.default_rng(5)
+    problems = [problem(rng, waves=6) for _ in range(5)]
+    choices = [(choose(p, 10.0), j) for j, p in enumerate(problems)]
+    defaults = [(2, 2, 2), (3, 3), (1, 5), (6,), (4, 2)]
+    ranked = sorted(choices, key=lambda cj: cj[0].overlap_ms)
+    top = [j for _, j in ranked[:2]]
+    picked = pick_finalists(choices, problems, defaults, top=2, plain=ranked[-1][1])
+    assert picked[:2] == ranked[:2]  # the predicted best first, as predicted
+    pairs = [(c.partition, j) for c, j in picked]
+    assert len(pairs) == len(set(pairs))  # each (partition, candidate) measured once
+    expected = {(ranked[i][0].partition, ranked[i][1]) for i in range(2)}
+    expected |= {(defaults[j], j) for j in [*top, ranked[-1][1]]}  # hedges: the top's and the defaults'
+    assert set(pairs) == expected
+    for c, j in picked:  # each priced by its own problem
+        assert c.overlap_ms == pytest.approx(makespan(problems[j], c.partition))
+        assert (c.sequential_ms, c.margin) == (10.0, 0.02)
+    # a default partition that is the model's pick already is not measured twice
+    same = [(choose(problems[0], 10.0), 0)]
+    assert len(pick_finalists(same, problems, [same[0][0].partition], top=4, plain=0)) == 1
 
 
 def test_the_search_stays_exact_with_host_time_per_group():
