@@ -245,12 +245,13 @@ def pick_finalists(
     config. Each (partition, candidate) once."""
     ranked = sorted(choices, key=lambda cj: cj[0].overlap_ms)
     finalists = ranked[:top]
-    hedges = [*dict.fromkeys(j for _, j in finalists), *([] if plain is None else [plain])]
-    for j in hedges:
-        part = defaults[j]
-        if (part, j) not in [(c.partition, cj) for c, cj in finalists]:
-            base = ranked[0][0]
-            finalists.append((Choice(part, makespan(problems[j], part), base.sequential_ms, base.margin), j))
+    measured = {(c.partition, j) for c, j in finalists}
+    best = ranked[0][0]  # the sequential prediction and margin are the shape's, alike in every choice
+    for j in dict.fromkeys([*(j for _, j in finalists), *([] if plain is None else [plain])]):
+        if (defaults[j], j) not in measured:
+            measured.add((defaults[j], j))
+            priced = dataclasses.replace(best, partition=defaults[j], overlap_ms=makespan(problems[j], defaults[j]))
+            finalists.append((priced, j))
     return finalists
 
 
