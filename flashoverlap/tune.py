@@ -734,6 +734,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = parser.parse_args(argv)
     if args.brute_force < 0:
         parser.error("--brute-force takes a number of groups >= 1 (0: off)")
+    if args.top < 1:
+        parser.error(f"--top takes a number of finalists >= 1, got {args.top}")
     shapes = list(args.shapes or []) + (bench.load_shapes(args.shapes_file) if args.shapes_file else [])
     if not shapes:
         parser.error("give --shapes and/or --shapes-file")

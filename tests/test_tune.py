@@ -400,6 +400,10 @@ def test_brute_force_summary_compares_what_was_written(capsys):
     with pytest.raises(SystemExit):
         tune.main(["--shapes", "8x8x8", "--output", "x.yaml", "--brute-force", "-1"])
     assert "--brute-force takes" in capsys.readouterr().err
+    for top in ("0", "-1"):  # (a negative slice would measure all but the last)
+        with pytest.raises(SystemExit):
+            tune.main(["--shapes", "8x8x8", "--output", "x.yaml", "--top", top])
+        assert "--top takes" in capsys.readouterr().err
     with pytest.raises(SystemExit):  # candidates are configs to measure, not "registry"
         tune.main(["--shapes", "8x8x8", "--output", "x.yaml", "--candidates", "registry"])
     assert "expected a JSON object" in capsys.readouterr().err
