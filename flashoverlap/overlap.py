@@ -316,6 +316,23 @@ def join(waiter: torch.cuda.Stream, waitee: torch.cuda.Stream, device: torch.dev
     waiter.wait_event(event)
 
 
+class _On:
+    """``with _On(stream, current):`` what ``with torch.cuda.stream(stream):`` does, for a stream
+    of the current device whose current stream is ``current``: two switches (torch's context asks
+    for the device three times and builds two Stream objects; run_overlapped switches per group)."""
+
+    __slots__ = ("stream", "current")
+
+    def __init__(self, stream: torch.cuda.Stream, current: torch.cuda.Stream) -> None:
+        self.stream, self.current = stream, current
+
+    def __enter__(self) -> None:
+        torch.cuda.set_stream(self.stream)
+
+    def __exit__(self, *exc) -> None:
+        torch.cuda.set_stream(self.current)
+
+
 def run_overlapped(
     prep: Prepared,
     a: torch.Tensor,
@@ -329,8 +346,11 @@ def run_overlapped(
     caller's stream behind the GEMM: it starts as the GEMM ends, beside what the budget
     communicator still has queued, not behind it. Either group may be a :class:`comm.nccl.Direct`
     (comm.direct)."""
-    plan = prep.plan
     device = a.device
+    if torch.cuda.current_device() != device.index:  # (_On switches streams on the current device)
+        with torch.cuda.device(device):
+            return run_overlapped(prep, a, weight, ex, group, tail_group)
+    plan = prep.plan
     caller = torch.cuda.current_stream(device)
     stream = side_stream(device)
     # (not where one communicator serves both, c10d's for comm_sms 0: its stream orders them anyway)
@@ -385,20 +405,20 @@ def run_overlapped(
         # traces showed c10d starting it 108-126 us after the GEMM's end).
         issuer = caller if g == last and apart else stream
         on = tail_group if g == last and tail_group is not None else group
-        with torch.cuda.stream(issuer):
+        with _On(issuer, caller):
             if issuer is stream:
                 signal.wait_geq(issuer, prep.counters, g, target, timeout, prep.report)
             comm.communicate_group(ex, plan, g, buffer, recv, out, on)
             if finisher is not None:
                 prep.group_done[g].record(issuer)
-            if finishes:  # the group's own step (copies: copy engines; adds: SMs the GEMM leaves, or
-                # as it retires), enqueued with its collective so that a slow host cannot hold it back
-                finisher.wait_event(prep.group_done[g])
-                with torch.cuda.stream(finisher):
-                    comm.finish_group(ex, plan, g, buffer, recv, result)
+        if finishes:  # the group's own step (copies: copy engines; adds: SMs the GEMM leaves, or
+            # as it retires), enqueued with its collective so that a slow host cannot hold it back
+            finisher.wait_event(prep.group_done[g])
+            with _On(finisher, caller):
+                comm.finish_group(ex, plan, g, buffer, recv, result)
     if copy_out:
         finisher.wait_event(prep.gemm_done)
-        with torch.cuda.stream(finisher):
+        with _On(finisher, caller):
             for g, done in enumerate(prep.group_done):
                 finisher.wait_event(done)
                 comm.landed(ex, plan, g, result).copy_(comm.landed(ex, plan, g, out))
@@ -530,11 +550,61 @@ def decide(
 ) -> Decision:
     """Which path a call takes and with which config, as :func:`_gemm_collective` runs it (every
     check first; a call without ``config=`` that is not tuned for its very shape is timed on first
-    use, :func:`trial`). ``exchanged``: the call's :class:`Exchange` is appended to it."""
+    use, :func:`trial`). ``exchanged``: the call's :class:`Exchange` is appended to it. Kept for
+    the next call like it (same arguments, operand shapes, dtype, device, :data:`DECISION_ENV`
+    and registry files): a repeated call pays the input checks and one lookup, not the decision."""
     world = world_size(group)
     given = resolve(config) if config is not None else None
     explicit = resolutions(given, collective)[0] if given is not None else None  # its layout resolved below
     m, n, k = check_inputs(a, weight, weight_layout)
+    key = None
+    if splits is None and output_splits is None and rows_per_rank is None:  # (else exchanged per call)
+        env = os.environ
+        pg = group if group is not None else dist.group.WORLD  # (a new default group is a new call)
+        key = (collective, pg, given, weight_layout, m, n, k, a.dtype, a.device.index, registry.generation)
+        key += tuple(map(env.get, DECISION_ENV))
+        if (known := _recent(_decided, key)) is not None:
+            if exchanged is not None:
+                exchanged.append(known.ex)
+            return known
+    args = (splits, output_splits, rows_per_rank, exchanged)
+    decision = _decide(a, weight, collective, group, given, explicit, weight_layout, world, (m, n, k), *args)
+    if key is not None and not (a.is_cuda and torch.cuda.is_current_stream_capturing()):  # (a capture skips the trial)
+        _keep(_decided, key, decision, MAX_PREPARED)  # (a decision holds its plan: no more than plans kept)
+    return decision
+
+
+# what a decision rests on besides the call: the registry's directories, the transport, NCCL's API,
+# whether untuned calls are timed, whether the path taken is reported
+DECISION_ENV = (
+    "FLASHOVERLAP_CONFIG_DIRS",
+    "NCCL_P2P_DISABLE",
+    "NCCL_SHM_DISABLE",
+    "FLASHOVERLAP_NCCL",
+    "FLASHOVERLAP_TRIAL",
+    "FLASHOVERLAP_LOG",
+)
+_decided: OrderedDict[tuple, Decision] = OrderedDict()  # decide's answers, most recently used last
+
+
+def _decide(
+    a: torch.Tensor,
+    weight: torch.Tensor,
+    collective: str,
+    group: dist.ProcessGroup | None,
+    given: OverlapConfig | None,
+    explicit: OverlapConfig | None,
+    weight_layout: str,
+    world: int,
+    mnk: tuple[int, int, int],
+    splits: Sequence[int] | None,
+    output_splits: Sequence[int] | None,
+    rows_per_rank: Sequence[int] | None,
+    exchanged: list[Exchange] | None,
+) -> Decision:
+    """:func:`decide`, its arguments checked (``given``: the config resolved, ``explicit``: its first
+    resolution for the collective, ``mnk``: the GEMM's shape)."""
+    m, n, k = mnk
     if explicit is not None and world > 1 and not explicit.sequential:  # no kernel here: fail before communicating
         for_device(explicit, torch.cuda.get_device_capability(a.device))
     ex = comm.exchange(collective, m, world, splits, output_splits, group, a.device, rows_per_rank=rows_per_rank)

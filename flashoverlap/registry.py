@@ -177,10 +177,15 @@ def nearest(
     return min(candidates, key=lambda e: sum(abs(math.log(a / b)) for a, b in zip(e.shape, shape)))
 
 
+generation = 0  # how many times reload() ran: what was decided from older files is stale
+
+
 def reload() -> None:
     """Forget the files read so far, for a process that edits them while it runs."""
+    global generation
     _entries_in.cache_clear()
     _lookup.cache_clear()
+    generation += 1
 
 
 def lookup(

@@ -27,3 +27,14 @@ def pytest_collection_modifyitems(config, items):
             item.add_marker(pytest.mark.skip(reason="needs a CUDA GPU"))
         if "multigpu" in item.keywords and count < 2:
             item.add_marker(pytest.mark.skip(reason="needs two or more CUDA GPUs"))
+
+
+@pytest.fixture(autouse=True)
+def fresh_decisions(monkeypatch):
+    """Each test decides its calls afresh: tests replace what a kept decision rests on (the
+    registry, the trial, the plans) without what a process would change to make it stale."""
+    from collections import OrderedDict
+
+    from flashoverlap import overlap
+
+    monkeypatch.setattr(overlap, "_decided", OrderedDict())

@@ -467,10 +467,10 @@ def test_a_trial_holds_for_every_m_of_its_power_of_two(one_rank_group, monkeypat
     monkeypatch.setattr(overlap, "budget_communicator", lambda *args: None)
     monkeypatch.setattr(overlap, "run_overlapped", lambda *args, **kwargs: None)
     monkeypatch.setattr(bench, "time_variants", time_variants)
-    monkeypatch.setattr(overlap, "check_inputs", lambda a, w, layout: (a.shape[0], 256, 64))
+    monkeypatch.setattr(overlap, "check_inputs", lambda a, w, layout: (a.shape[0], *w.shape))
     for m in (512, 700, 1023, 1024, 600, 512):
         flashoverlap.gemm_all_reduce(bf16(m, 64), bf16(256, 64))
-    flashoverlap.gemm_all_reduce(bf16(512, 64), bf16(256, 128))  # another K: its own trial
+    flashoverlap.gemm_all_reduce(bf16(512, 128), bf16(256, 128))  # another K: its own trial
     assert trials == [512, 1024, 512]
 
 
@@ -655,3 +655,40 @@ def test_a_call_that_needs_gradients_still_refuses_cpu_tensors(one_rank_group):
     a = bf16(64, 64).requires_grad_()
     with pytest.raises(ValueError, match="a is on cpu, expected a cuda tensor"):
         flashoverlap.gemm_all_reduce(a, bf16(64, 64))
+
+
+def test_a_repeated_call_reuses_its_decision_until_what_it_rests_on_changes(one_rank_group, monkeypatch):
+    """decide() is kept per call kind: a repeated call looks up neither registry nor plans, while
+    another shape, config, environment (DECISION_ENV) or registry.reload() decides afresh, and a
+    call whose counts are exchanged decides every time."""
+    from flashoverlap import overlap, registry
+    from flashoverlap.config import OverlapConfig
+
+    lookups = []
+
+    def tuned_config(a, world, ex, shape, p2p=True):
+        lookups.append(shape)
+        return Found(OverlapConfig(sequential=True), True)
+
+    monkeypatch.setattr(overlap, "world_size", lambda group: 2)
+    monkeypatch.setattr(overlap, "check_inputs", lambda a, w, layout: (a.shape[0], *w.shape))
+    monkeypatch.setattr(overlap, "tuned_config", tuned_config)
+    monkeypatch.setattr(overlap.comm, "cuda_backend", lambda group: "nccl")
+    monkeypatch.delenv("FLASHOVERLAP_NCCL", raising=False)
+    a, w = bf16(256, 64), bf16(128, 64)
+    exchanged = []
+    first = overlap.decide(a, w, "all_reduce", exchanged=exchanged)
+    assert overlap.decide(a, w, "all_reduce", exchanged=exchanged) is first and len(lookups) == 1
+    assert exchanged == [first.ex, first.ex]  # (the gradients need it on every call)
+    overlap.decide(bf16(512, 64), w, "all_reduce")  # another M
+    overlap.decide(a, w, "all_reduce", config={"sequential": True})  # a config: no lookup, its own decision
+    assert overlap.decide(a, w, "all_reduce", config={"sequential": True}).config is None and len(lookups) == 2
+    monkeypatch.setenv("FLASHOVERLAP_NCCL", "direct")
+    overlap.decide(a, w, "all_reduce")
+    registry.reload()
+    overlap.decide(a, w, "all_reduce")
+    overlap.decide(a, w, "all_reduce")
+    assert len(lookups) == 4
+    for _ in range(2):  # counts exchanged per call (here: known, not exchanged, but never kept)
+        overlap.decide(a, w, "all_to_all", splits=[128, 128], output_splits=[128, 128])
+    assert len(lookups) == 6
