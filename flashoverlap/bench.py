@@ -36,7 +36,7 @@ import torch.distributed as dist
 import yaml
 
 from . import signal
-from .comm import COLLECTIVES
+from .comm import COLLECTIVES, NCCL_PATHS
 
 TRANSPORTS = {
     "nvlink": {},
@@ -93,14 +93,15 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument(
         "--nccl",
         nargs="+",
-        choices=["c10d", "direct"],
-        default=[os.environ.get("FLASHOVERLAP_NCCL", "c10d")],
+        choices=NCCL_PATHS,
+        default=[os.environ.get("FLASHOVERLAP_NCCL", NCCL_PATHS[0])],
         help="how flashoverlap calls NCCL (FLASHOVERLAP_NCCL): each config is measured with each path",
     )
     parser.add_argument(
         "--graphs",
         action="store_true",
-        help="replay each variant's block of calls as one captured CUDA graph: GPU time without host time",
+        help="replay each variant's block of calls as one captured CUDA graph: GPU time without host time "
+        "(and FLASHOVERLAP_TIMING=graphs: the registry's entries for calls replayed so apply)",
     )
     parser.add_argument("--plot", help="write a PNG of speedup per shape and method here (needs matplotlib)")
     parser.add_argument(
@@ -179,10 +180,13 @@ def time_variants(
 
     Each round times ``block`` calls of one variant back to back between two CUDA events, the
     host free to run ahead as in a model's forward pass (launch overhead counts only where it
-    stalls the GPU); variants take turns round by round so drift hits all of them alike, in an
-    order shuffled each round so that none always follows the same one (in a fixed order,
-    identical work measured up to 5 % apart). Every rank must pass the same variants in the same
-    order: checked first, so that a divergence is an error on every rank instead of a hang.
+    stalls the GPU); variants take turns round by round so drift hits all of them alike, in
+    :func:`balanced_orders` (``rounds`` rounded up to whole cycles of them): every variant follows
+    every other equally often. (In one fixed order identical work measured up to 5 % apart; in
+    ten shuffled ones the later of two identical variants measured 1-3 % faster in every run on
+    two H100s, stop 27: a block inherits the GPU's state from the one before it.) Every rank must
+    pass the same variants in the same order: checked first, so that a divergence is an error on
+    every rank instead of a hang.
     ``graphs``: each variant's block is captured once (after the warm-up) as one CUDA graph and a
     round replays it: GPU time alone, as in a model captured in CUDA graphs. A variant that cannot
     be captured on some rank is NaN on every rank.
@@ -206,8 +210,10 @@ def time_variants(
         runs = {name: _eager(fn, block) for name, fn in variants.items()}
     dist.barrier(group=group)
     events = []
-    for r in range(rounds):
-        for name in random.Random(r).sample(list(runs), len(runs)):  # the same order on every rank
+    names = random.Random(0).sample(list(runs), len(runs))  # their places in the design, alike on every rank
+    orders = balanced_orders(len(names))
+    for r in range(-(-rounds // len(orders)) * len(orders)):
+        for name in (names[v] for v in orders[r % len(orders)]):
             start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
             start.record()
             runs[name](r)
@@ -224,6 +230,22 @@ def time_variants(
     )
     dist.all_reduce(medians, op=dist.ReduceOp.MAX, group=group)
     return dict(zip(variants, medians.tolist()))
+
+
+def balanced_orders(n: int) -> list[list[int]]:
+    """Orders of ``n`` variants (a Williams design) in which each comes first equally often and
+    directly after every other equally often: ``n`` orders for even ``n``, ``2n`` for odd (the
+    first ``n`` reversed too), so that what a timed block inherits from the one before it (the
+    clocks a power-hungry GEMM leaves, say) falls on every variant alike."""
+    base, low, high = [0], 1, n - 1
+    while low <= high:  # 0, 1, n-1, 2, n-2, ...
+        base.append(low)
+        low += 1
+        if low <= high:
+            base.append(high)
+            high -= 1
+    orders = [[(v + shift) % n for v in base] for shift in range(n)]
+    return orders if n % 2 == 0 or n == 1 else orders + [order[::-1] for order in orders]
 
 
 def _eager(fn: Callable[[int], object], block: int) -> Callable[[int], None]:
@@ -302,7 +324,7 @@ def async_tp(a: torch.Tensor, w: torch.Tensor) -> Callable[[torch.Tensor, torch.
 
 
 def bench_shape(
-    shape, configs, collective, dtype, rounds, block, warmup, chunks=(2, 4, 8), nccl=("c10d",), graphs=False
+    shape, configs, collective, dtype, rounds, block, warmup, chunks=(2, 4, 8), nccl=NCCL_PATHS[:1], graphs=False
 ) -> list[dict]:
     import flashoverlap
 
@@ -594,6 +616,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         shapes += load_shapes(args.shapes_file)
     args.shapes = shapes or [(4096, 8192, 8192)]
     os.environ.update(TRANSPORTS[args.transport])  # before NCCL creates its communicators
+    if args.graphs:  # "registry" variants: what calls replayed as CUDA graphs take (registry.timing)
+        os.environ["FLASHOVERLAP_TIMING"] = "graphs"
     if "RANK" not in os.environ:
         print("run under torchrun, e.g. torchrun --nproc-per-node 2 -m flashoverlap.bench", file=sys.stderr)
         return 2
@@ -622,7 +646,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             name = torch.cuda.get_device_name()
             print(
                 f"\n{name} x{dist.get_world_size()}, {args.collective}, transport={args.transport}, {args.dtype}, "
-                f"ms per call, median of {args.rounds} rounds of {args.block} calls"
+                f"ms per call, median of {args.rounds}+ rounds (whole cycles of balanced orders) of {args.block} calls"
                 + (", each block one CUDA graph replay (GPU time only)" if args.graphs else "")
             )
             print(format_table(rows))

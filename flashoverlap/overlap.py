@@ -27,6 +27,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import json
+import math
 import os
 import sys
 from collections import OrderedDict
@@ -447,9 +448,10 @@ def tuned_config(
     entry cannot take the call (:func:`carries`; entries are tuned with equal splits on NCCL:
     unequal all-to-all splits, say), the entry's measured ``fallback``, else None."""
     key = (_device_name(a.device.index), world, ex.collective, registry.transport(), DTYPES[a.dtype], shape)
-    found = registry.lookup(*key)
+    timing = registry.timing()
+    found = registry.lookup(*key, timing=timing)
     if found is not None and not carries(found.config, ex, shape, p2p):
-        found = registry.lookup(*key, fallback=True)
+        found = registry.lookup(*key, fallback=True, timing=timing)
     return found
 
 
@@ -574,10 +576,11 @@ def decide(
     return decision
 
 
-# what a decision rests on besides the call: the registry's directories, the transport, NCCL's API,
-# whether untuned calls are timed, whether the path taken is reported
+# what a decision rests on besides the call: the registry's directories and which of its entries
+# apply, the transport, NCCL's API, whether untuned calls are timed, whether the path taken is reported
 DECISION_ENV = (
     "FLASHOVERLAP_CONFIG_DIRS",
+    "FLASHOVERLAP_TIMING",
     "NCCL_P2P_DISABLE",
     "NCCL_SHM_DISABLE",
     "FLASHOVERLAP_NCCL",
@@ -818,8 +821,11 @@ def trial(
     and communicators: a model whose token counts vary times each range once, not each count;
     ``m``: the M every rank decides on, the largest where they differ). Not timed while a CUDA graph
     is being captured (the first config then, the answer not kept) or with ``FLASHOVERLAP_TRIAL=0``;
-    ``untuned``: no registry entry at all (for the message)."""
+    under ``FLASHOVERLAP_TIMING=graphs`` each candidate's calls are captured and replayed as a CUDA
+    graph (the host's time does not count); ``untuned``: no registry entry at all (for the message)."""
+    graphs = registry.timing() == "graphs"
     key = (
+        graphs,
         m.bit_length(),
         weight.shape,
         a.dtype,
@@ -844,16 +850,18 @@ def trial(
     variants = {"sequential": lambda i: sequential(a, weight, weight_layout, ex, full)}
     for name, prep, budget in zip(names, preps, budgets):
         variants[name] = lambda i, p=prep, b=budget: run_overlapped(p, a, weight, ex, b, tail_group=tail)
-    times = time_variants(variants, rounds=3, block=4, warmup=1, group=full)
-    best = min(range(len(cfgs)), key=lambda j: times[names[j]])
-    pick = best if times[names[best]] < times["sequential"] * (1 - TRIAL_MARGIN) else None
+    times = time_variants(variants, rounds=3, block=4, warmup=1, group=full, graphs=graphs)
+    timed = [j for j in range(len(cfgs)) if not math.isnan(times[names[j]])]  # NaN: some rank could not capture it
+    best = min(timed, key=lambda j: times[names[j]], default=None)
+    pick = best if best is not None and times[names[best]] < times["sequential"] * (1 - TRIAL_MARGIN) else None
     _keep(_trials, key, pick, MAX_TRIALS)
     if dist.get_rank(full) == 0:
         what = "no tuned config" if untuned else "tuned for another shape"
         print(
             f"[flashoverlap] {ex.collective} {m}x{preps[0].plan.n}, {what}: "
             + ", ".join(f"{name} {t:.3f} ms" for name, t in times.items())
-            + f" per call -> {'sequential' if pick is None else names[pick]} for M in [{1 << (m.bit_length() - 1)}, "
+            + f" per call{' (CUDA graphs)' * graphs} -> {'sequential' if pick is None else names[pick]}"
+            f" for M in [{1 << (m.bit_length() - 1)}, "
             f"{(1 << m.bit_length()) - 1}] (tune to do better: python -m flashoverlap.tune)",
             file=sys.stderr,
             flush=True,

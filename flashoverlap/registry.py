@@ -14,12 +14,15 @@ A registry file (``configs/*.yaml``)::
 tuner writes it next to a reduce-scatter / all-to-all config that cannot carry every call: ``rows``
 or ``segments``, symmetric all-to-all) the same, for the calls that config cannot carry (unequal
 splits, segments not whole tile rows), itself one that carries every call; ``measured`` is
-free-form information. A call with ``config=None`` takes the entry of its GPU, world size, collective,
-transport and dtype whose shape is nearest (log-distance over M, N, K); a ``partition`` (waves per
-group) is kept only for the exact shape. An entry of another shape is a hint: a call takes it, or
-the same with NCCL's SMs taken differently (overlap.alternative), or the sequential path, whichever
-its first timing finds fastest (overlap.trial); so does a call with no matching entry, from the
-built-in defaults.
+free-form information. ``timing`` (optional): ``eager`` (the default) or ``graphs``, how the entry
+was measured (``tune --graphs``: replayed as CUDA graphs, no host time); ``graphs`` entries are read
+only by processes that set ``FLASHOVERLAP_TIMING=graphs`` (their calls are replayed as CUDA graphs),
+where they come before ``eager`` ones of the same shape. A call with ``config=None`` takes the entry
+of its GPU, world size, collective, transport and dtype whose shape is nearest (log-distance over
+M, N, K); a ``partition`` (waves per group) is kept only for the exact shape. An entry of another
+shape is a hint: a call takes it, or the same with NCCL's SMs taken differently
+(overlap.alternative), or the sequential path, whichever its first timing finds fastest
+(overlap.trial); so does a call with no matching entry, from the built-in defaults.
 
 Files are read from ``FLASHOVERLAP_CONFIG_DIRS`` (``os.pathsep``-separated directories, searched
 first) and the repository's ``configs/`` directory.
@@ -43,8 +46,10 @@ from .config import OverlapConfig, resolutions, takes_every_call
 
 TRANSPORTS = ("nvlink", "pcie", "net")
 DTYPES = ("bfloat16", "float16")
+# how calls run, and so how an entry was measured: host time included, or replayed as CUDA graphs
+TIMINGS = ("eager", "graphs")
 FILE_KEYS = {"gpu", "world", "entries"}
-ENTRY_KEYS = {"collective", "transport", "dtype", "shape", "config", "fallback", "measured"}
+ENTRY_KEYS = {"collective", "transport", "dtype", "shape", "config", "fallback", "measured", "timing"}
 REPO_CONFIGS = Path(__file__).resolve().parent.parent / "configs"
 
 
@@ -67,6 +72,7 @@ class Entry:
     config: OverlapConfig
     source: str  # file and entry index, for messages
     fallback: OverlapConfig | None = None  # for calls ``config`` cannot carry (config.takes_every_call)
+    timing: str = "eager"  # TIMINGS
 
 
 def parse(data: Any, source: str) -> list[Entry]:
@@ -92,7 +98,9 @@ def _entry(item: Any, gpu: str, world: int, where: str) -> Entry:
     unknown = sorted(set(item) - ENTRY_KEYS)
     if unknown:
         raise ValueError(f"{where}: unknown key(s) {unknown}; allowed: {sorted(ENTRY_KEYS)}")
-    for key, allowed in (("collective", COLLECTIVES), ("transport", TRANSPORTS), ("dtype", DTYPES)):
+    item = {"timing": TIMINGS[0], **item}
+    choices = (("collective", COLLECTIVES), ("transport", TRANSPORTS), ("dtype", DTYPES), ("timing", TIMINGS))
+    for key, allowed in choices:
         if item.get(key) not in allowed:
             raise ValueError(f"{where}: {key} must be one of {list(allowed)}, got {item.get(key)!r}")
     shape = item.get("shape")
@@ -110,7 +118,16 @@ def _entry(item: Any, gpu: str, world: int, where: str) -> Entry:
             "(no rows / segments layout, no symmetric all-to-all)"
         )
     return Entry(
-        gpu, world, item["collective"], item["transport"], item["dtype"], tuple(shape), config, where, fallback
+        gpu,
+        world,
+        item["collective"],
+        item["transport"],
+        item["dtype"],
+        tuple(shape),
+        config,
+        where,
+        fallback,
+        item["timing"],
     )
 
 
@@ -164,17 +181,27 @@ def nearest(
     transport: str,
     dtype: str,
     shape: tuple[int, int, int],
+    timing: str = "eager",
 ) -> Entry | None:
     """The entry for this call's GPU, world, collective, transport and dtype nearest in shape
-    (log-distance); earlier entries (earlier directories) win ties."""
+    (log-distance), of calls that run as ``timing`` says (:func:`timing`: ``graphs`` reads
+    ``eager`` entries too; of two as near, the ``graphs`` one); earlier entries (earlier
+    directories) win ties."""
+    timings = TIMINGS if timing == "graphs" else (timing,)
     candidates = [
         e
         for e in entries
-        if e.gpu in gpu and e.world == world and (e.collective, e.transport, e.dtype) == (collective, transport, dtype)
+        if e.gpu in gpu
+        and e.world == world
+        and (e.collective, e.transport, e.dtype) == (collective, transport, dtype)
+        and e.timing in timings
     ]
     if not candidates:
         return None
-    return min(candidates, key=lambda e: sum(abs(math.log(a / b)) for a, b in zip(e.shape, shape)))
+    return min(
+        candidates,
+        key=lambda e: (sum(abs(math.log(a / b)) for a, b in zip(e.shape, shape)), e.timing != timing),
+    )
 
 
 generation = 0  # how many times reload() ran: what was decided from older files is stale
@@ -196,11 +223,13 @@ def lookup(
     dtype: str,
     shape: tuple[int, int, int],
     fallback: bool = False,
+    timing: str = "eager",
 ) -> Found | None:
     """The tuned config for a call (see the module doc), or None; ``fallback``: the entry's config
-    for calls its config cannot carry instead (None where it has none; overlap.carries)."""
+    for calls its config cannot carry instead (None where it has none; overlap.carries);
+    ``timing``: how the calls run (:func:`timing`)."""
     spec = os.environ.get("FLASHOVERLAP_CONFIG_DIRS", "")
-    return _lookup(spec, gpu, world, collective, transport, dtype, tuple(shape), fallback)
+    return _lookup(spec, gpu, world, collective, transport, dtype, tuple(shape), fallback, timing)
 
 
 @functools.lru_cache(maxsize=1024)  # every call without config= asks: keep the search off its host time
@@ -213,8 +242,9 @@ def _lookup(
     dtype: str,
     shape: tuple[int, ...],
     fallback: bool,
+    timing: str,
 ) -> Found | None:
-    entry = nearest(_entries_in(_dirs(spec)), gpu, world, collective, transport, dtype, shape)
+    entry = nearest(_entries_in(_dirs(spec)), gpu, world, collective, transport, dtype, shape, timing)
     config = None if entry is None else entry.fallback if fallback else entry.config
     if config is None:
         return None
@@ -222,6 +252,17 @@ def _lookup(
     if not exact and config.partition is not None:
         config = dataclasses.replace(config, partition=None)  # waves differ between shapes
     return Found(config, exact)
+
+
+def timing() -> str:
+    """How this process's calls run (``FLASHOVERLAP_TIMING``): ``eager`` (the default; the host's
+    time to enqueue a call counts) or ``graphs`` (replayed as CUDA graphs: it does not, and entries
+    measured so, ``tune --graphs``, apply). Set it for the eager warm-up calls before capture too,
+    so that they decide as the captured ones will."""
+    value = os.environ.get("FLASHOVERLAP_TIMING", TIMINGS[0])
+    if value not in TIMINGS:
+        raise ValueError(f"FLASHOVERLAP_TIMING={value!r}: expected one of {list(TIMINGS)}")
+    return value
 
 
 def transport() -> str:

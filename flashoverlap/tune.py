@@ -316,8 +316,10 @@ def wave_bytes(plan, elem_bytes: int, world: int = 1, own: bool = False) -> tupl
     return tuple(float(b) for b in per_wave)
 
 
-def entry(collective: str, transport: str, dtype: str, shape, config: dict, measured: dict) -> dict:
-    """One registry entry (flashoverlap.registry) as written to YAML."""
+def entry(
+    collective: str, transport: str, dtype: str, shape, config: dict, measured: dict, timing: str = "eager"
+) -> dict:
+    """One registry entry (flashoverlap.registry) as written to YAML (``timing`` only where not eager)."""
     return {
         "collective": collective,
         "transport": transport,
@@ -325,14 +327,16 @@ def entry(collective: str, transport: str, dtype: str, shape, config: dict, meas
         "shape": [int(v) for v in shape],
         "config": config,
         "measured": measured,
+        **({"timing": timing} if timing != "eager" else {}),
     }
 
 
 def merge(existing: list[dict], new: list[dict]) -> list[dict]:
-    """``existing`` entries with those ``new`` re-tunes replaced; sorted by collective, transport, shape."""
+    """``existing`` entries with those ``new`` re-tunes replaced; sorted by collective, transport, shape
+    (an entry timed as CUDA graphs beside the eager one of its shape)."""
 
     def key(e):
-        return (e["collective"], e["transport"], e["dtype"], tuple(e["shape"]))
+        return (e["collective"], e["transport"], e["dtype"], tuple(e["shape"]), e.get("timing", "eager"))
 
     fresh = {key(e): e for e in new}
     kept = [e for e in existing if key(e) not in fresh]
@@ -474,11 +478,13 @@ def _tail_model(pattern: str, dtype, rounds: int, symmetric: bool) -> CommModel:
 
 
 def tune_shape(
-    shape, collective, candidates, dtype, transport, rounds, top, margin, brute_force=0
+    shape, collective, candidates, dtype, transport, rounds, top, margin, brute_force=0, graphs=False
 ) -> tuple[dict, list[dict]]:
     """Measure, predict, confirm for one shape: (registry entry, summary rows). ``brute_force`` > 0
     also measures every partition of up to that many groups for every candidate and adds the best
-    of them (``brute_ms``, ``brute_config``) to the rows, to judge the model's pick."""
+    of them (``brute_ms``, ``brute_config``) to the rows, to judge the model's pick. ``graphs``:
+    for calls replayed as CUDA graphs: no host time in the model, the finalists and sequential
+    timed as graph replays, the entry marked ``timing: graphs``."""
     import torch
     import torch.distributed as dist
 
@@ -528,8 +534,11 @@ def tune_shape(
     }
     if tails[collective, False] is None:
         raise RuntimeError(f"could not fit a time-by-size model of {collective}: see the message above")
-    host = _host_model(collective, a, w, candidates[0], preps[0].plan.num_waves)
-    _progress(f"{m}x{n}x{k}: host {host.base_ms:.3f} ms per call + {host.per_group_ms:.3f} ms per group")
+    if graphs:
+        host = HostModel()
+    else:
+        host = _host_model(collective, a, w, candidates[0], preps[0].plan.num_waves)
+        _progress(f"{m}x{n}x{k}: host {host.base_ms:.3f} ms per call + {host.per_group_ms:.3f} ms per group")
     elem = torch.finfo(dtype).bits // 8
     choices, problems = [], []
     sequential_ms = times["gemm"] + tails[collective, False].time_ms(m * n * elem)  # predicted
@@ -563,7 +572,7 @@ def tune_shape(
     for f, (choice, j) in enumerate(finalists):  # one candidate may come twice (defaults)
         tuned = {**candidates[j], "partition": list(choice.partition)}
         variants[f"fo{f}"] = lambda i, tuned=tuned: overlapped(a[i % sets], w[i % sets], config=tuned)
-    measured = time_variants(variants, 2 * rounds, 8, 3)  # what gets written: measured as the bench does
+    measured = time_variants(variants, 2 * rounds, 8, 3, graphs=graphs)  # what gets written: as the bench measures
     rows = [
         {
             "shape": f"{m}x{n}x{k}",
@@ -576,14 +585,19 @@ def tune_shape(
         for f, (choice, j) in enumerate(finalists)
     ]
     if brute_force:
-        brute_ms, brute_config = _brute_force(shape, collective, candidates, preps, brute_force, a, w, rounds, ex)
+        brute_ms, brute_config = _brute_force(
+            shape, collective, candidates, preps, brute_force, a, w, rounds, ex, graphs
+        )
         for r in rows:
             r["brute_ms"] = brute_ms * r["seq_ms"]  # measured as a ratio to sequential: same scale
             r["brute_config"] = brute_config
-    return measured_entry(collective, transport, DTYPES[dtype], shape, rows, margin), rows
+    timing = "graphs" if graphs else "eager"
+    return measured_entry(collective, transport, DTYPES[dtype], shape, rows, margin, timing), rows
 
 
-def measured_entry(collective: str, transport: str, dtype: str, shape, rows: list[dict], margin: float) -> dict:
+def measured_entry(
+    collective: str, transport: str, dtype: str, shape, rows: list[dict], margin: float, timing: str = "eager"
+) -> dict:
     """The registry entry for one shape's measured finalists (summary rows of :func:`tune_shape`):
     :func:`decide`'s config, and next to one that cannot carry every call (``rows`` or ``segments``
     reduce-scatter / all-to-all, symmetric all-to-all: config.takes_every_call) the best of the
@@ -594,7 +608,7 @@ def measured_entry(collective: str, transport: str, dtype: str, shape, rows: lis
         return takes_every_call(OverlapConfig.from_dict(config), collective)
 
     config, speedup = decide(rows, margin)
-    result = entry(collective, transport, dtype, shape, config, {"speedup": round(speedup, 3)})
+    result = entry(collective, transport, dtype, shape, config, {"speedup": round(speedup, 3)}, timing)
     if not every_call(config):
         others = [r for r in rows if every_call(json.loads(r["config"]))]
         result["fallback"] = decide(others, margin)[0] if others else {"sequential": True}
@@ -655,9 +669,10 @@ def _host_model(collective: str, a, w, candidate: dict, num_waves: int, calls: i
 BRUTE_BATCH = 32  # variants per timing batch: their plans stay cached (overlap.MAX_PREPARED)
 
 
-def _brute_force(shape, collective, candidates, preps, max_groups, a, w, rounds, ex) -> tuple[float, str]:
+def _brute_force(shape, collective, candidates, preps, max_groups, a, w, rounds, ex, graphs) -> tuple[float, str]:
     """Best measured (time / sequential time, config JSON) over every candidate and every partition
-    of up to ``max_groups`` groups; sequential runs in every batch, so drift cancels in the ratio."""
+    of up to ``max_groups`` groups; sequential runs in every batch, so drift cancels in the ratio
+    (``graphs``: timed as CUDA graph replays)."""
     import flashoverlap
 
     from .bench import time_variants
@@ -678,7 +693,7 @@ def _brute_force(shape, collective, candidates, preps, max_groups, a, w, rounds,
         variants = {"seq": lambda i: sequential(a[i % sets], w[i % sets], "nk", ex, None)}
         for b, cfg in enumerate(batch):
             variants[f"b{b}"] = lambda i, cfg=cfg: overlapped(a[i % sets], w[i % sets], config=cfg)
-        times = time_variants(variants, rounds, 4, 2)
+        times = time_variants(variants, rounds, 4, 2, graphs=graphs)
         for b, cfg in enumerate(batch):
             best = min(best, (times[f"b{b}"] / times["seq"], json.dumps(cfg, sort_keys=True)))
     return best
@@ -723,6 +738,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--margin", type=float, default=0.02, help="overlap must beat sequential by this")
     parser.add_argument("--output", required=True, help="registry YAML to write or update")
     parser.add_argument("--csv", help="also write the predicted-vs-measured rows here")
+    parser.add_argument(
+        "--graphs",
+        action="store_true",
+        help="tune for calls replayed as CUDA graphs (no host time; entries marked timing: graphs, read "
+        "under FLASHOVERLAP_TIMING=graphs)",
+    )
     parser.add_argument(
         "--brute-force",
         type=int,
@@ -771,6 +792,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                 args.top,
                 args.margin,
                 args.brute_force,
+                args.graphs,
             )
             entries.append(found)
             rows += summary

@@ -8,7 +8,7 @@ collectives (all-reduce, reduce-scatter, all-to-all with uneven splits, and over
 M with the counts exchanged or every rank's M given), configs varying with the shape (among prebuilt kernel instances,
 symmetric windows and local reductions among them; GPU memory outside the cached plans must be flat
 once every pair has run) and two process groups, back to back with the host running ahead.
-FLASHOVERLAP_NCCL=direct: NCCL's C API.
+FLASHOVERLAP_NCCL=c10d: the per-group collectives through c10d (default: NCCL's C API).
 ``--shared-gpu``: every rank on GPU 0 over gloo (which carries CUDA tensors through host memory,
 not point to point: the ``rows`` layout of reduce-scatter / all-to-all is left out).
 Every ``--check-every`` calls the last few outputs -- returned earlier, still held -- are compared

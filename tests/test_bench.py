@@ -1,8 +1,10 @@
 """The benchmark's CPU side: CLI parsing, shape files, statistics, table, CSV and plot."""
 
 import argparse
+import collections
 import csv
 import math
+import os
 
 import pytest
 
@@ -65,9 +67,11 @@ def test_config_labels_name_what_ran():
     assert bench.variant('{"comm_sms": 8} nccl=direct') == '{"comm_sms": 8} nccl=direct'
 
 
-def test_cli_defaults_and_choices(capsys):
+def test_cli_defaults_and_choices(capsys, monkeypatch):
+    monkeypatch.delenv("FLASHOVERLAP_NCCL", raising=False)
     args = bench.build_parser().parse_args(["--collective", "all_to_all", "--transport", "pcie"])
     assert args.collective == "all_to_all" and args.transport == "pcie" and args.configs == [{}]
+    assert args.nccl == ["direct"]  # the library's default path
     assert args.chunks == [2, 4, 8] and args.rounds == 15
     assert bench.build_parser().parse_args(["--nccl", "c10d", "direct"]).nccl == ["c10d", "direct"]
     assert not args.graphs and bench.build_parser().parse_args(["--graphs"]).graphs
@@ -89,10 +93,24 @@ def test_rounds_rotate_operand_sets_and_graphs_need_a_warm_up():
         bench.time_variants({"x": seen.append}, rounds=1, block=1, warmup=0, graphs=True)
 
 
+@pytest.mark.parametrize("n", range(1, 10))
+def test_balanced_orders_put_every_variant_after_every_other_equally_often(n):
+    orders = bench.balanced_orders(n)
+    assert len(orders) == (n if n % 2 == 0 or n == 1 else 2 * n)
+    assert all(sorted(order) == list(range(n)) for order in orders)
+    assert collections.Counter(order[0] for order in orders) == dict.fromkeys(range(n), len(orders) // n)
+    pairs = collections.Counter((x, y) for order in orders for x, y in zip(order, order[1:]))
+    assert set(pairs) == {(x, y) for x in range(n) for y in range(n) if x != y}
+    assert len(set(pairs.values())) <= 1  # each pair as often as any other
+
+
 def test_main_without_torchrun_says_how_to_run(capsys, monkeypatch):
     monkeypatch.delenv("RANK", raising=False)
+    monkeypatch.setenv("FLASHOVERLAP_TIMING", "eager")  # (restored after the test)
     assert bench.main(["--shapes", "128x128x128"]) == 2
-    assert "torchrun" in capsys.readouterr().err
+    assert "torchrun" in capsys.readouterr().err and os.environ["FLASHOVERLAP_TIMING"] == "eager"
+    assert bench.main(["--shapes", "128x128x128", "--graphs"]) == 2
+    assert os.environ["FLASHOVERLAP_TIMING"] == "graphs"  # the registry's entries for graph replays
 
 
 def test_shape_files(tmp_path):

@@ -97,11 +97,42 @@ def test_direct_only_wraps_flashoverlap_s_own_communicators(monkeypatch):
     user, private = object(), object()
     monkeypatch.setattr(comm, "_budget_groups", {("world", 16, False): private})
     monkeypatch.setattr(comm, "Direct", lambda group, device: ("direct", group))
-    monkeypatch.delenv("FLASHOVERLAP_NCCL", raising=False)
-    assert comm.direct(private, torch.device("cpu")) is private  # c10d unless asked for
-    monkeypatch.setenv("FLASHOVERLAP_NCCL", "direct")
+    monkeypatch.setattr(comm, "unavailable", lambda: None)
+    monkeypatch.setenv("FLASHOVERLAP_NCCL", "c10d")
+    assert comm.direct(private, torch.device("cpu")) is private
+    monkeypatch.delenv("FLASHOVERLAP_NCCL")  # the C API unless told otherwise
     assert comm.direct(user, torch.device("cpu")) is user  # a group c10d also runs collectives on
     assert comm.direct(private, torch.device("cpu")) == ("direct", private)
+
+
+def test_nccl_path_falls_back_to_c10d_by_default_and_refuses_what_it_cannot_do(monkeypatch):
+    private = object()
+    monkeypatch.setattr(comm, "_budget_groups", {("world", 16, False): private})
+    monkeypatch.setattr(comm, "Direct", lambda group, device: ("direct", group))
+    monkeypatch.setattr(comm, "unavailable", lambda: "no libnccl.so")
+    monkeypatch.delenv("FLASHOVERLAP_NCCL", raising=False)
+    with pytest.warns(RuntimeWarning, match="through c10d, not its C API: no libnccl.so"):
+        assert comm.direct(private, torch.device("cpu")) is private
+    monkeypatch.setenv("FLASHOVERLAP_NCCL", "direct")  # asked for: an error, not a silent fallback
+    with pytest.raises(RuntimeError, match="FLASHOVERLAP_NCCL=direct: no libnccl.so"):
+        comm.direct(private, torch.device("cpu"))
+    monkeypatch.setenv("FLASHOVERLAP_NCCL", "cupy")
+    with pytest.raises(ValueError, match=r"FLASHOVERLAP_NCCL='cupy': expected one of \['direct', 'c10d'\]"):
+        comm.direct(private, torch.device("cpu"))
+
+
+def test_unavailable_names_what_is_missing(monkeypatch):
+    nccl.unavailable.cache_clear()
+    monkeypatch.setattr(nccl.dist, "ProcessGroupNCCL", None, raising=False)
+    assert "ProcessGroupNCCL._comm_ptr" in nccl.unavailable()
+    nccl.unavailable.cache_clear()
+    monkeypatch.setattr(nccl.dist, "ProcessGroupNCCL", type("PG", (), {"_comm_ptr": None}))
+    monkeypatch.setattr(nccl, "library", lambda: (_ for _ in ()).throw(RuntimeError("needs NCCL >= 2.27")))
+    assert nccl.unavailable() == "needs NCCL >= 2.27"
+    nccl.unavailable.cache_clear()
+    monkeypatch.setattr(nccl, "library", lambda: None)
+    assert nccl.unavailable() is None
+    nccl.unavailable.cache_clear()
 
 
 def test_window_carves_the_same_bytes_every_call_and_grows_without_freeing(monkeypatch):

@@ -270,6 +270,48 @@ def test_row_parallel_linear_on_all_gpus(part):
     spawn(nn_worker, part, timeout=180)
 
 
+def graphs_worker(rank, world, store_path):
+    """FLASHOVERLAP_TIMING=graphs: an untuned call's first use times its candidates as captured
+    graphs (NCCL inside them); its answer then runs eagerly and in the caller's own capture."""
+    from flashoverlap import overlap
+
+    os.environ["FLASHOVERLAP_TIMING"] = "graphs"
+    init_rank(rank, world, store_path)
+    try:
+        m, n, k = 2304, 4096, 3072  # no registry entry of this shape: timed on first use
+        expected = torch.zeros(m, n, device="cuda")
+        for r in range(world):
+            ar, wr = operands(11, r, m, n, k)
+            expected += ar.float() @ wr.float().t()
+        a, w = operands(11, rank, m, n, k)
+        out = flashoverlap.gemm_all_reduce(a, w)
+        assert [key[0] for key in overlap._trials] == [True], "timed as CUDA graphs"
+        assert rel_err(out, expected) < 1e-2
+        static = a.clone()
+        side = torch.cuda.Stream()
+        side.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(side):
+            flashoverlap.gemm_all_reduce(static, w)
+        torch.cuda.current_stream().wait_stream(side)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            captured = flashoverlap.gemm_all_reduce(static, w)
+        try:
+            for scale in (0.5, -2.0):
+                static.copy_(scale * a)
+                graph.replay()
+                torch.cuda.synchronize()
+                assert rel_err(captured, scale * expected) < 1e-2, f"replay x{scale}"
+        finally:
+            graph.reset()  # (a live graph holding NCCL work would hang the teardown)
+    finally:
+        dist.destroy_process_group()
+
+
+def test_calls_replayed_as_graphs_are_timed_as_graphs_on_all_gpus():
+    spawn(graphs_worker, timeout=180)
+
+
 def column_worker(rank, world, store_path):
     init_rank(rank, world, store_path)
     try:

@@ -37,6 +37,10 @@ def test_shipped_registry_files_are_valid():
         ({"gpu": "H200", "world": 2, "entries": [{**ENTRY, "dtype": "fp8"}]}, "dtype must be one of"),
         ({"gpu": "H200", "world": 2, "entries": [{**ENTRY, "speed": 1}]}, r"unknown key\(s\) \['speed'\]"),
         (
+            {"gpu": "H200", "world": 2, "entries": [{**ENTRY, "timing": "graph"}]},
+            r"timing must be one of \['eager', 'graphs'\]",
+        ),
+        (
             {"gpu": "H200", "world": 2, "entries": [ENTRY, {**ENTRY, "config": {"tile_n": 96}}]},
             r"entries\[1\]: config: .*tile_n 96 not in",
         ),
@@ -129,6 +133,39 @@ def test_lookup_searches_user_dirs_first_and_keeps_partitions_only_for_the_exact
         rs = registry.lookup("NVIDIA H200", 2, "reduce_scatter", "pcie", "bfloat16", (16384, 8192, 4096))
         assert rs is not None and rs.exact and not rs.config.sequential
         assert registry.lookup("NVIDIA A100", 8, "all_reduce", "nvlink", "bfloat16", (1, 8, 8)) is None
+    finally:
+        registry.reload()
+
+
+def test_graph_timed_entries_apply_only_to_calls_replayed_as_graphs(tmp_path, monkeypatch):
+    small, large = [4096, 4096, 4096], [8192, 8192, 8192]
+    data = {
+        "gpu": "NVIDIA H100",
+        "world": 2,
+        "entries": [
+            {**ENTRY, "shape": small, "config": {"sequential": True}},
+            {**ENTRY, "shape": large, "config": {"comm_sms": 16}},
+            {**ENTRY, "shape": small, "config": {"symmetric": True}, "timing": "graphs"},
+        ],
+    }
+    entries = registry.load([write(tmp_path, data)])
+    assert [e.timing for e in entries] == ["eager", "eager", "graphs"]
+    key = ("NVIDIA H100 80GB HBM3", 2, "all_reduce", "nvlink", "bfloat16")
+    assert registry.nearest(entries, *key, tuple(small)).config.sequential  # eager: host time counts
+    assert registry.nearest(entries, *key, tuple(small), "graphs").config.symmetric
+    # the graph-timed entry is no nearer to another shape than the eager one tuned for it
+    assert registry.nearest(entries, *key, (8192, 8192, 7000), "graphs").config.comm_sms == 16
+    monkeypatch.setenv("FLASHOVERLAP_CONFIG_DIRS", str(tmp_path))
+    registry.reload()
+    try:
+        monkeypatch.delenv("FLASHOVERLAP_TIMING", raising=False)
+        assert registry.timing() == "eager"
+        assert registry.lookup(*key, tuple(small)).config.sequential
+        monkeypatch.setenv("FLASHOVERLAP_TIMING", "graphs")
+        assert registry.lookup(*key, tuple(small), timing=registry.timing()) == (OverlapConfig(symmetric=True), True)
+        monkeypatch.setenv("FLASHOVERLAP_TIMING", "graph")
+        with pytest.raises(ValueError, match=r"FLASHOVERLAP_TIMING='graph': expected one of \['eager', 'graphs'\]"):
+            registry.timing()
     finally:
         registry.reload()
 

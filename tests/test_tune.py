@@ -299,6 +299,7 @@ def test_wave_bytes_of_rotated_rows_count_what_each_rank_sends():
 
 def test_registry_writing_merges_and_validates(tmp_path):
     from flashoverlap import registry
+    from flashoverlap.config import OverlapConfig
 
     path = tmp_path / "tuned.yaml"
     first = [entry("all_reduce", "nvlink", "bfloat16", (4096, 8192, 8192), {"comm_sms": 8, "partition": [3, 6]}, {})]
@@ -316,6 +317,14 @@ def test_registry_writing_merges_and_validates(tmp_path):
     with pytest.raises(ValueError, match="needs layout 'cols'"):
         write_registry(str(path), "NVIDIA H200", 2, bad)
     assert len(registry.load([path])) == 2  # the rejected write left the file as it was
+    # an entry timed as CUDA graphs sits beside the eager one of its shape, and is replaced by its own kind
+    graphs = entry("all_reduce", "nvlink", "bfloat16", (4096, 8192, 8192), {"symmetric": True}, {}, "graphs")
+    write_registry(str(path), "NVIDIA H200", 2, [graphs])
+    write_registry(str(path), "NVIDIA H200", 2, [{**graphs, "config": {"comm_sms": 8}}])
+    loaded = registry.load([path])
+    assert [(e.shape[0], e.timing) for e in loaded] == [(1024, "eager"), (4096, "eager"), (4096, "graphs")]
+    assert loaded[1].config.sequential and loaded[2].config == OverlapConfig(comm_sms=8)
+    assert "timing" not in again[0]  # eager entries are written as before
 
 
 def test_an_entry_that_cannot_carry_every_call_gets_the_best_finalist_that_can_as_its_fallback():
@@ -361,7 +370,7 @@ def test_summary_and_cli_errors(capsys, monkeypatch):
         tune.main(["--output", "x.yaml"])  # no shapes
     assert "give --shapes" in capsys.readouterr().err
     monkeypatch.delenv("RANK", raising=False)
-    assert tune.main(["--shapes", "8x8x8", "--output", "x.yaml"]) == 2
+    assert tune.main(["--shapes", "8x8x8", "--output", "x.yaml", "--graphs"]) == 2
     assert "torchrun" in capsys.readouterr().err
     with pytest.raises(SystemExit):  # a candidate the collective cannot take, before anything runs
         tune.main(["--collective", "reduce_scatter", "--shapes", "8x8x8", "--output", "x.yaml",

@@ -2,13 +2,14 @@
 
 Communication is plain torch.distributed (NCCL on GPUs, gloo in the CPU reference executor) on
 one contiguous range per group, so any backend and transport works; on flashoverlap's own NCCL
-communicators optionally NCCL's C API (:mod:`comm.nccl`, ``FLASHOVERLAP_NCCL=direct``).
+communicators through NCCL's C API where torch's NCCL allows (:mod:`comm.nccl`, ``FLASHOVERLAP_NCCL``).
 """
 
 from __future__ import annotations
 
 import hashlib
 import os
+import warnings
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -17,7 +18,7 @@ import torch.distributed as dist
 
 from .. import jit
 from ..plan import Plan, slot_view
-from .nccl import CTA_POLICY_ZERO, Direct, cuda_backend, group_fact
+from .nccl import CTA_POLICY_ZERO, Direct, cuda_backend, group_fact, unavailable
 
 COLLECTIVES = ("all_reduce", "reduce_scatter", "all_to_all")
 REDUCTIONS = ("nccl", "local")
@@ -25,6 +26,10 @@ REDUCTIONS = ("nccl", "local")
 EQUAL_SEGMENTS = ("rows", "segments")
 MAX_PITCH = 2**31 - 1  # bytes between rows cudaMemcpy2DAsync takes (cudaDevAttrMaxPitch on current GPUs)
 COPY_ENGINE = ("all_to_all", "all_gather")  # comm_patterns NCCL runs on copy engines (windows, CTA policy ZERO)
+# how an overlapped call's per-group collectives reach NCCL (FLASHOVERLAP_NCCL), the default first:
+# its C API (:class:`comm.nccl.Direct`; ahead of c10d on every overlapped all-reduce shape on two
+# H100s, eagerly and as CUDA graphs, stop 26) or c10d
+NCCL_PATHS = ("direct", "c10d")
 
 _budget_groups: dict[tuple, dist.ProcessGroup] = {}
 _direct: dict[tuple, Direct] = {}
@@ -115,18 +120,35 @@ def process_group(group: dist.ProcessGroup | Direct | None) -> dist.ProcessGroup
     return group if group is not None else dist.group.WORLD
 
 
+def nccl_path() -> str:
+    """``FLASHOVERLAP_NCCL`` (default ``direct``), checked."""
+    path = os.environ.get("FLASHOVERLAP_NCCL", NCCL_PATHS[0])
+    if path not in NCCL_PATHS:
+        raise ValueError(f"FLASHOVERLAP_NCCL={path!r}: expected one of {list(NCCL_PATHS)}")
+    return path
+
+
 def _direct_mode() -> bool:
-    return os.environ.get("FLASHOVERLAP_NCCL", "c10d") == "direct"
+    """Whether the per-group collectives go through NCCL's C API: asked for (the default) and
+    possible with the NCCL torch loaded; by default c10d where it is not, with a warning."""
+    if nccl_path() != "direct":
+        return False
+    if (why := unavailable()) is None:
+        return True
+    if "FLASHOVERLAP_NCCL" in os.environ:
+        raise RuntimeError(f"FLASHOVERLAP_NCCL=direct: {why}")
+    warnings.warn(f"flashoverlap: NCCL through c10d, not its C API: {why}", RuntimeWarning, stacklevel=3)
+    return False
 
 
 def direct(group: dist.ProcessGroup, device: torch.device) -> dist.ProcessGroup | Direct:
-    """``group`` for the per-group collectives of an overlapped call: where
-    ``FLASHOVERLAP_NCCL=direct`` and ``group`` is one of flashoverlap's own communicators
+    """``group`` for the per-group collectives of an overlapped call: where NCCL's C API is used
+    (:func:`_direct_mode`) and ``group`` is one of flashoverlap's own communicators
     (:func:`budget_group`, :func:`tail_group`), its NCCL communicator called through the C API
     (:class:`comm.nccl.Direct`), else the group itself (c10d). Only private communicators: NCCL
     calls on our stream beside c10d's on its own stream could meet on one communicator in
     different orders on different ranks. Created once per (group, device), by every member rank."""
-    if not _direct_mode() or group not in _budget_groups.values():
+    if group not in _budget_groups.values() or not _direct_mode():
         return group
     if (group, device) not in _direct:
         _direct[group, device] = Direct(group, device)
@@ -135,11 +157,11 @@ def direct(group: dist.ProcessGroup, device: torch.device) -> dist.ProcessGroup 
 
 def tail_group(group: dist.ProcessGroup, device: torch.device) -> dist.ProcessGroup | Direct:
     """The communicator of an overlapped call's last group, which runs once the GEMM has freed
-    every SM: ``group`` itself (c10d), or under ``FLASHOVERLAP_NCCL=direct`` a private NCCL
+    every SM: ``group`` itself (c10d), or where NCCL's C API is used a private NCCL
     communicator over its ranks without a CTA cap, called through the C API (:func:`direct`: not
     ``group``'s own, which c10d drives from its own stream). Created once per group, by every
     member rank, on first use."""
-    if not _direct_mode() or cuda_backend(group) != "nccl":
+    if cuda_backend(group) != "nccl" or not _direct_mode():
         return group
     key = (group, "tail")
     if key not in _budget_groups:

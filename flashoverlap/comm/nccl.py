@@ -54,6 +54,18 @@ def library() -> ctypes.CDLL:
     return lib
 
 
+@functools.cache
+def unavailable() -> str | None:
+    """Why NCCL's C API cannot run on torch's communicators in this process (None: it can)."""
+    if not hasattr(getattr(dist, "ProcessGroupNCCL", None), "_comm_ptr"):
+        return f"torch {torch.__version__} offers no NCCL communicator pointer (ProcessGroupNCCL._comm_ptr)"
+    try:
+        library()
+    except (RuntimeError, OSError) as exc:
+        return str(exc)
+    return None
+
+
 def raw_stream(device: int) -> int:
     """The current stream of ``device`` as a cudaStream_t (torch.cuda.current_stream costs
     microseconds more: it builds a Stream object)."""
