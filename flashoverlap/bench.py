@@ -35,7 +35,7 @@ import torch
 import torch.distributed as dist
 import yaml
 
-from . import signal
+from . import comm, signal
 from .comm import COLLECTIVES, NCCL_PATHS
 
 TRANSPORTS = {
@@ -94,8 +94,8 @@ def build_parser() -> argparse.ArgumentParser:
         "--nccl",
         nargs="+",
         choices=NCCL_PATHS,
-        default=[os.environ.get("FLASHOVERLAP_NCCL", NCCL_PATHS[0])],
-        help="how flashoverlap calls NCCL (FLASHOVERLAP_NCCL): each config is measured with each path",
+        help="how flashoverlap calls NCCL (FLASHOVERLAP_NCCL): each config is measured with each path "
+        "(default: the path a call takes, comm.uses_direct)",
     )
     parser.add_argument(
         "--graphs",
@@ -637,7 +637,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                 args.block,
                 args.warmup,
                 args.chunks,
-                args.nccl,
+                args.nccl or ["direct" if comm.uses_direct() else "c10d"],
                 args.graphs,
             )
         if args.trace:

@@ -71,7 +71,7 @@ def test_cli_defaults_and_choices(capsys, monkeypatch):
     monkeypatch.delenv("FLASHOVERLAP_NCCL", raising=False)
     args = bench.build_parser().parse_args(["--collective", "all_to_all", "--transport", "pcie"])
     assert args.collective == "all_to_all" and args.transport == "pcie" and args.configs == [{}]
-    assert args.nccl == ["direct"]  # the library's default path
+    assert args.nccl is None  # the path a call would take (comm.uses_direct), once torchrun has started
     assert args.chunks == [2, 4, 8] and args.rounds == 15
     assert bench.build_parser().parse_args(["--nccl", "c10d", "direct"]).nccl == ["c10d", "direct"]
     assert not args.graphs and bench.build_parser().parse_args(["--graphs"]).graphs

@@ -128,7 +128,7 @@ def nccl_path() -> str:
     return path
 
 
-def _direct_mode() -> bool:
+def uses_direct() -> bool:
     """Whether the per-group collectives go through NCCL's C API: asked for (the default) and
     possible with the NCCL torch loaded; by default c10d where it is not, with a warning."""
     if nccl_path() != "direct":
@@ -143,12 +143,12 @@ def _direct_mode() -> bool:
 
 def direct(group: dist.ProcessGroup, device: torch.device) -> dist.ProcessGroup | Direct:
     """``group`` for the per-group collectives of an overlapped call: where NCCL's C API is used
-    (:func:`_direct_mode`) and ``group`` is one of flashoverlap's own communicators
+    (:func:`uses_direct`) and ``group`` is one of flashoverlap's own communicators
     (:func:`budget_group`, :func:`tail_group`), its NCCL communicator called through the C API
     (:class:`comm.nccl.Direct`), else the group itself (c10d). Only private communicators: NCCL
     calls on our stream beside c10d's on its own stream could meet on one communicator in
     different orders on different ranks. Created once per (group, device), by every member rank."""
-    if group not in _budget_groups.values() or not _direct_mode():
+    if group not in _budget_groups.values() or not uses_direct():
         return group
     if (group, device) not in _direct:
         _direct[group, device] = Direct(group, device)
@@ -161,7 +161,7 @@ def tail_group(group: dist.ProcessGroup, device: torch.device) -> dist.ProcessGr
     communicator over its ranks without a CTA cap, called through the C API (:func:`direct`: not
     ``group``'s own, which c10d drives from its own stream). Created once per group, by every
     member rank, on first use."""
-    if cuda_backend(group) != "nccl" or not _direct_mode():
+    if cuda_backend(group) != "nccl" or not uses_direct():
         return group
     key = (group, "tail")
     if key not in _budget_groups:
