@@ -191,7 +191,6 @@ def time_variants(
     round replays it: GPU time alone, as in a model captured in CUDA graphs. A variant that cannot
     be captured on some rank is NaN on every rank.
     """
-    from . import comm
 
     if graphs and warmup < 1:
         raise ValueError("timing CUDA graphs needs a warm-up call of every variant before capture")
@@ -275,7 +274,6 @@ def _captured(name: str, fn: Callable[[int], object], block: int) -> Callable[[i
 def decomposed(a, w, ex, chunks: int, stream: torch.cuda.Stream) -> torch.Tensor:
     """The usual hand-written overlap: the GEMM in ``chunks`` column blocks on the current stream,
     each block's collective (and its copy into the output) on ``stream`` while the next multiplies."""
-    from . import comm
 
     caller = torch.cuda.current_stream()
     n = w.shape[0]
@@ -328,7 +326,6 @@ def bench_shape(
 ) -> list[dict]:
     import flashoverlap
 
-    from . import comm
     from .config import OverlapConfig, resolve
     from .overlap import decide, for_call, prepare, sequential
 
