@@ -1,6 +1,7 @@
 """Where a call's host time goes (torchrun). On a shape small enough that the host is the
 bottleneck, calls back to back run at the host's pace, so ms per call is host time; then a
-cProfile of each flashoverlap path ("direct": NCCL through its C API, FLASHOVERLAP_NCCL=direct).
+cProfile of each flashoverlap path ("overlapped": the collectives through c10d,
+FLASHOVERLAP_NCCL=c10d; "direct": through NCCL's C API, the default).
 On one GPU, where the public calls run the plain GEMM, "overlapped" and "direct" run the whole
 overlapped call on a one-rank group (NCCL's collectives are then local copies).
   torchrun --nproc-per-node 2 bench/host_profile.py [MxNxK (default 256x2048x2048)] [CONFIG_JSON]"""
