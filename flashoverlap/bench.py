@@ -322,7 +322,7 @@ def async_tp(a: torch.Tensor, w: torch.Tensor) -> Callable[[torch.Tensor, torch.
 
 
 def bench_shape(
-    shape, configs, collective, dtype, rounds, block, warmup, chunks=(2, 4, 8), nccl=NCCL_PATHS[:1], graphs=False
+    shape, configs, collective, dtype, rounds, block, warmup, chunks=(2, 4, 8), nccl=None, graphs=False
 ) -> list[dict]:
     import flashoverlap
 
@@ -353,6 +353,7 @@ def bench_shape(
         variants["asynctp"] = lambda i: fused(a[i % sets], w[i % sets])
     cfgs = [for_call(resolve(cfg), ex, shape) if cfg is not None else None for cfg in configs]
     errors, picked, kernels = {}, {}, {}  # kernels: config -> the name of its kernel-alone variant
+    nccl = nccl or ["direct" if comm.uses_direct() else "c10d"]  # none given: the path a call takes
     runs = [(j, path) for j in range(len(cfgs)) for path in nccl]
     for j, path in runs:
         # "registry" variants call without config=, as a user would (the lookup is part of the call)
@@ -634,7 +635,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                 args.block,
                 args.warmup,
                 args.chunks,
-                args.nccl or ["direct" if comm.uses_direct() else "c10d"],
+                args.nccl,
                 args.graphs,
             )
         if args.trace:
