@@ -1,7 +1,8 @@
 """Where a call's host time goes (torchrun). On a shape small enough that the host is the
 bottleneck, calls back to back run at the host's pace, so ms per call is host time; then a
 cProfile of each flashoverlap path ("overlapped": the collectives through c10d,
-FLASHOVERLAP_NCCL=c10d; "direct": through NCCL's C API, the default).
+FLASHOVERLAP_NCCL=c10d; "direct": through NCCL's C API, the default, replayed natively from the
+third call on; "python": the same enqueued from Python every call, FLASHOVERLAP_REPLAY=0).
 On one GPU, where the public calls run the plain GEMM, "overlapped" and "direct" run the whole
 overlapped call on a one-rank group (NCCL's collectives are then local copies).
   torchrun --nproc-per-node 2 bench/host_profile.py [MxNxK (default 256x2048x2048)] [CONFIG_JSON]"""
@@ -54,6 +55,7 @@ def main() -> None:
         "overlapped": lambda: flashoverlap.gemm_all_reduce(a, w, config=config),
         "direct": lambda: flashoverlap.gemm_all_reduce(a, w, config=config),  # FLASHOVERLAP_NCCL=direct
     }
+    cases["python"] = cases["direct"]  # FLASHOVERLAP_REPLAY=0
     if dist.get_world_size() == 1:
         cfg = for_collective(OverlapConfig.from_dict(config), "all_reduce")
         prep = prepare(m, n, k, a.dtype, "nk", a.device, cfg)
@@ -63,15 +65,20 @@ def main() -> None:
             group = budget_communicator(cfg, "all_reduce", dist.group.WORLD, a.device)
             return run_overlapped(prep, a, w, ex, group, tail_group=comm.tail_group(dist.group.WORLD, a.device))
 
-        cases["overlapped"] = cases["direct"] = one_rank
+        cases["overlapped"] = cases["direct"] = cases["python"] = one_rank
         print(f"one rank: {prep.plan.num_groups} groups, {cfg}", flush=True)
+
+    def path(name: str) -> None:  # the environment of case ``name``
+        os.environ["FLASHOVERLAP_NCCL"] = "direct" if name in ("direct", "python") else "c10d"
+        os.environ["FLASHOVERLAP_REPLAY"] = "0" if name == "python" else "1"
+
     for name, fn in cases.items():
-        os.environ["FLASHOVERLAP_NCCL"] = "direct" if name == "direct" else "c10d"
+        path(name)
         us = per_call_us(fn)
         if rank == 0:
             print(f"{m}x{n}x{k} {name:>12}: {us:7.1f} us per call", flush=True)
-    for name in ("fallback", "overlapped", "direct"):
-        os.environ["FLASHOVERLAP_NCCL"] = "direct" if name == "direct" else "c10d"
+    for name in ("fallback", "overlapped", "direct", "python"):
+        path(name)
         profile = cProfile.Profile()
         profile.enable()
         for _ in range(CALLS):

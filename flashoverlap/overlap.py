@@ -37,7 +37,7 @@ from dataclasses import dataclass, field
 import torch
 import torch.distributed as dist
 
-from . import comm, registry, signal
+from . import comm, enqueue, registry, signal
 from .comm import Exchange
 from .comm.nccl import group_fact
 from .config import (
@@ -129,6 +129,9 @@ class Prepared:
     window_views: dict = field(default_factory=dict)
     group_done: list = field(default_factory=list)  # an event per group (comm.finish_group)
     gemm_done: torch.cuda.Event | None = None  # the GEMM's end on the caller's stream (a window's copies out)
+    # replay_key -> the call's enqueue.Program; None once seen (noted on the next call like it), False
+    # where that call could not be replayed
+    programs: dict = field(default_factory=dict)
 
     def launch(self, a: torch.Tensor, weight: torch.Tensor, buffer: torch.Tensor, stream: torch.cuda.Stream) -> None:
         """Enqueue the signal GEMM on ``stream``, writing the plan's slots of ``buffer``."""
@@ -313,8 +316,8 @@ def join(waiter: torch.cuda.Stream, waitee: torch.cuda.Stream, device: torch.dev
     event = _join_events.get(key)
     if event is None:
         event = _join_events[key] = torch.cuda.Event()
-    event.record(waitee)
-    waiter.wait_event(event)
+    enqueue.record(event, waitee)
+    enqueue.wait(waiter, event)
 
 
 class _On:
@@ -346,21 +349,19 @@ def run_overlapped(
     every SM, goes to ``tail_group`` (a communicator free to use them all) when given, on the
     caller's stream behind the GEMM: it starts as the GEMM ends, beside what the budget
     communicator still has queued, not behind it. Either group may be a :class:`comm.nccl.Direct`
-    (comm.direct)."""
+    (comm.direct). A call of a kind this plan ran twice before is replayed natively where it can
+    be (:func:`replay_key`, flashoverlap.enqueue)."""
     device = a.device
     if torch.cuda.current_device() != device.index:  # (_On switches streams on the current device)
         with torch.cuda.device(device):
             return run_overlapped(prep, a, weight, ex, group, tail_group)
     plan = prep.plan
     caller = torch.cuda.current_stream(device)
-    stream = side_stream(device)
-    # (not where one communicator serves both, c10d's for comm_sms 0: its stream orders them anyway)
-    apart = (
-        tail_group is not None and tail_group is not group and comm.tail_apart(ex.collective, plan.layout, ex.reduction)
-    )
+    fresh: list[torch.Tensor] = []  # what this call allocates: with the operands, what a replay substitutes
 
     def alloc(shape):
-        return torch.empty(shape, dtype=a.dtype, device=device)
+        fresh.append(torch.empty(shape, dtype=a.dtype, device=device))
+        return fresh[-1]
 
     window = None
     if prep.symmetric:
@@ -377,11 +378,85 @@ def run_overlapped(
             views = comm.buffers(ex, plan, window.allocator(nbytes, a.dtype))  # may grow the window
             prep.window_views[ex] = (window.memory, views)
         out, buffer, recv = views
-        window.acquire(caller)
         result = alloc((ex.rows, plan.n))
     else:
         out, buffer, recv = comm.buffers(ex, plan, alloc)
         result = out
+    timeout = signal.debug_timeout()
+    tensors = (a, weight, *fresh)
+    key = replay_key(prep, ex, (group, tail_group), caller, window, timeout)
+    known = key is not None and key in prep.programs
+    program = prep.programs[key] if known else None
+    if program:
+        program.replay([t.data_ptr() for t in tensors])
+        return result
+    tape = None
+    if known and program is None:  # seen once: what it set up (events, windows, communicators) is there now
+        extents = [(t.data_ptr(), t.numel() * t.element_size()) for t in tensors]
+        tape = enqueue.Tape(extents) if _apart(extents) else None
+    elif key is not None and not known:
+        prep.programs[key] = None
+    with enqueue.recording(tape):
+        _enqueue(prep, a, weight, ex, (group, tail_group), caller, window, (out, buffer, recv, result), timeout)
+    if tape is not None:  # (False: a step that is not a native call, on every call like it)
+        prep.programs[key] = tape.program() if tape.usable else False
+    if timeout is not None:
+        signal.raise_on_timeout(prep.report, plan.num_groups, timeout)
+    return result
+
+
+def replay_key(
+    prep: Prepared,
+    ex: Exchange,
+    groups: tuple,
+    caller: torch.cuda.Stream,
+    window: comm.nccl.Window | None,
+    timeout: float | None,
+) -> tuple | None:
+    """What the native replay of a call from ``caller`` with ``groups`` = (group, tail_group) is
+    kept under in ``prep.programs`` (flashoverlap.enqueue), None where the call is enqueued from
+    Python: collectives through c10d (its own Python and C++ work per call), a group's own step
+    after its collective or the ``rows`` layout's exchange (torch operations), debug mode (its
+    report), a CUDA graph being captured (a capture records what the host does once anyway), or
+    ``FLASHOVERLAP_REPLAY=0``."""
+    group, tail_group = groups
+    direct = isinstance(group, comm.Direct) and isinstance(tail_group or group, comm.Direct)
+    if not direct or comm.finishes(ex, prep.plan) or not comm.tail_apart(ex.collective, prep.plan.layout, ex.reduction):
+        return None
+    if timeout is not None or torch.cuda.is_current_stream_capturing() or os.environ.get("FLASHOVERLAP_REPLAY") == "0":
+        return None
+    waits = signal.stream_waits(prep.counters.device.index, False)
+    return ex, *groups, caller.cuda_stream, None if window is None else window.memory.data_ptr(), waits
+
+
+def _apart(extents: Sequence[tuple[int, int]]) -> bool:
+    """Whether no two (address, bytes) extents overlap: a replay substitutes each on its own (a call
+    whose operands share memory is not recorded; a later one may be)."""
+    spans = sorted((start, start + max(size, 1)) for start, size in extents)
+    return all(end <= start for (_, end), (start, _) in zip(spans, spans[1:]))
+
+
+def _enqueue(
+    prep: Prepared,
+    a: torch.Tensor,
+    weight: torch.Tensor,
+    ex: Exchange,
+    groups: tuple,
+    caller: torch.cuda.Stream,
+    window: comm.nccl.Window | None,
+    tensors: tuple,
+    timeout: float | None,
+) -> None:
+    """:func:`run_overlapped`'s work on the streams: ``groups`` = (group, tail_group), ``tensors`` =
+    (out, buffer, recv, result) from :func:`comm.buffers` (in ``window`` where given); ``timeout``:
+    signal.debug_timeout."""
+    device, plan = a.device, prep.plan
+    (group, tail_group), (out, buffer, recv, result) = groups, tensors
+    stream = side_stream(device)
+    # (not where one communicator serves both, c10d's for comm_sms 0: its stream orders them anyway)
+    apart = (
+        tail_group is not None and tail_group is not group and comm.tail_apart(ex.collective, plan.layout, ex.reduction)
+    )
 
     # A window's result is copied out group by group, where each group lands in one range, from
     # the GEMM's end on: beside the last collectives instead of after them. (As each collective
@@ -392,13 +467,14 @@ def run_overlapped(
     if finisher is not None and not prep.group_done:
         prep.group_done = [torch.cuda.Event() for _ in prep.targets]
         prep.gemm_done = torch.cuda.Event()
-    timeout = signal.debug_timeout()
 
+    if window is not None:
+        window.acquire(caller)
     join(stream, caller, device)  # operands ready; earlier users of the buffers done
     join(caller, stream, device)  # a call from another stream may not have reset the counters yet
     prep.launch(a, weight, buffer, caller)
     if copy_out:
-        prep.gemm_done.record(caller)
+        enqueue.record(prep.gemm_done, caller)
     last = len(prep.targets) - 1
     for g, target in enumerate(prep.targets):
         # The last collective, apart: on the caller's stream, ordered after the GEMM without a
@@ -411,18 +487,18 @@ def run_overlapped(
                 signal.wait_geq(issuer, prep.counters, g, target, timeout, prep.report)
             comm.communicate_group(ex, plan, g, buffer, recv, out, on)
             if finisher is not None:
-                prep.group_done[g].record(issuer)
+                enqueue.record(prep.group_done[g], issuer)
         if finishes:  # the group's own step (copies: copy engines; adds: SMs the GEMM leaves, or
             # as it retires), enqueued with its collective so that a slow host cannot hold it back
-            finisher.wait_event(prep.group_done[g])
+            enqueue.wait(finisher, prep.group_done[g])
             with _On(finisher, caller):
                 comm.finish_group(ex, plan, g, buffer, recv, result)
     if copy_out:
-        finisher.wait_event(prep.gemm_done)
+        enqueue.wait(finisher, prep.gemm_done)
         with _On(finisher, caller):
             for g, done in enumerate(prep.group_done):
-                finisher.wait_event(done)
-                comm.landed(ex, plan, g, result).copy_(comm.landed(ex, plan, g, out))
+                enqueue.wait(finisher, done)
+                comm.copy_2d(*(comm.landed(ex, plan, g, t).view(-1, plan.n) for t in (result, out)))
     if apart:  # the stream saw all but the last counter
         join(stream, caller, device)
     signal.reset(prep.counters, stream)  # stream-ordered: the next call's GEMM waits for it through `caller`
@@ -433,12 +509,9 @@ def run_overlapped(
     if plan.layout == "tiles":  # every other layout's result is in place (comm.finish_group)
         comm.restore(buffer, result, plan, prep.slots)
     if result is not out and comm.lands_in_out(ex, plan) and not copy_out:  # the result is in the window
-        result.copy_(out)
+        comm.copy_2d(result.view(-1, plan.n), out.view(-1, plan.n))
     if window is not None:
         window.release(caller)
-    if timeout is not None:
-        signal.raise_on_timeout(prep.report, plan.num_groups, timeout)
-    return result
 
 
 def tuned_config(

@@ -10,7 +10,7 @@ import torch
 import torch.distributed as dist
 
 import flashoverlap
-from flashoverlap import OverlapConfig, comm, overlap, signal
+from flashoverlap import OverlapConfig, comm, enqueue, overlap, signal
 from flashoverlap.comm import restore
 from flashoverlap.config import for_collective
 from flashoverlap.overlap import prepare, run_overlapped
@@ -185,7 +185,14 @@ def nccl_one_rank():
 def test_pipeline_on_one_gpu(nccl_one_rank, monkeypatch, mode, symmetric, nccl, collective, layout, reduction):
     """The whole overlapped call (waits, NCCL per group, reset, restore) on a group of one rank;
     ``symmetric``: in a registered NCCL window, the result copied out; ``nccl``: the collectives
-    through c10d or NCCL's C API (comm.direct); ``reduction`` local: all-gathered, then added."""
+    through c10d or NCCL's C API (comm.direct); ``reduction`` local: all-gathered, then added.
+    Four calls on new operands: through NCCL's C API the third and fourth are replayed natively
+    where every step is a native call (overlap.replay_key)."""
+    replays = []
+    replay = enqueue.Program.replay
+    monkeypatch.setattr(enqueue.Program, "replay", lambda self, values: replays.append(1) or replay(self, values))
+    native = nccl == "direct" and reduction == "nccl"
+    native &= (collective, layout) in {("all_reduce", "rows"), ("all_reduce", "tiles"), ("reduce_scatter", "segments")}
     monkeypatch.setenv("FLASHOVERLAP_WAIT", mode)
     monkeypatch.setenv("FLASHOVERLAP_NCCL", nccl)
     signal.forget_probes()
@@ -197,18 +204,20 @@ def test_pipeline_on_one_gpu(nccl_one_rank, monkeypatch, mode, symmetric, nccl, 
         for m, n, k in [(2048, 4096, 1024), (777, 1032, 264)]:
             if collective != "all_reduce" and layout in comm.EQUAL_SEGMENTS and m % cfg.tile_m:
                 continue  # rows / segments of reduce-scatter / all-to-all: segments of whole tile rows
-            a, w, ref = operands(m, n, k, torch.bfloat16, "nk", seed=m)
-            prep = prepare(m, n, k, torch.bfloat16, "nk", a.device, cfg)
+            inputs = [operands(m, n, k, torch.bfloat16, "nk", seed=m + i) for i in range(4)]
+            prep = prepare(m, n, k, torch.bfloat16, "nk", inputs[0][0].device, cfg)
             ex = comm.exchange(collective, m, 1, reduction=reduction)
-            outs = [run_overlapped(prep, a, w, ex, group, tail)]  # the first may set up communicators, windows
+            replays.clear()
+            prep.programs.clear()  # (plans are shared by the cases of this test)
+            outs = [run_overlapped(prep, *inputs[0][:2], ex, group, tail)]  # may set up communicators, windows
             with no_host_sync():  # none inside a call: the host runs ahead
-                outs += [run_overlapped(prep, a, w, ex, group, tail) for _ in range(2)]  # back to back: counters reset
+                outs += [run_overlapped(prep, a, w, ex, group, tail) for a, w, _ in inputs[1:]]  # counters reset
             torch.cuda.synchronize()
-            assert len({o.data_ptr() for o in outs}) == 3  # each result its own tensor (none is the window)
-            out = outs[0]
+            assert len({o.data_ptr() for o in outs}) == 4  # each result its own tensor (none is the window)
             assert prep.counters.tolist() == [0] * prep.plan.num_groups
-            assert not torch.isnan(out).any()
-            assert rel_err(out, ref) < 1e-2
+            for i, (out, (_, _, ref)) in enumerate(zip(outs, inputs)):
+                assert not torch.isnan(out).any() and rel_err(out, ref) < 1e-2, f"call {i}"
+            assert len(replays) == (2 if native else 0)
     finally:
         signal.forget_probes()
 
@@ -266,14 +275,20 @@ def test_an_untuned_call_is_timed_once_against_sequential(nccl_one_rank, capfd):
         assert rel_err(run_overlapped(prep, a, w, ex, budget, tail_group=dist.group.WORLD), ref) < 1e-2
 
 
+@pytest.mark.parametrize("direct", [False, True])
 @pytest.mark.parametrize("symmetric", [False, True])
-def test_calls_from_two_streams_do_not_race(nccl_one_rank, symmetric):
+def test_calls_from_two_streams_do_not_race(nccl_one_rank, symmetric, direct):
     """Back-to-back calls issued from two streams share the counters (and the symmetric window):
-    each must wait for the other's use of them."""
+    each must wait for the other's use of them. ``direct``: through NCCL's C API, so that from the
+    fifth call on (the third from each stream) they are replayed natively."""
     m, n, k = 2048, 4096, 1024
+    device = torch.device("cuda", 0)
     cfg = for_collective(OverlapConfig(symmetric=symmetric), "all_reduce")
-    prep = prepare(m, n, k, torch.bfloat16, "nk", torch.device("cuda", 0), cfg)
+    prep = prepare(m, n, k, torch.bfloat16, "nk", device, cfg)
     ex = comm.exchange("all_reduce", m, 1)
+    group = comm.direct(comm.budget_group(dist.group.WORLD, 16), device) if direct else None
+    tail = comm.tail_group(dist.group.WORLD, device) if direct else None
+    assert isinstance(group, comm.Direct) == direct
     inputs = [operands(m, n, k, torch.bfloat16, "nk", seed=s) for s in range(4)]
     streams = [torch.cuda.Stream(), torch.cuda.Stream()]
     for s in streams:
@@ -281,7 +296,7 @@ def test_calls_from_two_streams_do_not_race(nccl_one_rank, symmetric):
     outs = []
     for i, (a, w, _) in enumerate(inputs * 3):
         with torch.cuda.stream(streams[i % 2]):
-            outs.append(run_overlapped(prep, a, w, ex, None))
+            outs.append(run_overlapped(prep, a, w, ex, group, tail))
     torch.cuda.synchronize()
     for i, out in enumerate(outs):
         assert rel_err(out, inputs[i % 4][2]) < 1e-2, f"call {i}"

@@ -11,6 +11,7 @@ import torch
 import torch.distributed as dist
 
 import flashoverlap
+from flashoverlap import overlap
 from flashoverlap.overlap import check_inputs
 from flashoverlap.registry import Found
 
@@ -701,3 +702,10 @@ def test_a_repeated_call_reuses_its_decision_until_what_it_rests_on_changes(one_
     for _ in range(2):  # counts exchanged per call (here: known, not exchanged, but never kept)
         overlap.decide(a, w, "all_to_all", splits=[128, 128], output_splits=[128, 128])
     assert len(lookups) == 6
+
+
+def test_a_call_is_recorded_for_replay_only_where_its_tensors_do_not_overlap():
+    assert overlap._apart([(0x1000, 0x100), (0x1100, 0x10), (0x2000, 8)])
+    assert not overlap._apart([(0x1000, 0x100), (0x10F0, 0x10)])  # (a view into another operand)
+    assert not overlap._apart([(0x1000, 0x100), (0x1000, 0x100)])  # (a and weight one tensor)
+    assert not overlap._apart([(0, 0), (0, 0)])  # two empty tensors share address 0

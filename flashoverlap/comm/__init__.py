@@ -16,7 +16,7 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
-from .. import jit
+from .. import enqueue
 from ..plan import Plan, slot_view
 from .nccl import CTA_POLICY_ZERO, Direct, cuda_backend, group_fact, unavailable
 
@@ -505,14 +505,14 @@ def copy_2d(dst: torch.Tensor, src: torch.Tensor) -> None:
     size = dst.element_size()
     if not dst.is_cuda or max(dst.stride(0), src.stride(0)) * size > MAX_PITCH:
         dst.copy_(src)
+        enqueue.opaque()
         return
-    lib = jit.runtime_library()
     stream = torch.cuda.current_stream(dst.device).cuda_stream
     rows, cols = dst.shape
-    status = lib.fo_copy_2d(
-        dst.data_ptr(), dst.stride(0) * size, src.data_ptr(), src.stride(0) * size, cols * size, rows, stream
+    pitches = (dst.stride(0) * size, src.stride(0) * size)
+    enqueue.runtime_call(
+        "fo_copy_2d", "pnpnnnp", dst.data_ptr(), pitches[0], src.data_ptr(), pitches[1], cols * size, rows, stream
     )
-    jit.check(lib, status, "fo_runtime_error")
 
 
 def lands_in_out(ex: Exchange, plan: Plan) -> bool:
@@ -554,8 +554,9 @@ def restore(buffer: torch.Tensor, out: torch.Tensor, plan: Plan, slots: torch.Te
     on the device); on the CPU, a loop over tiles.
     """
     if buffer.is_cuda:
-        lib = jit.runtime_library()
-        status = lib.fo_restore(
+        enqueue.runtime_call(
+            "fo_restore",
+            enqueue.RESTORE,
             buffer.data_ptr(),
             out.data_ptr(),
             slots.data_ptr(),
@@ -568,7 +569,6 @@ def restore(buffer: torch.Tensor, out: torch.Tensor, plan: Plan, slots: torch.Te
             buffer.element_size(),
             torch.cuda.current_stream(buffer.device).cuda_stream,
         )
-        jit.check(lib, status, "fo_runtime_error")
         return
     for tile in range(plan.num_tiles):
         r0, c0, rows, cols = plan.tile_extent(tile)

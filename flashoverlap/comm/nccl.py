@@ -17,6 +17,8 @@ from collections.abc import Callable, Sequence
 import torch
 import torch.distributed as dist
 
+from .. import enqueue
+
 CTA_POLICY_ZERO = 2  # ncclConfig_t.CTAPolicy: NCCL_CTA_POLICY_ZERO (nccl.h, 2.27+)
 WIN_SYMMETRIC = 1  # ncclCommWindowRegister flags: NCCL_WIN_COLL_SYMMETRIC
 WIN_ALIGNMENT = 4096  # NCCL_WIN_REQUIRED_ALIGNMENT
@@ -34,6 +36,7 @@ _SIGNATURES = {  # argument types of the calls made per group (ctypes converts p
     "ncclGroupStart": [],
     "ncclGroupEnd": [],
 }
+_KINDS = {_P: "p", _N: "n", _I: "i"}  # argument types as enqueue.SIGNATURES spells them
 
 
 @functools.cache
@@ -74,7 +77,11 @@ def raw_stream(device: int) -> int:
 
 def check(lib: ctypes.CDLL, status: int, what: str) -> None:
     if status != 0:
-        raise RuntimeError(f"{what} failed: {lib.ncclGetErrorString(status).decode()} (NCCL error {status})")
+        raise RuntimeError(_error(lib, what, status))
+
+
+def _error(lib: ctypes.CDLL, what: str, status: int) -> str:
+    return f"{what} failed: {lib.ncclGetErrorString(status).decode()} (NCCL error {status})"
 
 
 _facts: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # group -> {name: value}
@@ -150,13 +157,13 @@ class Window:
         streams are not ordered by the communication stream alone (not in graph capture, where
         the captured order holds)."""
         if self.released is not None and not torch.cuda.is_current_stream_capturing():
-            stream.wait_event(self.released)
+            enqueue.wait(stream, self.released)
 
     def release(self, stream: torch.cuda.Stream) -> None:
         """Mark the window free once ``stream``'s work so far (a call's last use of it) is done."""
         if not torch.cuda.is_current_stream_capturing():
             self.released = self.released or torch.cuda.Event()
-            self.released.record(stream)
+            enqueue.record(self.released, stream)
 
     def allocator(self, nbytes: int, dtype: torch.dtype):
         """``alloc(shape)`` carving ``dtype`` tensors out of the window, ``nbytes`` in all (sum of
@@ -205,7 +212,19 @@ class Direct:
         self.comm = communicator(group, device)
 
     def _call(self, name: str, *args) -> None:
-        check(self.lib, getattr(self.lib, name)(*args, self.comm, raw_stream(self.device)), name)
+        stream = raw_stream(self.device)
+        check(self.lib, getattr(self.lib, name)(*args, self.comm, stream), name)
+        self._note(name, args, stream)
+
+    def _note(self, name: str, args: tuple, stream: int | None = None) -> None:
+        """enqueue.note: the call ``name`` just made with ``args``, then the communicator and ``stream``
+        unless None (ncclGroupStart / End take neither)."""
+        if not enqueue.noting():
+            return
+        if stream is not None:
+            args = (*args, self.comm.value, stream)
+        signature = "".join(_KINDS[t] for t in _SIGNATURES[name])
+        enqueue.note(signature, enqueue.address(self.lib, name), args, lambda status: _error(self.lib, name, status))
 
     def all_reduce(self, data: torch.Tensor) -> None:  # in place
         self._call("ncclAllReduce", data.data_ptr(), data.data_ptr(), data.numel(), DATATYPES[data.dtype], SUM)
@@ -233,6 +252,7 @@ class Direct:
     def send_recv(self, sends: Sequence[tuple[torch.Tensor, int]], recvs: Sequence[tuple[torch.Tensor, int]]) -> None:
         """All of them as one NCCL group (each pair of ranks moving data both ways at once)."""
         check(self.lib, self.lib.ncclGroupStart(), "ncclGroupStart")
+        self._note("ncclGroupStart", ())
         try:
             for t, peer in sends:
                 if t.numel():
@@ -242,3 +262,4 @@ class Direct:
                     self._call("ncclRecv", t.data_ptr(), t.numel(), DATATYPES[t.dtype], peer)
         finally:
             check(self.lib, self.lib.ncclGroupEnd(), "ncclGroupEnd")
+            self._note("ncclGroupEnd", ())

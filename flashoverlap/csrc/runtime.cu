@@ -1,6 +1,7 @@
 // Small runtime pieces: restoring C from packed group buffers, strided copies on the copy engines,
-// the counter reset, the stream wait on a group counter, and the spin-wait fallback for devices
-// without stream memory operations. Loaded with ctypes (flashoverlap.jit.runtime_library).
+// the counter reset, the stream wait on a group counter, the spin-wait fallback for devices
+// without stream memory operations, and the replay of a recorded call (flashoverlap.enqueue).
+// Loaded with ctypes (flashoverlap.jit.runtime_library).
 #include <cstdint>
 #include <cstdio>
 
@@ -132,11 +133,100 @@ int fo_stream_wait(void const* counter, unsigned target, void* stream) {
   return 0;
 }
 
+int fo_record_event(void* event, void* stream) {
+  return check(cudaEventRecord(static_cast<cudaEvent_t>(event), static_cast<cudaStream_t>(stream)), "record_event");
+}
+
+int fo_wait_event(void* stream, void* event) {
+  return check(cudaStreamWaitEvent(static_cast<cudaStream_t>(stream), static_cast<cudaEvent_t>(event), 0),
+               "wait_event");
+}
+
 int fo_spin_wait(void const* counter, unsigned target, unsigned long long timeout_ns, void* report, int group,
                  void* stream) {
   spin_wait<<<1, 1, 0, static_cast<cudaStream_t>(stream)>>>(static_cast<uint32_t const*>(counter), target,
                                                              timeout_ns, static_cast<int*>(report), group);
   return check_launch("spin_wait");
+}
+
+// A recorded call replayed (flashoverlap.enqueue): ops of words [signature, function, then per
+// argument (slot, value)]; an argument is `value` where slot is 0, else values[slot - 1] + value (what
+// changes per call: the operands, the buffers allocated per call). Signatures
+// are flashoverlap.enqueue.SIGNATURES by index: p pointer, u unsigned, i int, n size_t. Returns -1,
+// or the index of the op that failed, its status in *status (the callee's own error code).
+int fo_replay(uint64_t const* ops, int64_t words, uint64_t const* values, int* status) {
+  using P = void*;
+  using U = unsigned;
+  using N = size_t;
+  constexpr int kArgs[] = {2, 3, 3, 7, 6, 7, 6, 6, 0, 20, 11};  // per signature (checked by a CPU test)
+  constexpr int kSignatures = sizeof(kArgs) / sizeof(kArgs[0]);
+  uint64_t a[20];
+  int index = 0;
+  for (int64_t w = 0; w < words; ++index) {
+    uint64_t const sig = ops[w];
+    void* const fn = reinterpret_cast<void*>(ops[w + 1]);
+    if (sig >= uint64_t(kSignatures) || w + 2 + 2 * kArgs[sig] > words) {
+      std::snprintf(g_error, sizeof(g_error), "replay: malformed op %d", index);
+      *status = -1;
+      return index;
+    }
+    w += 2;
+    for (int i = 0; i < kArgs[sig]; ++i, w += 2) {
+      a[i] = ops[w] == 0 ? ops[w + 1] : values[ops[w] - 1] + ops[w + 1];
+    }
+    int rc = 0;
+    switch (sig) {
+      case 0:  // fo_record_event, fo_wait_event
+        rc = reinterpret_cast<int (*)(P, P)>(fn)(P(a[0]), P(a[1]));
+        break;
+      case 1:  // fo_stream_wait
+        rc = reinterpret_cast<int (*)(P, U, P)>(fn)(P(a[0]), U(a[1]), P(a[2]));
+        break;
+      case 2:  // fo_zero
+        rc = reinterpret_cast<int (*)(P, N, P)>(fn)(P(a[0]), N(a[1]), P(a[2]));
+        break;
+      case 3:  // fo_copy_2d
+        rc = reinterpret_cast<int (*)(P, N, P, N, N, N, P)>(fn)(P(a[0]), N(a[1]), P(a[2]), N(a[3]), N(a[4]),
+                                                                  N(a[5]), P(a[6]));
+        break;
+      case 4:  // fo_spin_wait
+        rc = reinterpret_cast<int (*)(P, U, N, P, int, P)>(fn)(P(a[0]), U(a[1]), N(a[2]), P(a[3]), int(a[4]),
+                                                                 P(a[5]));
+        break;
+      case 5:  // ncclAllReduce, ncclReduceScatter
+        rc = reinterpret_cast<int (*)(P, P, N, int, int, P, P)>(fn)(P(a[0]), P(a[1]), N(a[2]), int(a[3]), int(a[4]),
+                                                                      P(a[5]), P(a[6]));
+        break;
+      case 6:  // ncclAllGather, ncclAlltoAll
+        rc = reinterpret_cast<int (*)(P, P, N, int, P, P)>(fn)(P(a[0]), P(a[1]), N(a[2]), int(a[3]), P(a[4]),
+                                                                 P(a[5]));
+        break;
+      case 7:  // ncclSend, ncclRecv
+        rc = reinterpret_cast<int (*)(P, N, int, int, P, P)>(fn)(P(a[0]), N(a[1]), int(a[2]), int(a[3]), P(a[4]),
+                                                                   P(a[5]));
+        break;
+      case 8:  // ncclGroupStart, ncclGroupEnd
+        rc = reinterpret_cast<int (*)()>(fn)();
+        break;
+      case 9:  // fo_run of a signal GEMM (launcher.cuh)
+        rc = reinterpret_cast<int (*)(P, P, P, P, P, P, int, int, int, int, int, int, int, int, int, int, int, int,
+                                      int, P)>(fn)(P(a[0]), P(a[1]), P(a[2]), P(a[3]), P(a[4]), P(a[5]), int(a[6]),
+                                                   int(a[7]), int(a[8]), int(a[9]), int(a[10]), int(a[11]),
+                                                   int(a[12]), int(a[13]), int(a[14]), int(a[15]), int(a[16]),
+                                                   int(a[17]), int(a[18]), P(a[19]));
+        break;
+      case 10:  // fo_restore
+        rc = reinterpret_cast<int (*)(P, P, P, int, int, int, int, int, int, int, P)>(fn)(
+            P(a[0]), P(a[1]), P(a[2]), int(a[3]), int(a[4]), int(a[5]), int(a[6]), int(a[7]), int(a[8]), int(a[9]),
+            P(a[10]));
+        break;
+    }
+    if (rc != 0) {
+      *status = rc;
+      return index;
+    }
+  }
+  return -1;
 }
 
 }  // extern "C"

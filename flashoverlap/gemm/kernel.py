@@ -7,7 +7,7 @@ import functools
 
 import torch
 
-from .. import jit
+from .. import enqueue, jit
 from .generator import GemmSpec, generate
 
 
@@ -63,7 +63,7 @@ class SignalGemm:
         """
         m, k = a.shape
         n = weight.shape[0] if self.spec.weight_layout == "nk" else weight.shape[1]
-        status = self._lib.fo_run(
+        args = (
             a.data_ptr(),
             weight.data_ptr(),
             out.data_ptr(),
@@ -84,7 +84,12 @@ class SignalGemm:
             *late,
             stream.cuda_stream,
         )
-        jit.check(self._lib, status, "fo_last_error")
+        jit.check(self._lib, self._lib.fo_run(*args), "fo_last_error")
+        if enqueue.noting():
+            enqueue.note(enqueue.GEMM, enqueue.address(self._lib, "fo_run"), args, self._error)
+
+    def _error(self, status: int) -> str:
+        return self._lib.fo_last_error().decode()
 
 
 @functools.cache

@@ -17,7 +17,7 @@ import os
 
 import torch
 
-from .. import jit
+from .. import enqueue, jit
 
 WAIT_MODES = ("auto", "stream", "spin")
 
@@ -111,21 +111,20 @@ def wait_geq(
     # but holds a thread polling memory for the whole wait: stream waits in CUDA graphs too.
     if timeout is None and not stream_waits(counters.device.index, torch.cuda.is_current_stream_capturing()):
         timeout = 0.0
-    lib = jit.runtime_library()
     if timeout is None:
-        jit.check(lib, _stream_wait(stream, address, target), "fo_runtime_error")
+        enqueue.runtime_call("fo_stream_wait", "pup", address, target, stream.cuda_stream)
         return
     where = None if report is None else report.data_ptr()
-    status = lib.fo_spin_wait(address, target, int(timeout * 1e9), where, index, stream.cuda_stream)
-    jit.check(lib, status, "fo_runtime_error")
+    enqueue.runtime_call(
+        "fo_spin_wait", "punpip", address, target, int(timeout * 1e9), where, index, stream.cuda_stream
+    )
 
 
 def reset(counters: torch.Tensor, stream: torch.cuda.Stream) -> None:
     """Enqueue on ``stream``: zero ``counters`` for the next call (a memset: cheaper to enqueue
     than a fill kernel)."""
-    lib = jit.runtime_library()
-    status = lib.fo_zero(counters.data_ptr(), counters.numel() * counters.element_size(), stream.cuda_stream)
-    jit.check(lib, status, "fo_runtime_error")
+    nbytes = counters.numel() * counters.element_size()
+    enqueue.runtime_call("fo_zero", "pnp", counters.data_ptr(), nbytes, stream.cuda_stream)
 
 
 def raise_on_timeout(report: torch.Tensor, groups: int, timeout: float) -> None:
