@@ -709,3 +709,16 @@ def test_a_call_is_recorded_for_replay_only_where_its_tensors_do_not_overlap():
     assert not overlap._apart([(0x1000, 0x100), (0x10F0, 0x10)])  # (a view into another operand)
     assert not overlap._apart([(0x1000, 0x100), (0x1000, 0x100)])  # (a and weight one tensor)
     assert not overlap._apart([(0, 0), (0, 0)])  # two empty tensors share address 0
+
+
+def test_the_decision_key_follows_the_environment(monkeypatch):
+    names = ("FLASHOVERLAP_TEST_A", "FLASHOVERLAP_TEST_B")
+    for name in names:
+        monkeypatch.delenv(name, raising=False)
+    unset = overlap._environment(names)
+    monkeypatch.setenv("FLASHOVERLAP_TEST_B", "1")
+    one = overlap._environment(names)
+    monkeypatch.setenv("FLASHOVERLAP_TEST_B", "2")
+    assert unset == (None, None) and len({unset, one, overlap._environment(names)}) == 3
+    monkeypatch.setenv("FLASHOVERLAP_TEST_B", "1")
+    assert overlap._environment(names) == one
