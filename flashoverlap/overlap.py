@@ -415,13 +415,13 @@ def replay_key(
 ) -> tuple | None:
     """What the native replay of a call from ``caller`` with ``groups`` = (group, tail_group) is
     kept under in ``prep.programs`` (flashoverlap.enqueue), None where the call is enqueued from
-    Python: collectives through c10d (its own Python and C++ work per call), a group's own step
-    after its collective or the ``rows`` layout's exchange (torch operations), debug mode (its
+    Python: collectives through c10d (its own Python and C++ work per call), debug mode (its
     report), a CUDA graph being captured (a capture records what the host does once anyway), or
-    ``FLASHOVERLAP_REPLAY=0``."""
+    ``FLASHOVERLAP_REPLAY=0``. (Calls with a torch operation among their steps, a ``local``
+    all-reduce's adds or the ``rows`` layout's own segment, mark their tape unusable themselves:
+    enqueue.opaque.)"""
     group, tail_group = groups
-    direct = isinstance(group, comm.Direct) and isinstance(tail_group or group, comm.Direct)
-    if not direct or comm.finishes(ex, prep.plan) or not comm.tail_apart(ex.collective, prep.plan.layout, ex.reduction):
+    if not (isinstance(group, comm.Direct) and isinstance(tail_group or group, comm.Direct)):
         return None
     if timeout is not None or torch.cuda.is_current_stream_capturing() or os.environ.get("FLASHOVERLAP_REPLAY") == "0":
         return None

@@ -187,12 +187,12 @@ def test_pipeline_on_one_gpu(nccl_one_rank, monkeypatch, mode, symmetric, nccl, 
     ``symmetric``: in a registered NCCL window, the result copied out; ``nccl``: the collectives
     through c10d or NCCL's C API (comm.direct); ``reduction`` local: all-gathered, then added.
     Four calls on new operands: through NCCL's C API the third and fourth are replayed natively
-    where every step is a native call (overlap.replay_key)."""
+    where every step is a native call (not a ``local`` all-reduce's adds, nor the ``rows``
+    layout's own segment: torch operations; overlap.replay_key)."""
     replays = []
     replay = enqueue.Program.replay
     monkeypatch.setattr(enqueue.Program, "replay", lambda self, values: replays.append(1) or replay(self, values))
-    native = nccl == "direct" and reduction == "nccl"
-    native &= (collective, layout) in {("all_reduce", "rows"), ("all_reduce", "tiles"), ("reduce_scatter", "segments")}
+    native = nccl == "direct" and reduction == "nccl" and (collective == "all_reduce" or layout != "rows")
     monkeypatch.setenv("FLASHOVERLAP_WAIT", mode)
     monkeypatch.setenv("FLASHOVERLAP_NCCL", nccl)
     signal.forget_probes()

@@ -276,6 +276,7 @@ def collective(
         return data
     if out is None:
         out = data.new_empty((ex.rows, data.shape[1]))
+        enqueue.opaque()  # (a replay would reuse this call's memory)
     if ex.collective == "reduce_scatter":
         group.reduce_scatter(out, data) if direct else reduce_scatter_single(out, data, group=group)
     elif direct:
@@ -422,6 +423,8 @@ def _rows_group(
         ops = [dist.P2POp(dist.isend, t, peer[r], group) for t, r in sends]
         for request in dist.batch_isend_irecv(ops + [dist.P2POp(dist.irecv, t, peer[r], group) for t, r in recvs]):
             request.wait()
+    if own:
+        enqueue.opaque()  # torch's copies and adds below
     for lo, hi, part in own:
         if ex.collective == "all_to_all":
             rows(flat, me, lo, hi).copy_(part)
@@ -541,6 +544,7 @@ def landed(ex: Exchange, plan: Plan, g: int, out: torch.Tensor) -> torch.Tensor 
 
 def add_partials(parts: torch.Tensor, out: torch.Tensor) -> None:
     """``out`` = the sum of the rows of ``parts`` [world, n] (one rounding, as NCCL's sum of two)."""
+    enqueue.opaque()  # a torch kernel
     if len(parts) == 2:  # an add runs at 2.7 TB/s, a sum over the leading dimension at 1.3 (H200)
         torch.add(parts[0], parts[1], out=out)
     else:
