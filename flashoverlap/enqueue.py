@@ -23,10 +23,9 @@ from contextlib import contextmanager
 
 from . import jit
 
-GEMM = "p" * 6 + "i" * 13 + "p"  # fo_run of a signal GEMM (csrc/launcher.cuh)
-RESTORE = "ppp" + "i" * 7 + "p"  # fo_restore
 # fo_replay's signatures by index: p pointer (rebased where it lies in a per-call value), u unsigned,
-# i int, n size_t; the C side lists the same argument counts (kArgs)
+# i int, n size_t; the C side lists the same argument counts (kArgs). A noted call's signature is
+# its ctypes argument types (:func:`signature`), those the Python path calls it with.
 SIGNATURES = (
     "pp",  # fo_record_event, fo_wait_event
     "pup",  # fo_stream_wait
@@ -37,12 +36,18 @@ SIGNATURES = (
     "ppnipp",  # ncclAllGather, ncclAlltoAll
     "pniipp",  # ncclSend, ncclRecv
     "",  # ncclGroupStart, ncclGroupEnd
-    GEMM,
-    RESTORE,
+    "p" * 6 + "i" * 13 + "p",  # fo_run (a signal GEMM, csrc/launcher.cuh)
+    "ppp" + "i" * 7 + "p",  # fo_restore
 )
 _INDEX = {sig: i for i, sig in enumerate(SIGNATURES)}
+_KINDS = {ctypes.c_void_p: "p", ctypes.c_uint: "u", ctypes.c_int: "i", ctypes.c_size_t: "n", ctypes.c_ulonglong: "n"}
 
 _local = threading.local()  # .tape: the Tape being written on this thread, if any
+
+
+def signature(argtypes: Sequence[type]) -> str:
+    """A C function's ctypes argument types as :data:`SIGNATURES` spells them."""
+    return "".join(_KINDS[t] for t in argtypes)
 
 
 @functools.cache
@@ -138,13 +143,19 @@ def opaque() -> None:
         tape.usable = False
 
 
-def runtime_call(name: str, signature: str, *args: int | None) -> None:
+def runtime_call(name: str, *args: int | None) -> None:
     """Call csrc/runtime.cu's ``name`` (argument types set in jit.runtime_library), raise on
     failure, and note it."""
     lib = jit.runtime_library()
     jit.check(lib, getattr(lib, name)(*args), "fo_runtime_error")
     if noting():
-        note(signature, address(lib, name), args, _runtime_error)
+        _note_runtime(name, args)
+
+
+def _note_runtime(name: str, args: Sequence[int | None]) -> None:
+    """A call of csrc/runtime.cu's ``name`` with ``args`` just made (by us, or by torch: the events), noted."""
+    lib = jit.runtime_library()
+    note(signature(getattr(lib, name).argtypes), address(lib, name), args, _runtime_error)
 
 
 def _runtime_error(status: int) -> str:
@@ -155,12 +166,7 @@ def record(event, stream) -> None:
     """``event.record(stream)`` (torch objects), noted."""
     event.record(stream)
     if noting():
-        note(
-            "pp",
-            address(jit.runtime_library(), "fo_record_event"),
-            (event.cuda_event, stream.cuda_stream),
-            _runtime_error,
-        )
+        _note_runtime("fo_record_event", (event.cuda_event, stream.cuda_stream))
 
 
 def wait(stream, event) -> None:
@@ -170,11 +176,6 @@ def wait(stream, event) -> None:
     if not noting():
         return
     if event.cuda_event:
-        note(
-            "pp",
-            address(jit.runtime_library(), "fo_wait_event"),
-            (stream.cuda_stream, event.cuda_event),
-            _runtime_error,
-        )
+        _note_runtime("fo_wait_event", (stream.cuda_stream, event.cuda_event))
     else:
         opaque()  # recorded later, the replay must wait on it: not a call to replay

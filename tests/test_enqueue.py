@@ -9,6 +9,7 @@ from pathlib import Path
 import pytest
 
 from flashoverlap import enqueue, jit
+from flashoverlap.comm import nccl
 
 RUNTIME = Path(jit.__file__).parent / "csrc" / "runtime.cu"
 
@@ -18,6 +19,9 @@ def test_signatures_match_the_replay_loop():
     counts = re.search(r"kArgs\[\] = \{([^}]*)\}", RUNTIME.read_text()).group(1)
     assert [int(c) for c in counts.split(",")] == [len(s) for s in enqueue.SIGNATURES]
     assert all(set(s) <= set("puin") for s in enqueue.SIGNATURES)
+    # every NCCL call a Direct communicator makes can be noted
+    assert {enqueue.signature(argtypes) for argtypes in nccl._SIGNATURES.values()} <= set(enqueue.SIGNATURES)
+    assert enqueue.signature([ctypes.c_void_p] * 6 + [ctypes.c_int] * 13 + [ctypes.c_void_p]) in enqueue.SIGNATURES
 
 
 def test_pointers_are_noted_relative_to_the_per_call_value_they_lie_in():
@@ -82,6 +86,20 @@ def test_the_native_replay_substitutes_each_call_s_values(tmp_path, monkeypatch)
     texts = [ctypes.create_string_buffer(t) for t in (b"..same", b"same", b"..diff", b"same")]
     where = [ctypes.addressof(t) for t in texts]
     try:
+        lib = jit.runtime_library()
+        calls = [n for n in dir(lib) if n.startswith("fo_") and getattr(lib, n).argtypes is not None]
+        # every runtime call the Python path makes (all that jit.runtime_library declares but the replay) can be noted
+        noted = {
+            "fo_restore",
+            "fo_copy_2d",
+            "fo_zero",
+            "fo_stream_wait",
+            "fo_spin_wait",
+            "fo_record_event",
+            "fo_wait_event",
+        }
+        assert set(calls) == noted | {"fo_replay"}
+        assert all(enqueue.signature(getattr(lib, n).argtypes) in enqueue.SIGNATURES for n in noted)
         tape = enqueue.Tape([(where[0], 7), (where[1], 5)])
         tape.add("pp", strcmp, (where[0] + 2, where[1]), lambda status: f"strcmp said {status}")
         tape.add("", ctypes.cast(libc.getpid, ctypes.c_void_p).value, (), lambda status: "getpid is never 0")

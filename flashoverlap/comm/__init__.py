@@ -514,7 +514,7 @@ def copy_2d(dst: torch.Tensor, src: torch.Tensor) -> None:
     rows, cols = dst.shape
     pitches = (dst.stride(0) * size, src.stride(0) * size)
     enqueue.runtime_call(
-        "fo_copy_2d", "pnpnnnp", dst.data_ptr(), pitches[0], src.data_ptr(), pitches[1], cols * size, rows, stream
+        "fo_copy_2d", dst.data_ptr(), pitches[0], src.data_ptr(), pitches[1], cols * size, rows, stream
     )
 
 
@@ -560,7 +560,6 @@ def restore(buffer: torch.Tensor, out: torch.Tensor, plan: Plan, slots: torch.Te
     if buffer.is_cuda:
         enqueue.runtime_call(
             "fo_restore",
-            enqueue.RESTORE,
             buffer.data_ptr(),
             out.data_ptr(),
             slots.data_ptr(),

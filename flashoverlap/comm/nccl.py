@@ -36,7 +36,6 @@ _SIGNATURES = {  # argument types of the calls made per group (ctypes converts p
     "ncclGroupStart": [],
     "ncclGroupEnd": [],
 }
-_KINDS = {_P: "p", _N: "n", _I: "i"}  # argument types as enqueue.SIGNATURES spells them
 
 
 @functools.cache
@@ -223,8 +222,12 @@ class Direct:
             return
         if stream is not None:
             args = (*args, self.comm.value, stream)
-        signature = "".join(_KINDS[t] for t in _SIGNATURES[name])
-        enqueue.note(signature, enqueue.address(self.lib, name), args, lambda status: _error(self.lib, name, status))
+        enqueue.note(
+            enqueue.signature(_SIGNATURES[name]),
+            enqueue.address(self.lib, name),
+            args,
+            lambda status: _error(self.lib, name, status),
+        )
 
     def all_reduce(self, data: torch.Tensor) -> None:  # in place
         self._call("ncclAllReduce", data.data_ptr(), data.data_ptr(), data.numel(), DATATYPES[data.dtype], SUM)

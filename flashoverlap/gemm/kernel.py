@@ -86,7 +86,8 @@ class SignalGemm:
         )
         jit.check(self._lib, self._lib.fo_run(*args), "fo_last_error")
         if enqueue.noting():
-            enqueue.note(enqueue.GEMM, enqueue.address(self._lib, "fo_run"), args, self._error)
+            fo_run = self._lib.fo_run
+            enqueue.note(enqueue.signature(fo_run.argtypes), enqueue.address(self._lib, "fo_run"), args, self._error)
 
     def _error(self, status: int) -> str:
         return self._lib.fo_last_error().decode()

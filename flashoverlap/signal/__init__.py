@@ -112,19 +112,17 @@ def wait_geq(
     if timeout is None and not stream_waits(counters.device.index, torch.cuda.is_current_stream_capturing()):
         timeout = 0.0
     if timeout is None:
-        enqueue.runtime_call("fo_stream_wait", "pup", address, target, stream.cuda_stream)
+        enqueue.runtime_call("fo_stream_wait", address, target, stream.cuda_stream)
         return
     where = None if report is None else report.data_ptr()
-    enqueue.runtime_call(
-        "fo_spin_wait", "punpip", address, target, int(timeout * 1e9), where, index, stream.cuda_stream
-    )
+    enqueue.runtime_call("fo_spin_wait", address, target, int(timeout * 1e9), where, index, stream.cuda_stream)
 
 
 def reset(counters: torch.Tensor, stream: torch.cuda.Stream) -> None:
     """Enqueue on ``stream``: zero ``counters`` for the next call (a memset: cheaper to enqueue
     than a fill kernel)."""
     nbytes = counters.numel() * counters.element_size()
-    enqueue.runtime_call("fo_zero", "pnp", counters.data_ptr(), nbytes, stream.cuda_stream)
+    enqueue.runtime_call("fo_zero", counters.data_ptr(), nbytes, stream.cuda_stream)
 
 
 def raise_on_timeout(report: torch.Tensor, groups: int, timeout: float) -> None:
