@@ -393,7 +393,7 @@ def run_overlapped(
     tape = None
     if known and program is None:  # seen once: what it set up (events, windows, communicators) is there now
         extents = [(t.data_ptr(), t.numel() * t.element_size()) for t in tensors]
-        tape = enqueue.Tape(extents) if _apart(extents) else None
+        tape = enqueue.Tape(extents) if _disjoint(extents) else None
     elif key is not None and not known:
         prep.programs[key] = None
     with enqueue.recording(tape):
@@ -429,7 +429,7 @@ def replay_key(
     return ex, *groups, caller.cuda_stream, None if window is None else window.memory.data_ptr(), waits
 
 
-def _apart(extents: Sequence[tuple[int, int]]) -> bool:
+def _disjoint(extents: Sequence[tuple[int, int]]) -> bool:
     """Whether no two (address, bytes) extents overlap: a replay substitutes each on its own (a call
     whose operands share memory is not recorded; a later one may be)."""
     spans = sorted((start, start + max(size, 1)) for start, size in extents)

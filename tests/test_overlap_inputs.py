@@ -705,10 +705,10 @@ def test_a_repeated_call_reuses_its_decision_until_what_it_rests_on_changes(one_
 
 
 def test_a_call_is_recorded_for_replay_only_where_its_tensors_do_not_overlap():
-    assert overlap._apart([(0x1000, 0x100), (0x1100, 0x10), (0x2000, 8)])
-    assert not overlap._apart([(0x1000, 0x100), (0x10F0, 0x10)])  # (a view into another operand)
-    assert not overlap._apart([(0x1000, 0x100), (0x1000, 0x100)])  # (a and weight one tensor)
-    assert not overlap._apart([(0, 0), (0, 0)])  # two empty tensors share address 0
+    assert overlap._disjoint([(0x1000, 0x100), (0x1100, 0x10), (0x2000, 8)])
+    assert not overlap._disjoint([(0x1000, 0x100), (0x10F0, 0x10)])  # (a view into another operand)
+    assert not overlap._disjoint([(0x1000, 0x100), (0x1000, 0x100)])  # (a and weight one tensor)
+    assert not overlap._disjoint([(0, 0), (0, 0)])  # two empty tensors share address 0
 
 
 def test_the_decision_key_follows_the_environment(monkeypatch):
