@@ -5,7 +5,8 @@ FLASHOVERLAP_NCCL=c10d; "direct": through NCCL's C API, the default, replayed na
 third call on; "python": the same enqueued from Python every call, FLASHOVERLAP_REPLAY=0).
 On one GPU, where the public calls run the plain GEMM, "overlapped" and "direct" run the whole
 overlapped call on a one-rank group (NCCL's collectives are then local copies).
-  torchrun --nproc-per-node 2 bench/host_profile.py [MxNxK (default 256x2048x2048)] [CONFIG_JSON]"""
+  torchrun --nproc-per-node 2 bench/host_profile.py [MxNxK (default 256x2048x2048)] [CONFIG_JSON] [COLLECTIVE]
+(COLLECTIVE: all_reduce (default), reduce_scatter or all_to_all, split evenly.)"""
 
 import cProfile
 import json
@@ -40,53 +41,56 @@ def per_call_us(fn) -> float:
 def main() -> None:
     m, n, k = (int(x) for x in (sys.argv[1] if len(sys.argv) > 1 else "256x2048x2048").split("x"))
     config = json.loads(sys.argv[2]) if len(sys.argv) > 2 else {}
+    name = sys.argv[3] if len(sys.argv) > 3 else "all_reduce"
     rank = int(os.environ["LOCAL_RANK"])
     torch.cuda.set_device(rank)
     dist.init_process_group("nccl", device_id=torch.device("cuda", rank))
     a = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
     w = torch.randn(n, k, device="cuda", dtype=torch.bfloat16)
-    ex = comm.exchange("all_reduce", m, dist.get_world_size())
+    ex = comm.exchange(name, m, dist.get_world_size())
+    call = getattr(flashoverlap, f"gemm_{name}")
+    c = a @ w.t()
     cases = {
         "matmul": lambda: a @ w.t(),
-        "all_reduce": lambda: dist.all_reduce(a),
+        name: lambda: comm.collective(ex, c, None),
         "sequential": lambda: sequential(a, w, "nk", ex, None),
-        "fallback": lambda: flashoverlap.gemm_all_reduce(a, w, config={"sequential": True}),
-        "registry": lambda: flashoverlap.gemm_all_reduce(a, w),
-        "overlapped": lambda: flashoverlap.gemm_all_reduce(a, w, config=config),
-        "direct": lambda: flashoverlap.gemm_all_reduce(a, w, config=config),  # FLASHOVERLAP_NCCL=direct
+        "fallback": lambda: call(a, w, config={"sequential": True}),
+        "registry": lambda: call(a, w),
+        "overlapped": lambda: call(a, w, config=config),
+        "direct": lambda: call(a, w, config=config),  # FLASHOVERLAP_NCCL=direct
     }
     cases["python"] = cases["direct"]  # FLASHOVERLAP_REPLAY=0
     if dist.get_world_size() == 1:
-        cfg = for_collective(OverlapConfig.from_dict(config), "all_reduce")
+        cfg = for_collective(OverlapConfig.from_dict(config), name)
         prep = prepare(m, n, k, a.dtype, "nk", a.device, cfg)
-        ex = comm.exchange("all_reduce", m, 1, reduction=cfg.reduction)
+        ex = comm.exchange(name, m, 1, reduction=cfg.reduction)
 
         def one_rank() -> torch.Tensor:
-            group = budget_communicator(cfg, "all_reduce", dist.group.WORLD, a.device)
+            group = budget_communicator(cfg, name, dist.group.WORLD, a.device)
             return run_overlapped(prep, a, w, ex, group, tail_group=comm.tail_group(dist.group.WORLD, a.device))
 
         cases["overlapped"] = cases["direct"] = cases["python"] = one_rank
         print(f"one rank: {prep.plan.num_groups} groups, {cfg}", flush=True)
 
-    def path(name: str) -> None:  # the environment of case ``name``
-        os.environ["FLASHOVERLAP_NCCL"] = "direct" if name in ("direct", "python") else "c10d"
-        os.environ["FLASHOVERLAP_REPLAY"] = "0" if name == "python" else "1"
+    def path(case: str) -> None:  # the environment of ``case``
+        os.environ["FLASHOVERLAP_NCCL"] = "direct" if case in ("direct", "python") else "c10d"
+        os.environ["FLASHOVERLAP_REPLAY"] = "0" if case == "python" else "1"
 
-    for name, fn in cases.items():
-        path(name)
+    for case, fn in cases.items():
+        path(case)
         us = per_call_us(fn)
         if rank == 0:
-            print(f"{m}x{n}x{k} {name:>12}: {us:7.1f} us per call", flush=True)
-    for name in ("fallback", "overlapped", "direct", "python"):
-        path(name)
+            print(f"{m}x{n}x{k} {case:>14}: {us:7.1f} us per call", flush=True)
+    for case in ("fallback", "overlapped", "direct", "python"):
+        path(case)
         profile = cProfile.Profile()
         profile.enable()
         for _ in range(CALLS):
-            cases[name]()
+            cases[case]()
         profile.disable()
         torch.cuda.synchronize()
         if rank == 0:
-            print(f"--- {name}, {CALLS} calls")
+            print(f"--- {case}, {CALLS} calls")
             stats = pstats.Stats(profile)
             stats.sort_stats("tottime").print_stats(22)
             stats.sort_stats("cumulative").print_stats("flashoverlap", 25)

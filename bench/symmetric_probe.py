@@ -13,6 +13,11 @@ CTA policy ZERO: all-to-all / all-gather on the copy engines, the GEMM on every 
 same through NCCL's C API: ncclAlltoAll, which c10d may not call for all_to_all_single). All-gather is
 there because on two ranks it moves as many bytes as an all-reduce (each rank receives the other's
 whole partial sum), so an all-reduce could be an all-gather on the copy engines plus one add.
+For all-gather also pull / push (no NCCL): each chunk copied with cudaMemcpyAsync from the other
+ranks' send buffers / into their receive buffers (torch symmetric memory maps them), so the copy
+engines' own pace beside the GEMM shows apart from NCCL's copy-engine path (stop 22: ~20 % of its
+bandwidth while the GEMM runs); pull2d: pulls as cudaMemcpy2DAsync of 4 KB rows 8 KB apart (half
+the bytes). The ranks do not synchronise there: what arrives is not checked.
 
     torchrun --nproc-per-node 2 bench/symmetric_probe.py [--shape 4096x8192x8192] [--budgets 4 8 16]
 NCCL_DEBUG=INFO NCCL_DEBUG_SUBSYS=TUNING shows which kernel NCCL picked ("[Symmetric]: ... Kernel").
@@ -28,7 +33,7 @@ import sys
 import torch
 import torch.distributed as dist
 
-from flashoverlap import comm
+from flashoverlap import comm, jit
 from flashoverlap.bench import kernel_alone, parse_shape, time_variants
 from flashoverlap.config import OverlapConfig, for_collective
 from flashoverlap.overlap import prepare
@@ -48,6 +53,39 @@ def buffers(numel: int, dtype: torch.dtype, group, symmetric: bool) -> tuple[tor
     send, recv = alloc((numel,)), alloc((numel * world,))
     send.copy_(torch.randn(numel, device="cuda"))
     return send, recv
+
+
+class Peers:
+    """Every rank's send and receive buffers (torch symmetric memory), for plain copies between them."""
+
+    def __init__(self, numel: int, dtype: torch.dtype) -> None:
+        import torch.distributed._symmetric_memory as symm_mem
+
+        world, name = dist.get_world_size(), dist.group.WORLD.group_name
+        self.send = symm_mem.empty(numel, dtype=dtype, device="cuda").copy_(torch.randn(numel, device="cuda"))
+        self.recv = symm_mem.empty(numel * world, dtype=dtype, device="cuda")
+        send, recv = symm_mem.rendezvous(self.send, name), symm_mem.rendezvous(self.recv, name)
+        self.sends = [send.get_buffer(r, (numel,), dtype) for r in range(world)]
+        self.recvs = [recv.get_buffer(r, (numel * world,), dtype) for r in range(world)]
+
+    def all_gather(self, mode: str) -> None:
+        """Each chunk, rank by rank: pulled from the other ranks' send buffers into this rank's
+        receive buffer, or pushed from this one's into theirs (``mode``: pull, push, pull2d)."""
+        me, world = dist.get_rank(), dist.get_world_size()
+        chunk = self.send.numel() // CHUNKS
+        stream = torch.cuda.current_stream().cuda_stream
+        for c in range(CHUNKS):
+            for r in range(world):
+                if r == me:
+                    continue
+                src, dst, at = (self.send, self.recvs[r], me) if mode == "push" else (self.sends[r], self.recv, r)
+                into = dst.view(world, -1)[at][c * chunk : (c + 1) * chunk]
+                part = src[c * chunk : (c + 1) * chunk]
+                if mode == "pull2d":  # 4 KB of every 8 KB: a strided copy
+                    rows = into.numel() * into.element_size() // 8192
+                    jit.runtime_library().fo_copy_2d(into.data_ptr(), 8192, part.data_ptr(), 8192, 4096, rows, stream)
+                else:
+                    into.copy_(part)
 
 
 def chunked(collective: str, send: torch.Tensor, recv: torch.Tensor, group) -> None:
@@ -99,12 +137,29 @@ def main() -> int:
         runs = [(mode, c) for c in args.budgets for mode in ("ring", "symm")]
         if collective in ("all_to_all", "all_gather"):
             runs += [("ce", 0), ("ce_direct", 0)]
+        if collective == "all_gather":
+            runs += [("pull", 0), ("push", 0), ("pull2d", 0)]
         for mode, ctas in runs:
+            gemm = gemms[f"gemm{ctas}"]
+            if mode in ("pull", "push", "pull2d"):
+                peers = Peers(m * n, dtype)
+
+                def copies(i, with_gemm, peers=peers, mode=mode, gemm=gemm):
+                    caller = torch.cuda.current_stream()
+                    side.wait_stream(caller)
+                    if with_gemm:
+                        gemm(i)
+                    with torch.cuda.stream(side):
+                        peers.all_gather(mode)
+                    caller.wait_stream(side)
+
+                variants[f"{collective}:{mode}"] = functools.partial(copies, with_gemm=False)
+                variants[f"{collective}:both_{mode}"] = functools.partial(copies, with_gemm=True)
+                continue
             group = comm.budget_group(dist.group.WORLD, ctas, copy_engine=mode.startswith("ce"))
             send, recv = buffers(m * n, dtype, group, mode != "ring")
             if mode.endswith("direct"):
                 group = comm.Direct(group, torch.device("cuda", local))
-            gemm = gemms[f"gemm{ctas}"]
 
             # the chunks always on the side stream, as in an overlapped call: NCCL's copy-engine
             # collectives (cudaMemcpyBatchAsync) reject torch's default stream, the legacy one

@@ -58,7 +58,11 @@ class OverlapConfig:
       group) or ``local``: each group is all-gathered (with ``symmetric``, on the copy engines, so
       ``comm_sms`` can be 0) and each group's partial sums are added as soon as they arrive, on the
       SMs ``comm_sms`` leaves (a few suffice; with 0, as the GEMM retires). Moves as many bytes as
-      an all-reduce on 2 ranks, world / 2 times more beyond.
+      an all-reduce on 2 ranks, world / 2 times more beyond. Or ``pull``: as ``local``, but each
+      rank copies the other ranks' partial sums of a group out of their memory on the copy engines
+      (CUDA peer access through torch symmetric memory, no NCCL, no SM: comm.peer), which keep
+      their pace beside a GEMM on every SM where NCCL's copy-engine all-gather does not; ranks with
+      peer access only (NVLink or PCIe P2P), layout ``rows``, no NCCL window (``symmetric``).
     """
 
     tile_m: int = 128
@@ -150,6 +154,11 @@ def _problems(cfg: OverlapConfig) -> list[str]:
         )
     if cfg.reduction not in REDUCTIONS:
         problems.append(f"reduction must be one of {list(REDUCTIONS)}, got {cfg.reduction!r}")
+    elif cfg.reduction == "pull" and (cfg.symmetric or cfg.layout not in ("rows", "auto")):
+        problems.append(
+            "reduction 'pull' brings its own memory every rank maps and adds into the result's row bands: "
+            f"layout 'rows' (or auto) without symmetric, got layout {cfg.layout!r}, symmetric {cfg.symmetric!r}"
+        )
     for name in ("sequential", "symmetric", "late_budget"):
         if not isinstance(getattr(cfg, name), bool):
             problems.append(f"{name} must be true or false, got {getattr(cfg, name)!r}")
@@ -182,8 +191,10 @@ def for_collective(cfg: OverlapConfig, collective: str) -> OverlapConfig:
             f"epilogue 'tma' stores whole rows of a row-major buffer: layout 'rows' or 'segments', "
             f"got layout {layout!r}"
         )
-    if cfg.reduction == "local" and collective != "all_reduce":
-        raise ValueError(f"reduction 'local' is for all_reduce (partial sums gathered, then added), not {collective}")
+    if cfg.reduction != "nccl" and collective != "all_reduce":
+        raise ValueError(
+            f"reduction {cfg.reduction!r} is for all_reduce (partial sums gathered, then added), not {collective}"
+        )
     return dataclasses.replace(cfg, layout=layout)
 
 

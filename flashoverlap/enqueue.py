@@ -28,7 +28,7 @@ from . import jit
 # its ctypes argument types (:func:`signature`), those the Python path calls it with.
 SIGNATURES = (
     "pp",  # fo_record_event, fo_wait_event
-    "pup",  # fo_stream_wait
+    "pup",  # fo_stream_wait, fo_write_value
     "pnp",  # fo_zero
     "pnpnnnp",  # fo_copy_2d
     "punpip",  # fo_spin_wait
@@ -38,6 +38,7 @@ SIGNATURES = (
     "",  # ncclGroupStart, ncclGroupEnd
     "p" * 6 + "i" * 13 + "p",  # fo_run (a signal GEMM, csrc/launcher.cuh)
     "ppp" + "i" * 7 + "p",  # fo_restore
+    "pppnip",  # fo_add
 )
 _INDEX = {sig: i for i, sig in enumerate(SIGNATURES)}
 _KINDS = {ctypes.c_void_p: "p", ctypes.c_uint: "u", ctypes.c_int: "i", ctypes.c_size_t: "n", ctypes.c_ulonglong: "n"}

@@ -364,6 +364,11 @@ def run_overlapped(
         return fresh[-1]
 
     window = None
+    peers = group if isinstance(group, comm.Peers) else None
+    if peers is not None and plan.num_groups > comm.peer.MAX_GROUPS:
+        raise ValueError(
+            f"reduction 'pull' orders at most {comm.peer.MAX_GROUPS} groups per call, this plan has {plan.num_groups}"
+        )
     if prep.symmetric:
         groups = tuple(comm.process_group(g) for g in (group, tail_group or group))
         if groups not in _windows:
@@ -380,11 +385,17 @@ def run_overlapped(
         out, buffer, recv = views
         result = alloc((ex.rows, plan.n))
     else:
-        out, buffer, recv = comm.buffers(ex, plan, alloc)
+        shared = None
+        if peers is not None:  # the GEMM's buffer in memory every rank maps, the same for every call
+            region, shared = prep.window_views.get(ex, (None, None))
+            if region is None or region is not peers.memory:
+                shared = peers.buffer(plan.numel, a.dtype)  # may grow the memory
+                prep.window_views[ex] = (peers.memory, shared)
+        out, buffer, recv = comm.buffers(ex, plan, alloc, shared)
         result = out
     timeout = signal.debug_timeout()
     tensors = (a, weight, *fresh)
-    key = replay_key(prep, ex, (group, tail_group), caller, window, timeout)
+    key = replay_key(prep, ex, (group, tail_group), caller, window or peers, timeout)
     known = key is not None and key in prep.programs
     program = prep.programs[key] if known else None
     if program:
@@ -414,14 +425,15 @@ def replay_key(
     timeout: float | None,
 ) -> tuple | None:
     """What the native replay of a call from ``caller`` with ``groups`` = (group, tail_group) is
-    kept under in ``prep.programs`` (flashoverlap.enqueue), None where the call is enqueued from
-    Python: collectives through c10d (its own Python and C++ work per call), debug mode (its
-    report), a CUDA graph being captured (a capture records what the host does once anyway), or
-    ``FLASHOVERLAP_REPLAY=0``. (Calls with a torch operation among their steps, a ``local``
-    all-reduce's adds or the ``rows`` layout's own segment, mark their tape unusable themselves:
-    enqueue.opaque.)"""
+    kept under in ``prep.programs`` (flashoverlap.enqueue; ``window``: its NCCL window, or a ``pull``
+    all-reduce's comm.Peers), None where the call is enqueued from Python: collectives through c10d
+    (its own Python and C++ work per call), debug mode (its report), a CUDA graph being captured (a
+    capture records what the host does once anyway), or ``FLASHOVERLAP_REPLAY=0``. (Calls with a
+    torch operation among their steps, a ``local`` all-reduce's sum over more than two ranks, a copy
+    whose pitch cudaMemcpy2DAsync refuses, mark their tape unusable themselves: enqueue.opaque.)"""
     group, tail_group = groups
-    if not (isinstance(group, comm.Direct) and isinstance(tail_group or group, comm.Direct)):
+    native = (comm.Direct, comm.Peers)
+    if not (isinstance(group, native) and isinstance(tail_group or group, native)):
         return None
     if timeout is not None or torch.cuda.is_current_stream_capturing() or os.environ.get("FLASHOVERLAP_REPLAY") == "0":
         return None
@@ -468,9 +480,14 @@ def _enqueue(
         prep.group_done = [torch.cuda.Event() for _ in prep.targets]
         prep.gemm_done = torch.cuda.Event()
 
+    peers = group if isinstance(group, comm.Peers) else None
+    own = None if peers is None or peers.own_row else peers.rank  # (comm.finish_group)
     if window is not None:
         window.acquire(caller)
     join(stream, caller, device)  # operands ready; earlier users of the buffers done
+    if peers is not None:  # the other ranks done with the previous call's buffer
+        with _On(stream, caller):
+            peers.claim()
     join(caller, stream, device)  # a call from another stream may not have reset the counters yet
     prep.launch(a, weight, buffer, caller)
     if copy_out:
@@ -492,7 +509,7 @@ def _enqueue(
             # as it retires), enqueued with its collective so that a slow host cannot hold it back
             enqueue.wait(finisher, prep.group_done[g])
             with _On(finisher, caller):
-                comm.finish_group(ex, plan, g, buffer, recv, result)
+                comm.finish_group(ex, plan, g, buffer, recv, result, own)
     if copy_out:
         enqueue.wait(finisher, prep.gemm_done)
         with _On(finisher, caller):
@@ -501,6 +518,9 @@ def _enqueue(
                 comm.copy_2d(*(comm.landed(ex, plan, g, t).view(-1, plan.n) for t in (result, out)))
     if apart:  # the stream saw all but the last counter
         join(stream, caller, device)
+    if peers is not None:  # (every group on `stream`: comm.tail_apart)
+        with _On(stream, caller):
+            peers.copied()
     signal.reset(prep.counters, stream)  # stream-ordered: the next call's GEMM waits for it through `caller`
     # The caller's stream waits for the side streams, so the buffers of this call (allocated on it,
     # freed on return) are safe to reuse on it without record_stream.
@@ -714,6 +734,7 @@ def _decide(
         _say(ex, shape, a.dtype, group, f"sequential: {why}")
         return Decision(ex)
 
+    full = group if group is not None else dist.group.WORLD
     backend = comm.cuda_backend(group)
     p2p = backend == "nccl"  # gloo carries CUDA tensors in collectives, not point to point
     if explicit is not None and not p2p and comm.comm_pattern(collective, explicit.layout) == "exchange":
@@ -733,6 +754,10 @@ def _decide(
         # (two H200s, P2P off: 3.4x "faster" than sequential, over NVLink). Without peer access NCCL
         # registers nothing anyway: no window either way.
         cfg = without_window(cfg)
+    if cfg.reduction == "pull" and (why := comm.peer.unavailable(full, a.device)):
+        if explicit is not None:
+            raise ValueError(f"reduction 'pull' copies between the GPUs' memories: {why}; use 'nccl' or 'local'")
+        cfg = without_pull(cfg)  # a tuned entry (or the nearest one) where its pulls cannot run
     source = (
         "your config"
         if explicit is not None
@@ -781,12 +806,11 @@ def _decide(
         if other is not None and (other_prep := planned(other)).plan.num_groups > 1:
             candidates.append(other)
             preps.append(other_prep)
-        full = group if group is not None else dist.group.WORLD
         for c, prep in zip(candidates, preps):
             call = (collective, "ragged" if ex.ragged else m, n, k, a.dtype, weight_layout, a.device.index, c)
             check_agreement(prep, collective, full, ex, call)
         budgets = [budget_communicator(c, collective, full, a.device) for c in candidates]
-        tail = comm.tail_group(full, a.device)
+        tail = None if cfg.reduction == "pull" else comm.tail_group(full, a.device)  # (pull: no NCCL)
         pick = 0
         if timed:
             pick = trial(candidates, preps, budgets, a, weight, weight_layout, ex, tail, full, shape[0], found is None)
@@ -807,6 +831,11 @@ def _decide(
 @functools.lru_cache(maxsize=256)  # calls without NVLink ask every time (a replace() validates)
 def without_window(cfg: OverlapConfig) -> OverlapConfig:
     return dataclasses.replace(cfg, symmetric=False)
+
+
+@functools.lru_cache(maxsize=256)
+def without_pull(cfg: OverlapConfig) -> OverlapConfig:
+    return dataclasses.replace(cfg, reduction="nccl")
 
 
 FEWEST_COMM_SMS = 4  # NCCL's CTAs beside an Ampere/Ada GEMM when a call without config= times fewer
@@ -959,10 +988,13 @@ def trial(
 
 def budget_communicator(
     cfg: OverlapConfig, collective: str, full: dist.ProcessGroup, device: torch.device
-) -> dist.ProcessGroup | comm.Direct:
+) -> dist.ProcessGroup | comm.Direct | comm.Peers:
     """The communicator of an overlapped call's groups during the GEMM: ``full``'s ranks capped at
     ``cfg.comm_sms`` CTAs (the copy engines where ``cfg``'s symmetric collectives can use them),
-    through NCCL's C API under ``FLASHOVERLAP_NCCL=direct`` (comm.direct)."""
+    through NCCL's C API under ``FLASHOVERLAP_NCCL=direct`` (comm.direct); for a ``pull``
+    all-reduce, the ranks' mapped memory (comm.peer), no NCCL."""
+    if cfg.reduction == "pull":
+        return comm.peer.peers(full, device)
     copy_engine = cfg.symmetric and comm.comm_pattern(collective, cfg.layout, cfg.reduction) in comm.COPY_ENGINE
     return comm.direct(comm.budget_group(full, cfg.comm_sms, copy_engine=copy_engine), device)
 

@@ -278,6 +278,10 @@ DEFAULT_CANDIDATES = {
         {"tile_n": 128},
         {"swizzle": 4},
         {"scheduler": "streamk"},
+        # partial sums copied out of the other GPU's memory (comm.peer): no SM for the copies, a few
+        # for the adds (two H100s, 4096x8192x8192: 1.23x against 1.16x for the registry's, stop 29)
+        {"reduction": "pull", "comm_sms": 4},
+        {"reduction": "pull", "comm_sms": 0},
     ),
     "reduce_scatter": (
         {},
@@ -416,15 +420,20 @@ def _fit_sizes(label: str, make, rounds: int) -> CommModel:
 
 @functools.cache
 def _comm_model(pattern: str, comm_sms: int, dtype, rounds: int, symmetric: bool = False) -> CommModel:
-    """Time by size of a collective (or ``exchange`` / ``all_gather``, see :func:`comm.comm_pattern`)
-    on the whole world: on the communicator an overlapped call uses while its GEMM runs, NCCL held
-    to ``comm_sms`` SMs (0 without ``symmetric``: the default communicator, as for the last
-    group), buffers in a symmetric window where ``symmetric`` (all-to-all and all-gather then on
-    the copy engines, as the runtime does). The same for every shape, so measured once per run."""
+    """Time by size of a collective (or ``exchange`` / ``all_gather`` / ``pull``, see
+    :func:`comm.comm_pattern`) on the whole world: on the communicator an overlapped call uses while
+    its GEMM runs, NCCL held to ``comm_sms`` SMs (0 without ``symmetric``: the default communicator,
+    as for the last group), buffers in a symmetric window where ``symmetric`` (all-to-all and
+    all-gather then on the copy engines, as the runtime does); ``pull``: the other ranks' partial
+    sums copied out of their memory as each says they are there (comm.peer: no NCCL, no SM, whatever
+    ``comm_sms``). The same for every shape, so measured once per run."""
     import torch
     import torch.distributed as dist
 
     from . import comm
+
+    if pattern == "pull":
+        return _fit_sizes("pull", _pulls(dtype), rounds)
 
     group = comm.budget_group(dist.group.WORLD, comm_sms, copy_engine=symmetric and pattern in comm.COPY_ENGINE)
     world, me, elem = dist.get_world_size(), dist.get_rank(), torch.finfo(dtype).bits // 8
@@ -458,6 +467,30 @@ def _comm_model(pattern: str, comm_sms: int, dtype, rounds: int, symmetric: bool
         return (lambda i: comm.collective(ex, data, group, into[: ex.rows])), rows * 1024 * elem
 
     return _fit_sizes(f"{pattern}{' symmetric' if symmetric else ''}", make, rounds)
+
+
+def _pulls(dtype):
+    """``make(mb)`` for :func:`_fit_sizes`: the copies a ``pull`` all-reduce makes of one group of
+    that size, with the flags that order them (comm.peer.Peers.arrivals), in memory of its own."""
+    import torch
+    import torch.distributed as dist
+
+    from . import comm
+
+    device, elem = torch.device("cuda", torch.cuda.current_device()), torch.finfo(dtype).bits // 8
+
+    def make(mb: int):
+        peers = comm.peer.Peers(dist.group.WORLD, device)  # (collective: every rank makes the same sizes)
+        chunk = peers.buffer((mb << 20) // elem, dtype).copy_(torch.randn((mb << 20) // elem, device=device))
+        into = torch.empty(peers.world, chunk.numel(), dtype=dtype, device=device)
+
+        def pull(i: int) -> None:
+            for r, theirs in peers.arrivals(0, chunk):
+                comm.copy_2d(into[r].view(1, -1), theirs.view(1, -1))
+
+        return pull, chunk.numel() * elem
+
+    return make
 
 
 def _fitted(model, *args) -> CommModel | None:
@@ -558,8 +591,8 @@ def tune_shape(
         problems.append(
             Problem(sent, per_wave_ms, *comm_models, host, kept, local, start_wave=prep.plan.after, tail_apart=apart)
         )
-        if pattern == "all_gather":
-            problems[-1] = with_local_adds(problems[-1], _local_model(pattern, dtype, rounds), cfg.comm_sms)
+        if pattern in ("all_gather", "pull"):  # the gathered partial sums added
+            problems[-1] = with_local_adds(problems[-1], _local_model("all_gather", dtype, rounds), cfg.comm_sms)
         choices.append((choose(problems[-1], sequential_ms, margin), j))
     if not choices:
         raise RuntimeError(f"{m}x{n}x{k}: no candidate could be modelled (see the messages above)")
@@ -707,7 +740,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     import torch
     import torch.distributed as dist
 
-    from . import bench
+    from . import bench, comm
     from .config import cli_config, resolutions, resolve
 
     parser = argparse.ArgumentParser(
@@ -761,9 +794,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     if not shapes:
         parser.error("give --shapes and/or --shapes-file")
     candidates = args.candidates or list(DEFAULT_CANDIDATES[args.collective])
-    if args.transport != "nvlink":  # P2P disabled: calls run without windows (overlap.decide)
-        candidates = [c for c in candidates if not c.get("symmetric")] or parser.error(
-            "symmetric windows need peer access: with P2P disabled the candidates must not all be symmetric"
+    if args.transport != "nvlink":  # P2P disabled: calls run without windows nor pulls (overlap.decide)
+        candidates = [c for c in candidates if not c.get("symmetric") and c.get("reduction") != "pull"] or parser.error(
+            "symmetric windows and pulls need peer access: with P2P disabled some candidate must use neither"
         )
     for candidate in candidates:  # before any process group or GPU work
         try:
@@ -778,6 +811,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     torch.cuda.set_device(local_rank)
     dist.init_process_group("nccl", device_id=torch.device("cuda", local_rank))
     try:
+        pulls = [c for c in candidates if c.get("reduction") == "pull"]
+        if pulls and (why := comm.peer.unavailable(dist.group.WORLD, torch.device("cuda", local_rank))):
+            _progress(f"{len(pulls)} pull candidate(s) dropped: {why}")
+            candidates = [c for c in candidates if c not in pulls] or parser.error("no candidate left")
         dtype = getattr(torch, args.dtype)
         entries, rows = [], []
         for i, shape in enumerate(shapes):

@@ -30,6 +30,15 @@ def no_host_sync():
         torch.cuda.set_sync_debug_mode("default")
 
 
+def count_replays() -> list:
+    """A list that grows by one for each native replay of a call in this process (enqueue.Program)."""
+    from flashoverlap import enqueue
+
+    replays, replay = [], enqueue.Program.replay
+    enqueue.Program.replay = lambda self, values: replays.append(1) or replay(self, values)
+    return replays
+
+
 def random_partition(rng: np.random.Generator, num_waves: int) -> tuple[int, ...]:
     """A random composition of ``num_waves`` into positive group sizes."""
     cuts = sorted(rng.choice(np.arange(1, num_waves), size=int(rng.integers(0, num_waves)), replace=False).tolist())

@@ -45,6 +45,7 @@ CONFIGS = {
         {"swizzle": 4},
         {"symmetric": True},
         {"reduction": "local", "symmetric": True, "comm_sms": 0},
+        {"reduction": "pull", "comm_sms": 4},  # copies out of the other ranks' memory (not on a shared GPU)
     ],
     "reduce_scatter": [
         {},
@@ -95,6 +96,12 @@ def settled_allocated(groups: list) -> int:
     return torch.cuda.memory_allocated() - plans
 
 
+def point_to_point(collective: str, cfg: dict) -> bool:
+    """Whether ``cfg`` moves data point to point (gloo cannot for CUDA tensors) or between mapped GPU
+    memories (not between ranks of one GPU): ``rows`` reduce-scatter / all-to-all, a ``pull`` all-reduce."""
+    return collective != "all_reduce" and cfg.get("layout") == "rows" or cfg.get("reduction") == "pull"
+
+
 def random_shape(rng: np.random.Generator, world: int) -> tuple[int, int, int]:
     # half of them in segments of whole 256-row bands, which the rows and segments layouts of
     # reduce-scatter / all-to-all need (the others run them as the defaults)
@@ -135,8 +142,7 @@ def main() -> int:
         c: [
             cfg
             for cfg in cfgs
-            if runs_on_this_gpu(OverlapConfig(**cfg), c)
-            and not (args.shared_gpu and c != "all_reduce" and cfg.get("layout") == "rows")
+            if runs_on_this_gpu(OverlapConfig(**cfg), c) and not (args.shared_gpu and point_to_point(c, cfg))
         ]
         for c, cfgs in CONFIGS.items()
     }

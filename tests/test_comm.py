@@ -138,7 +138,8 @@ def test_only_a_uniform_all_to_all_takes_the_equal_split_path(monkeypatch):
             {"splits": [5, 5], "output_splits": [5, 2], "rows_per_rank": [10]},
             "rows_per_rank must be 2",
         ),
-        (("all_to_all", 10, 2), {"reduction": "local"}, "reduction must be 'nccl', or 'local' for all_reduce"),
+        (("all_to_all", 10, 2), {"reduction": "local"}, "reduction must be 'nccl', or 'local' / 'pull' for all_reduce"),
+        (("reduce_scatter", 10, 2), {"reduction": "pull"}, "reduction must be 'nccl', or 'local' / 'pull'"),
         (("all_reduce", 10, 2), {"reduction": "tree"}, "reduction must be"),
     ],
 )
@@ -195,6 +196,7 @@ def test_where_each_layout_leaves_its_result():
         return make_plan(1024, 256, tile_m=128, tile_n=128, cluster_m=1, ctas=4, layout=layout, interleave=segments)
 
     ar, local = exchange("all_reduce", 1024, 2), exchange("all_reduce", 1024, 2, reduction="local")
+    pull = exchange("all_reduce", 1024, 2, reduction="pull")
     rs, a2a = exchange("reduce_scatter", 1024, 2), exchange("all_to_all", 1024, 2)
     cases = {  # (exchange, layout): (finishes, lands in out)
         (ar, "rows"): (False, True),
@@ -202,6 +204,7 @@ def test_where_each_layout_leaves_its_result():
         (ar, "cols"): (True, False),
         (local, "rows"): (True, False),
         (local, "tiles"): (True, False),
+        (pull, "rows"): (True, False),
         (rs, "rows"): (False, True),
         (rs, "cols"): (True, False),
         (rs, "segments"): (False, True),
@@ -211,9 +214,29 @@ def test_where_each_layout_leaves_its_result():
         p = plan(layout, interleave(ex, layout))
         assert (finishes(ex, p), lands_in_out(ex, p)) == expected, (ex.collective, ex.reduction, layout)
         # the last group's collective may run beside the others' but where its own-segment step
-        # reads what they received (the rows layout's exchange)
-        exchange_rows = layout == "rows" and ex.collective != "all_reduce"
-        assert tail_apart(ex.collective, layout, ex.reduction) is not exchange_rows
+        # reads what they received (the rows layout's exchange), and where there is no NCCL (pull)
+        alone = layout == "rows" and ex.collective != "all_reduce" or ex.reduction == "pull"
+        assert tail_apart(ex.collective, layout, ex.reduction) is not alone
+
+
+def test_a_pull_all_reduce_gathers_into_its_own_buffers():
+    """``pull``: every rank's partial sums gathered as ``local`` does, but the GEMM writes a buffer
+    of its own (given: memory the ranks map), never the result, which the adds write while the
+    other ranks still read the buffer."""
+    from flashoverlap.comm import buffers, comm_pattern
+    from flashoverlap.plan import make_plan
+
+    plan = make_plan(1024, 256, tile_m=128, tile_n=128, cluster_m=1, ctas=4, layout="rows")
+    assert plan.in_place
+    ex = exchange("all_reduce", 1024, 3, reduction="pull")
+    assert ex.recv == (1024,) * 3 and comm_pattern("all_reduce", "rows", "pull") == "pull"
+    shared = torch.empty(plan.numel)
+    out, buffer, recv = buffers(ex, plan, torch.empty, shared)
+    assert buffer is shared and recv.numel() == 3 * plan.numel
+    out, buffer, _ = buffers(ex, plan, torch.empty)
+    assert buffer.data_ptr() != out.data_ptr()
+    local_out, local_buffer, _ = buffers(exchange("all_reduce", 1024, 3, reduction="local"), plan, torch.empty)
+    assert local_buffer.data_ptr() == local_out.data_ptr()  # local: the GEMM writes the result in place
 
 
 def test_landed_ranges_cover_the_result_once():
@@ -243,3 +266,22 @@ def test_landed_ranges_cover_the_result_once():
         for part in parts:
             part += 1
         assert (out == 1).all(), (ex.collective, layout)
+
+
+def test_a_pull_all_reduce_of_two_ranks_adds_its_own_partial_sums_from_its_buffer():
+    """Two ranks: this rank's row of the gathered partial sums stays empty (copying it beside the GEMM
+    is slow); the add reads the buffer instead, and gives what the row would have."""
+    from flashoverlap.comm import buffers, finish_group
+    from flashoverlap.plan import make_plan
+
+    plan = make_plan(512, 256, tile_m=128, tile_n=128, cluster_m=1, ctas=2, layout="rows")
+    ex = exchange("all_reduce", 512, 2, reduction="pull")
+    for own in (0, 1):
+        out, buffer, recv = buffers(ex, plan, lambda shape: torch.full(shape, float("nan"), dtype=torch.bfloat16))
+        buffer.copy_(torch.randn(plan.numel))
+        theirs = torch.randn(plan.numel).to(torch.bfloat16)
+        for g in range(plan.num_groups):
+            lo, hi = plan.bounds[g], plan.bounds[g + 1]
+            recv[2 * lo : 2 * hi].view(2, -1)[1 - own] = theirs[lo:hi]  # the other rank's, pulled
+            finish_group(ex, plan, g, buffer, recv, out, own)
+        assert torch.equal(out.view(-1), buffer + theirs)

@@ -55,6 +55,9 @@ def test_auto_layout_epilogue_kernel_and_tile_k_follow_collective_and_device():
         for_collective(OverlapConfig(epilogue="tma"), "all_to_all")
     with pytest.raises(ValueError, match="reduction 'local' is for all_reduce"):
         for_collective(OverlapConfig(reduction="local"), "reduce_scatter")
+    with pytest.raises(ValueError, match="reduction 'pull' is for all_reduce"):
+        for_collective(OverlapConfig(reduction="pull"), "all_to_all")
+    assert for_collective(OverlapConfig(reduction="pull"), "all_reduce").layout == "rows"
     with pytest.raises(ValueError, match="the sm90 kernels need a Hopper GPU"):
         for_device(OverlapConfig(kernel="sm90", layout="rows"), ADA)
     with pytest.raises(ValueError, match=r"no flashoverlap kernels for sm_120"):
@@ -85,6 +88,8 @@ def test_auto_layout_epilogue_kernel_and_tile_k_follow_collective_and_device():
         ({"sequential": "yes"}, "sequential must be true or false"),
         ({"symmetric": 1}, "symmetric must be true or false"),
         ({"reduction": "ring"}, "reduction must be one of"),
+        ({"reduction": "pull", "layout": "tiles"}, "reduction 'pull' brings its own memory .* got layout 'tiles'"),
+        ({"reduction": "pull", "symmetric": True}, "reduction 'pull' .* symmetric True"),
         ({"epilogue": "smem"}, "epilogue must be one of"),
         ({"scheduler": "static"}, r"scheduler 'static' not in"),
         ({"epilogue": "tma", "layout": "tiles"}, "layout 'rows' or 'segments'"),

@@ -97,6 +97,8 @@ def test_the_native_replay_substitutes_each_call_s_values(tmp_path, monkeypatch)
             "fo_spin_wait",
             "fo_record_event",
             "fo_wait_event",
+            "fo_add",
+            "fo_write_value",
         }
         assert set(calls) == noted | {"fo_replay"}
         assert all(enqueue.signature(getattr(lib, n).argtypes) in enqueue.SIGNATURES for n in noted)

@@ -180,25 +180,30 @@ def nccl_one_rank():
         ("all_to_all", "segments", "nccl"),
         ("all_reduce", "rows", "local"),
         ("all_reduce", "tiles", "local"),
+        ("all_reduce", "rows", "pull"),
     ],
 )
 def test_pipeline_on_one_gpu(nccl_one_rank, monkeypatch, mode, symmetric, nccl, collective, layout, reduction):
     """The whole overlapped call (waits, NCCL per group, reset, restore) on a group of one rank;
     ``symmetric``: in a registered NCCL window, the result copied out; ``nccl``: the collectives
-    through c10d or NCCL's C API (comm.direct); ``reduction`` local: all-gathered, then added.
+    through c10d or NCCL's C API (comm.direct); ``reduction`` local: all-gathered, then added; pull:
+    the same by copies out of the ranks' memory (comm.peer: no NCCL, so native on either path).
     Four calls on new operands: through NCCL's C API the third and fourth are replayed natively
-    where every step is a native call (not a ``local`` all-reduce's adds, nor the ``rows``
-    layout's own segment: torch operations; overlap.replay_key)."""
+    (every step of every layout is a native call on one rank; overlap.replay_key)."""
     replays = []
     replay = enqueue.Program.replay
     monkeypatch.setattr(enqueue.Program, "replay", lambda self, values: replays.append(1) or replay(self, values))
-    native = nccl == "direct" and reduction == "nccl" and (collective == "all_reduce" or layout != "rows")
+    if reduction == "pull" and symmetric:
+        pytest.skip("reduction 'pull' brings its own memory (no NCCL window)")
+    native = nccl == "direct" or reduction == "pull"
     monkeypatch.setenv("FLASHOVERLAP_WAIT", mode)
     monkeypatch.setenv("FLASHOVERLAP_NCCL", nccl)
     signal.forget_probes()
     group = comm.direct(comm.budget_group(dist.group.WORLD, 16), torch.device("cuda", 0))
     tail = comm.tail_group(dist.group.WORLD, torch.device("cuda", 0))  # direct: a private communicator
     assert isinstance(group, comm.Direct) == isinstance(tail, comm.Direct) == (nccl == "direct")
+    if reduction == "pull":
+        group, tail = comm.peer.peers(dist.group.WORLD, torch.device("cuda", 0)), None
     try:
         cfg = for_collective(OverlapConfig(layout=layout, symmetric=symmetric, reduction=reduction), collective)
         for m, n, k in [(2048, 4096, 1024), (777, 1032, 264)]:
@@ -331,6 +336,7 @@ def test_debug_mode_reports_a_group_that_never_completes(nccl_one_rank, monkeypa
         ("all_to_all", "cols", False, "nccl"),
         ("all_reduce", "rows", True, "nccl"),
         ("all_reduce", "rows", True, "local"),  # the adds' own stream joins the capture
+        ("all_reduce", "rows", False, "pull"),  # the flags' writes and waits captured
     ],
 )
 def test_cuda_graph_capture_and_replay(nccl_one_rank, collective, layout, symmetric, reduction):
@@ -341,14 +347,15 @@ def test_cuda_graph_capture_and_replay(nccl_one_rank, collective, layout, symmet
     a, w, _ = operands(m, n, k, torch.bfloat16, "nk", seed=3)
     prep = prepare(m, n, k, torch.bfloat16, "nk", a.device, cfg)
     ex = comm.exchange(collective, m, 1, reduction=reduction)
+    group = comm.peer.peers(dist.group.WORLD, a.device) if reduction == "pull" else None
     side = torch.cuda.Stream()
     side.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(side):  # warm-up outside the capture, as CUDA graphs require
-        run_overlapped(prep, a, w, ex, None)
+        run_overlapped(prep, a, w, ex, group)
     torch.cuda.current_stream().wait_stream(side)
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
-        out = run_overlapped(prep, a, w, ex, None)
+        out = run_overlapped(prep, a, w, ex, group)
     try:
         for seed in (4, 5):
             fresh_a, fresh_w, ref = operands(m, n, k, torch.bfloat16, "nk", seed=seed)
@@ -393,6 +400,21 @@ def test_a_captured_wait_is_a_stream_wait_that_holds(monkeypatch):
         assert flag.item() == 2
     finally:
         signal.forget_probes()
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_native_adds_equal_torch_s_bit_for_bit(dtype):
+    """comm.add (csrc/runtime.cu fo_add, the partial sums' adds): torch's add bit for bit, in 16-byte
+    vectors or element by element (unaligned starts, lengths not a multiple of 8), in place too."""
+    flat = torch.randn(3, 1 << 20, device="cuda").to(dtype)
+    for offset, n in [(0, 1 << 20), (0, 1000003), (3, 12345), (8, 7), (1, 1), (0, 0)]:
+        a, b = flat[0, offset : offset + n], flat[1, offset : offset + n]
+        out = flat[2, offset : offset + n].fill_(float("nan"))
+        comm.add(out, a, b)
+        assert torch.equal(out, a + b), (offset, n)
+        expected = a + b
+        comm.add(a, a, b)
+        assert torch.equal(a, expected), (offset, n)
 
 
 def test_plan_cache_is_bounded(monkeypatch):

@@ -11,7 +11,7 @@ import torch
 import torch.distributed as dist
 
 import flashoverlap
-from flashoverlap import overlap
+from flashoverlap import comm, overlap
 from flashoverlap.overlap import check_inputs
 from flashoverlap.registry import Found
 
@@ -290,6 +290,14 @@ def test_no_window_where_p2p_is_disabled(one_rank_group, monkeypatch, p2p_disabl
     monkeypatch.setattr(overlap, "budget_communicator", lambda *args: None)
     chosen = overlap.decide(bf16(4096, 64), bf16(8192, 64), "all_reduce", config={"symmetric": True})
     assert chosen.config.symmetric is not p2p_disabled
+    # a pull all-reduce copies between the GPUs' memories: refused, not run over NVLink behind the transport's back
+    if p2p_disabled:
+        with pytest.raises(ValueError, match="reduction 'pull' copies between the GPUs' memories: NCCL_P2P_DISABLE"):
+            overlap.decide(bf16(4096, 64), bf16(8192, 64), "all_reduce", config={"reduction": "pull"})
+    else:
+        monkeypatch.setattr(comm.peer, "unavailable", lambda group, device: None)  # (the test's group is gloo's)
+        chosen = overlap.decide(bf16(4096, 64), bf16(8192, 64), "all_reduce", config={"reduction": "pull"})
+        assert chosen.config.reduction == "pull" and chosen.tail is None  # (no NCCL communicator)
 
 
 @pytest.mark.parametrize("config", [None, {}])

@@ -30,8 +30,9 @@ COLLECTIVE_LAYOUTS = [
     ("all_to_all", "segments"),  # equal splits
     ("all_reduce", "rows"),  # the ones from here on: reduction "local" (partial sums gathered, added after)
     ("all_reduce", "tiles"),
+    ("all_reduce", "rows"),  # reduction "pull" (on GPUs copied out of the other ranks' memory; here all-gathered)
 ]
-LOCAL = 10  # COLLECTIVE_LAYOUTS[LOCAL:] gather and add locally
+LOCAL, PULL = 10, 12  # COLLECTIVE_LAYOUTS[LOCAL:] gather and add locally, [PULL:] as "pull"
 SEGMENTED = ("rows", "segments")  # layouts whose reduce-scatter / all-to-all need equal, whole-unit segments
 
 
@@ -120,7 +121,8 @@ def worker(rank: int, world: int, store_path: str):
                 splits = a2a_splits(index, rank, m, world)
                 if index % 4 == 0:  # otherwise exchanged by comm.exchange
                     output_splits = [a2a_splits(index, s, m, world)[rank] for s in range(world)]
-            reduction = "local" if index % len(COLLECTIVE_LAYOUTS) >= LOCAL else "nccl"
+            position = index % len(COLLECTIVE_LAYOUTS)
+            reduction = "pull" if position >= PULL else "local" if position >= LOCAL else "nccl"
             ex = comm.exchange(collective, m, world, splits, output_splits, reduction=reduction)
             plan = rank_plan(args, ex, rank)
             a, w = operands(index, rank, plan.m, plan.n, k, dtype, weight_layout)

@@ -378,8 +378,8 @@ def test_summary_and_cli_errors(capsys, monkeypatch):
     assert 'candidate {"layout": "tiles"}: reduce_scatter needs layout' in capsys.readouterr().err
     with pytest.raises(SystemExit):  # P2P disabled: calls run without windows, nothing left to tune
         tune.main(["--shapes", "8x8x8", "--output", "x.yaml", "--transport", "pcie",
-                   "--candidates", '{"symmetric": true}'])  # fmt: skip
-    assert "symmetric windows need peer access" in capsys.readouterr().err
+                   "--candidates", '{"symmetric": true}', '{"reduction": "pull"}'])  # fmt: skip
+    assert "symmetric windows and pulls need peer access" in capsys.readouterr().err
 
 
 def test_partitions_enumerate_every_split_once():

@@ -19,12 +19,14 @@ import torch.distributed as dist
 from .. import enqueue
 from ..plan import Plan, slot_view
 from .nccl import CTA_POLICY_ZERO, Direct, cuda_backend, group_fact, unavailable
+from .peer import Peers
 
 COLLECTIVES = ("all_reduce", "reduce_scatter", "all_to_all")
-REDUCTIONS = ("nccl", "local")
+REDUCTIONS = ("nccl", "local", "pull")  # "local" and "pull" gather every rank's partial sums, then add
 # layouts whose reduce-scatter / all-to-all need equal segments of whole units (rows_carry)
 EQUAL_SEGMENTS = ("rows", "segments")
 MAX_PITCH = 2**31 - 1  # bytes between rows cudaMemcpy2DAsync takes (cudaDevAttrMaxPitch on current GPUs)
+ADD_DTYPES = {torch.bfloat16: 0, torch.float16: 1}  # csrc/runtime.cu fo_add's dtype codes
 COPY_ENGINE = ("all_to_all", "all_gather")  # comm_patterns NCCL runs on copy engines (windows, CTA policy ZERO)
 # how an overlapped call's per-group collectives reach NCCL (FLASHOVERLAP_NCCL), the default first:
 # its C API (:class:`comm.nccl.Direct`: ~25 against ~80-100 us of host time per collective through
@@ -107,9 +109,10 @@ def _own_group(key: tuple, group: dist.ProcessGroup, options: dist.ProcessGroupN
 def comm_pattern(collective: str, layout: str, reduction: str = "nccl") -> str:
     """What a call's groups communicate: the collective itself, ``exchange`` (the ``rows`` layout of
     reduce-scatter / all-to-all: grouped send to rank + k / receive from rank - k) or
-    ``all_gather`` (a ``local`` all-reduce)."""
-    if reduction == "local":
-        return "all_gather"
+    ``all_gather`` (a ``local`` all-reduce), ``pull`` (the same by copies out of the other ranks'
+    memory: comm.peer)."""
+    if reduction != "nccl":
+        return "all_gather" if reduction == "local" else "pull"
     return "exchange" if layout == "rows" and collective != "all_reduce" else collective
 
 
@@ -173,8 +176,9 @@ def tail_group(group: dist.ProcessGroup, device: torch.device) -> dist.ProcessGr
 class Exchange:
     """What one call communicates: the collective, the rows of C this rank sends to each rank
     (``send``), and those it receives from each (``recv``); ``rows`` = rows of its result.
-    ``reduction`` (all-reduce): ``nccl`` (NCCL reduces, in place) or ``local`` (each group is
-    all-gathered, every rank's partial sums arriving here, and added here: :func:`finish_group`)."""
+    ``reduction`` (all-reduce): ``nccl`` (NCCL reduces, in place), ``local`` (each group is
+    all-gathered, every rank's partial sums arriving here, and added here: :func:`finish_group`) or
+    ``pull`` (the same, copied out of the other ranks' memory: comm.peer)."""
 
     collective: str
     send: tuple[int, ...]
@@ -225,10 +229,12 @@ def exchange(
         raise ValueError(f"splits apply to all_to_all only, not {collective}")
     if rows_per_rank is not None and (splits is None or output_splits is None):
         raise ValueError("rows_per_rank (every rank's M) goes with an all-to-all's splits and output_splits")
-    if reduction not in REDUCTIONS or (reduction == "local" and collective != "all_reduce"):
-        raise ValueError(f"reduction must be 'nccl', or 'local' for all_reduce; got {reduction!r} for {collective}")
+    if reduction not in REDUCTIONS or (reduction != "nccl" and collective != "all_reduce"):
+        raise ValueError(
+            f"reduction must be 'nccl', or 'local' / 'pull' for all_reduce; got {reduction!r} for {collective}"
+        )
     if collective == "all_reduce":
-        return Exchange(collective, (m,), (m,) * (world if reduction == "local" else 1), m, reduction)
+        return Exchange(collective, (m,), (m,) * (world if reduction != "nccl" else 1), m, reduction)
     if splits is None and m % world:
         raise ValueError(f"{collective} splits M={m} rows evenly over {world} ranks: M must be a multiple of {world}")
     even = (m // world,) * world
@@ -357,14 +363,19 @@ def rows_rotation(ex: Exchange, layout: str, rank: int) -> int:
 def tail_apart(collective: str, layout: str, reduction: str = "nccl") -> bool:
     """Whether a call's last group may communicate beside the earlier groups' collectives, on the
     caller's stream behind the GEMM (overlap.run_overlapped): all but the ``rows`` layout's
-    exchange, whose last group's own-segment step reads what the earlier groups received."""
-    return comm_pattern(collective, layout, reduction) != "exchange"
+    exchange, whose last group's own-segment step reads what the earlier groups received, and a
+    ``pull`` all-reduce (no NCCL communicator to take the last group; its copies are ordered by
+    flags, comm.peer)."""
+    return comm_pattern(collective, layout, reduction) not in ("exchange", "pull")
 
 
-def buffers(ex: Exchange, plan: Plan, alloc) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+def buffers(
+    ex: Exchange, plan: Plan, alloc, shared: torch.Tensor | None = None
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
     """(out, buffer, recv) of one call: the [ex.rows, n] result, the flat buffer the GEMM writes
-    (``out`` itself for an all-reduce in the ``rows`` layout) and the flat buffer received rows
-    land in: for an all-reduce None, or with a ``local`` reduction every rank's partial sums, group
+    (``out`` itself for an all-reduce in the ``rows`` layout; ``shared`` where given: a ``pull``
+    all-reduce's, in memory every rank maps) and the flat buffer received rows land in: for an
+    all-reduce None, or with a ``local`` / ``pull`` reduction every rank's partial sums, group
     by group ([world, group size] each); in the ``rows`` layout, the partial sums a reduce-scatter
     receives beyond the first (which lands in ``out``): world - 2 segments, else None; in the
     ``segments`` layout None for a reduce-scatter, for an all-to-all the rows received, group by
@@ -372,8 +383,9 @@ def buffers(ex: Exchange, plan: Plan, alloc) -> tuple[torch.Tensor, torch.Tensor
     ``alloc(shape)`` makes a tensor."""
     out = alloc((ex.rows, plan.n))
     if ex.collective == "all_reduce":
-        gathered = alloc((len(ex.recv) * plan.numel,)) if ex.reduction == "local" else None
-        return out, out.view(-1) if plan.in_place else alloc((plan.numel,)), gathered
+        gathered = alloc((len(ex.recv) * plan.numel,)) if ex.reduction != "nccl" else None
+        in_place = plan.in_place and ex.reduction != "pull"  # (whose buffer others read while this rank adds)
+        return out, shared if shared is not None else out.view(-1) if in_place else alloc((plan.numel,)), gathered
     if plan.layout == "rows":
         extra = len(ex.send) - 2 if ex.collective == "reduce_scatter" else 0
         return out, alloc((plan.numel,)), alloc((extra * ex.rows * plan.n,)) if extra > 0 else None
@@ -391,7 +403,8 @@ def _rows_group(
     rows of this rank's segment arrive from the rank as far behind (grouped send/recv): into the
     result (all-to-all: at the sender's rows; reduce-scatter: the first partial sum, the others in
     ``stage``). Parts of the own segment, which comes last, are then copied (all-to-all) or added
-    (reduce-scatter) to the result: every partial sum of those rows arrived in an earlier step."""
+    (reduce-scatter) to the result: every partial sum of those rows arrived in an earlier step.
+    Every step is a native call on the GPU (a replay can enqueue it)."""
     pg = process_group(group)
     n, me, world, seg = plan.n, dist.get_rank(pg), len(ex.send), ex.send[0]
     first = plan.rotate * plan.tile_m // seg
@@ -423,19 +436,14 @@ def _rows_group(
         ops = [dist.P2POp(dist.isend, t, peer[r], group) for t, r in sends]
         for request in dist.batch_isend_irecv(ops + [dist.P2POp(dist.irecv, t, peer[r], group) for t, r in recvs]):
             request.wait()
-    if own:
-        enqueue.opaque()  # torch's copies and adds below
     for lo, hi, part in own:
-        if ex.collective == "all_to_all":
-            rows(flat, me, lo, hi).copy_(part)
+        result = rows(flat, me if ex.collective == "all_to_all" else 0, lo, hi)
+        if ex.collective == "all_to_all" or world == 1:  # (a reduce-scatter of one rank: nothing arrived)
+            copy_2d(result.view(1, -1), part.view(1, -1))
             continue
-        result = rows(flat, 0, lo, hi)
-        if world == 1:  # nothing arrived first
-            result.copy_(part)
-            continue
-        result.add_(part)
+        add(result, result, part)
         for step in range(1, world - 1):
-            result.add_(rows(stage, step - 1, lo, hi))
+            add(result, result, rows(stage, step - 1, lo, hi))
 
 
 def communicate_group(
@@ -452,9 +460,18 @@ def communicate_group(
     group); in the ``rows`` layout in ``out`` (see :func:`_rows_group`). ``recv``, ``out``: from
     :func:`buffers`."""
     chunk = buffer[plan.bounds[g] : plan.bounds[g + 1]]
-    if ex.reduction == "local":  # every rank's partial sums of the group, rank after rank
+    if ex.reduction != "nccl":  # every rank's partial sums of the group, rank after rank
         into = recv[len(ex.recv) * plan.bounds[g] : len(ex.recv) * plan.bounds[g + 1]]
-        group.all_gather(into, chunk) if isinstance(group, Direct) else all_gather_single(into, chunk, group)
+        if isinstance(group, Peers):  # copied out of each rank's memory as it says the group is there
+            rows = into.view(len(ex.recv), -1)
+            if group.own_row:  # (a local copy on the copy engines is slow beside the GEMM: 90 GB/s, stop 29)
+                copy_2d(rows[group.rank].view(1, -1), chunk.view(1, -1))
+            for r, theirs in group.arrivals(g, chunk):
+                copy_2d(rows[r].view(1, -1), theirs.view(1, -1))
+        elif isinstance(group, Direct):
+            group.all_gather(into, chunk)
+        else:
+            all_gather_single(into, chunk, group)
         return
     if ex.collective == "all_reduce" and plan.layout != "cols":
         collective(ex, chunk.view(1, -1), group)  # any shape, in place
@@ -476,22 +493,36 @@ def communicate_group(
 def finishes(ex: Exchange, plan: Plan) -> bool:
     """Whether a call's groups need :func:`finish_group` after their collectives."""
     segments_a2a = plan.layout == "segments" and ex.collective == "all_to_all"
-    return ex.reduction == "local" or plan.layout == "cols" or segments_a2a
+    return ex.reduction != "nccl" or plan.layout == "cols" or segments_a2a
 
 
-def finish_group(ex: Exchange, plan: Plan, g: int, buffer: torch.Tensor, recv: torch.Tensor, out: torch.Tensor) -> None:
+def finish_group(
+    ex: Exchange,
+    plan: Plan,
+    g: int,
+    buffer: torch.Tensor,
+    recv: torch.Tensor,
+    out: torch.Tensor,
+    own: int | None = None,
+) -> None:
     """Group ``g``'s own step once its collective is done (the GPU path runs it on a stream of its
-    own, so it never holds up the next collective): a ``local`` all-reduce adds the world's partial
+    own, so it never holds up the next collective): a ``local`` / ``pull`` all-reduce adds the world's partial
     sums of the group (in ``recv``) straight into ``out``'s rows in the ``rows`` layout (its groups
     are row bands of C), else into the group's range of ``buffer``; then in the ``cols`` layout the
     group's [ex.rows, c1 - c0] block (of ``buffer`` after an all-reduce, local or not, else of
     ``recv``) is copied into its columns of ``out``; a ``segments`` all-to-all copies the rows each
-    rank sent into that rank's segment of ``out``. Nothing for any other call (:func:`finishes`)."""
+    rank sent into that rank's segment of ``out``. Nothing for any other call (:func:`finishes`).
+    ``own``: the row of ``recv`` left empty, this rank's, whose partial sums ``buffer`` holds (a
+    ``pull`` all-reduce of two ranks: comm.peer.Peers.own_row)."""
     lo, hi = plan.bounds[g], plan.bounds[g + 1]
-    if ex.reduction == "local":
+    if ex.reduction != "nccl":
         world = len(ex.recv)
         into = out.view(-1) if plan.layout == "rows" else buffer
-        add_partials(recv[world * lo : world * hi].view(world, hi - lo), into[lo:hi])
+        parts = recv[world * lo : world * hi].view(world, hi - lo)
+        if own is None:
+            add_partials(parts, into[lo:hi])
+        else:  # two ranks: one add, the same on both (a + b == b + a)
+            add(into[lo:hi], buffer[lo:hi], parts[1 - own])
     if plan.layout == "cols":
         c0, c1 = plan.columns(g)
         block = buffer if ex.collective == "all_reduce" else recv
@@ -522,7 +553,7 @@ def lands_in_out(ex: Exchange, plan: Plan) -> bool:
     """Whether the collectives leave the result in :func:`buffers`' ``out`` itself (the ``rows``
     layout, and a ``segments`` reduce-scatter); every other layout puts it into the ``out`` that
     :func:`finish_group` (or the ``tiles`` layout's :func:`restore`) is given."""
-    if ex.reduction == "local":
+    if ex.reduction != "nccl":
         return False
     return plan.layout == "rows" or plan.layout == "segments" and ex.collective == "reduce_scatter"
 
@@ -542,13 +573,27 @@ def landed(ex: Exchange, plan: Plan, g: int, out: torch.Tensor) -> torch.Tensor 
     return None
 
 
+def add(out: torch.Tensor, a: torch.Tensor, b: torch.Tensor) -> None:
+    """``out`` = ``a`` + ``b`` (contiguous, one shape and dtype; ``out`` may be ``a``), rounded once as
+    torch's add; on CUDA csrc/runtime.cu's kernel on the current stream, a native call a replay can
+    enqueue."""
+    if out.is_cuda and out.dtype in ADD_DTYPES and all(t.is_contiguous() for t in (out, a, b)):
+        stream = torch.cuda.current_stream(out.device).cuda_stream
+        enqueue.runtime_call(
+            "fo_add", out.data_ptr(), a.data_ptr(), b.data_ptr(), out.numel(), ADD_DTYPES[out.dtype], stream
+        )
+        return
+    torch.add(a, b, out=out)
+    enqueue.opaque()
+
+
 def add_partials(parts: torch.Tensor, out: torch.Tensor) -> None:
     """``out`` = the sum of the rows of ``parts`` [world, n] (one rounding, as NCCL's sum of two)."""
-    enqueue.opaque()  # a torch kernel
-    if len(parts) == 2:  # an add runs at 2.7 TB/s, a sum over the leading dimension at 1.3 (H200)
-        torch.add(parts[0], parts[1], out=out)
-    else:
-        torch.sum(parts, dim=0, out=out)
+    if len(parts) <= 2:  # an add runs at 2.7 TB/s, a sum over the leading dimension at 1.3 (H200)
+        copy_2d(out.view(1, -1), parts[0].view(1, -1)) if len(parts) == 1 else add(out, parts[0], parts[1])
+        return
+    torch.sum(parts, dim=0, out=out)
+    enqueue.opaque()
 
 
 def restore(buffer: torch.Tensor, out: torch.Tensor, plan: Plan, slots: torch.Tensor | None = None) -> None:

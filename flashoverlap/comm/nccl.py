@@ -164,19 +164,19 @@ class Window:
             self.released = self.released or torch.cuda.Event()
             enqueue.record(self.released, stream)
 
-    def allocator(self, nbytes: int, dtype: torch.dtype):
-        """``alloc(shape)`` carving ``dtype`` tensors out of the window, ``nbytes`` in all (sum of
-        :func:`carved_bytes`) from its start; grows the window first where it is smaller."""
-        if self.memory is None or self.memory.numel() < nbytes:
-            self._grow(max(nbytes, 2 * self.memory.numel() if self.memory is not None else 0))
-        memory, offset = self.memory, 0
+    def allocator(self, nbytes: int, dtype: torch.dtype, start: int = 0):
+        """``alloc(shape, dtype=dtype)`` carving tensors out of the window, ``nbytes`` in all (sum of
+        :func:`carved_bytes`) from byte ``start`` on; grows the window first where it is smaller."""
+        if self.memory is None or self.memory.numel() < start + nbytes:
+            self._grow(max(start + nbytes, 2 * self.memory.numel() if self.memory is not None else 0))
+        memory, offset = self.memory, start
 
-        def alloc(shape) -> torch.Tensor:
+        def alloc(shape, kind: torch.dtype = dtype) -> torch.Tensor:
             nonlocal offset
-            size = carved_bytes(shape, dtype)
-            if offset + size > nbytes:
-                raise RuntimeError(f"window allocator: {offset + size} bytes carved, {nbytes} announced")
-            t = memory[offset : offset + size].view(dtype)[: math.prod(shape)].view(shape)
+            size = carved_bytes(shape, kind)
+            if offset + size > start + nbytes:
+                raise RuntimeError(f"window allocator: {offset + size - start} bytes carved, {nbytes} announced")
+            t = memory[offset : offset + size].view(kind)[: math.prod(shape)].view(shape)
             offset += size
             return t
 

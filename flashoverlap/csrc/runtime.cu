@@ -1,11 +1,14 @@
 // Small runtime pieces: restoring C from packed group buffers, strided copies on the copy engines,
-// the counter reset, the stream wait on a group counter, the spin-wait fallback for devices
+// the adds of partial sums, the counter reset, the stream wait on a group counter, the spin-wait fallback for devices
 // without stream memory operations, and the replay of a recorded call (flashoverlap.enqueue).
 // Loaded with ctypes (flashoverlap.jit.runtime_library).
+#include <algorithm>
 #include <cstdint>
 #include <cstdio>
 
 #include <cuda.h>
+#include <cuda_bf16.h>
+#include <cuda_fp16.h>
 #include <cuda_runtime.h>
 
 #include "tile_slot.cuh"
@@ -44,6 +47,47 @@ __global__ void restore_tiles(uint4 const* __restrict__ buffer, uint4* __restric
   }
 }
 
+__device__ float to_float(__nv_bfloat16 x) { return __bfloat162float(x); }
+__device__ float to_float(__half x) { return __half2float(x); }
+template <typename T>
+__device__ T from_float(float x);
+template <>
+__device__ __nv_bfloat16 from_float(float x) { return __float2bfloat16_rn(x); }
+template <>
+__device__ __half from_float(float x) { return __float2half_rn(x); }
+
+// out = a + b over n elements, summed in fp32 and rounded once (as torch's add and NCCL's sum of
+// two); 16-byte vectors where every pointer is aligned, the rest element by element.
+template <typename T>
+__global__ void add_elems(T* out, T const* a, T const* b, int64_t n, bool vectors) {
+  constexpr int kPer = 16 / sizeof(T);
+  int64_t const stride = int64_t(gridDim.x) * blockDim.x;
+  int64_t const first = int64_t(blockIdx.x) * blockDim.x + threadIdx.x;
+  int64_t const whole = vectors ? n / kPer : 0;
+  for (int64_t v = first; v < whole; v += stride) {
+    uint4 x = reinterpret_cast<uint4 const*>(a)[v], y = reinterpret_cast<uint4 const*>(b)[v], z;
+    T const* xs = reinterpret_cast<T const*>(&x);
+    T const* ys = reinterpret_cast<T const*>(&y);
+    T* zs = reinterpret_cast<T*>(&z);
+#pragma unroll
+    for (int k = 0; k < kPer; ++k) zs[k] = from_float<T>(to_float(xs[k]) + to_float(ys[k]));
+    reinterpret_cast<uint4*>(out)[v] = z;
+  }
+  for (int64_t e = whole * kPer + first; e < n; e += stride) out[e] = from_float<T>(to_float(a[e]) + to_float(b[e]));
+}
+
+template <typename T>
+int add(void* out, void const* a, void const* b, size_t n, cudaStream_t stream) {
+  bool const vectors = ((reinterpret_cast<uintptr_t>(out) | reinterpret_cast<uintptr_t>(a) |
+                         reinterpret_cast<uintptr_t>(b)) & 15) == 0;
+  size_t const work = vectors ? (n + 16 / sizeof(T) - 1) / (16 / sizeof(T)) : n;
+  unsigned const blocks = unsigned(std::min<size_t>((work + 255) / 256, 4096));
+  if (blocks == 0) return 0;
+  add_elems<T><<<blocks, 256, 0, stream>>>(static_cast<T*>(out), static_cast<T const*>(a),
+                                           static_cast<T const*>(b), int64_t(n), vectors);
+  return check_launch("add");
+}
+
 // Waits until *counter >= target (cyclic, as cuStreamWaitValue32 GEQ). With timeout_ns > 0 it
 // gives up after that long and records {1, group, value seen, target} in report, so a debug run
 // says which group never completed instead of hanging.
@@ -69,22 +113,34 @@ __global__ void spin_wait(uint32_t const* counter, uint32_t target, uint64_t tim
   }
 }
 
-using WaitValue32 = CUresult (*)(CUstream, CUdeviceptr, cuuint32_t, unsigned int);
+// cuStreamWaitValue32 / cuStreamWriteValue32 (one signature) from the driver the runtime uses (no
+// link to libcuda, no Python bindings to match the driver's version); null where the driver lacks it.
+using StreamValue32 = CUresult (*)(CUstream, CUdeviceptr, cuuint32_t, unsigned int);
 
-// cuStreamWaitValue32 from the driver the runtime uses (no link to libcuda, no Python bindings to
-// match the driver's version); null where the driver lacks it.
-WaitValue32 wait_value32() {
-  static WaitValue32 const fn = [] {
-    void* found = nullptr;
-    cudaDriverEntryPointQueryResult status;
+StreamValue32 driver_entry(char const* name) {
+  void* found = nullptr;
+  cudaDriverEntryPointQueryResult status;
 #if CUDART_VERSION >= 12050
-    cudaError_t err = cudaGetDriverEntryPointByVersion("cuStreamWaitValue32", &found, 12000, cudaEnableDefault, &status);
+  cudaError_t err = cudaGetDriverEntryPointByVersion(name, &found, 12000, cudaEnableDefault, &status);
 #else
-    cudaError_t err = cudaGetDriverEntryPoint("cuStreamWaitValue32", &found, cudaEnableDefault, &status);
+  cudaError_t err = cudaGetDriverEntryPoint(name, &found, cudaEnableDefault, &status);
 #endif
-    return err == cudaSuccess && status == cudaDriverEntryPointSuccess ? reinterpret_cast<WaitValue32>(found) : nullptr;
-  }();
-  return fn;
+  return err == cudaSuccess && status == cudaDriverEntryPointSuccess ? reinterpret_cast<StreamValue32>(found) : nullptr;
+}
+
+// A stream memory operation on `counter` (no SM): `name` the driver function, `flags` its own.
+int stream_value(char const* name, StreamValue32 fn, void const* counter, unsigned value, unsigned flags,
+                 void* stream) {
+  if (fn == nullptr) {
+    std::snprintf(g_error, sizeof(g_error), "the driver has no %s", name);
+    return 1;
+  }
+  CUresult const err = fn(static_cast<CUstream>(stream), reinterpret_cast<CUdeviceptr>(counter), value, flags);
+  if (err != CUDA_SUCCESS) {
+    std::snprintf(g_error, sizeof(g_error), "%s returned CUresult %d", name, int(err));
+    return 1;
+  }
+  return 0;
 }
 
 }  // namespace
@@ -103,11 +159,23 @@ int fo_restore(void const* buffer, void* out, void const* tiles, int num_tiles, 
 
 // `height` rows of `width` bytes from src (rows `spitch` bytes apart) to dst (`dpitch` apart) on
 // the copy engines: a group's placement uses no SM, so it never competes with NCCL's kernels or
-// the GEMM for one.
+// the GEMM for one. A contiguous block goes as one plain copy (as torch's copy_ does it).
 int fo_copy_2d(void* dst, size_t dpitch, void const* src, size_t spitch, size_t width, size_t height, void* stream) {
-  return check(cudaMemcpy2DAsync(dst, dpitch, src, spitch, width, height, cudaMemcpyDeviceToDevice,
-                                 static_cast<cudaStream_t>(stream)),
-               "copy_2d");
+  cudaStream_t const s = static_cast<cudaStream_t>(stream);
+  if (height == 1 || (dpitch == width && spitch == width)) {
+    return check(cudaMemcpyAsync(dst, src, width * height, cudaMemcpyDeviceToDevice, s), "copy");
+  }
+  return check(cudaMemcpy2DAsync(dst, dpitch, src, spitch, width, height, cudaMemcpyDeviceToDevice, s), "copy_2d");
+}
+
+// out = a + b, n elements of `dtype` (0 bfloat16, 1 float16; flashoverlap.comm.add): a group's
+// partial sums added on the stream the collectives run on, as one call a replay can enqueue.
+int fo_add(void* out, void const* a, void const* b, size_t n, int dtype, void* stream) {
+  cudaStream_t const s = static_cast<cudaStream_t>(stream);
+  if (dtype == 0) return add<__nv_bfloat16>(out, a, b, n, s);
+  if (dtype == 1) return add<__half>(out, a, b, n, s);
+  std::snprintf(g_error, sizeof(g_error), "add: unknown dtype %d", dtype);
+  return 1;
 }
 
 // Zeroes `bytes` at ptr on the stream (the group counters between calls: cheaper to enqueue than a
@@ -119,18 +187,16 @@ int fo_zero(void* ptr, size_t bytes, void* stream) {
 // Makes the stream wait (in the GPU's front end, no SM) until *counter >= target, cyclic; returns
 // non-zero where stream memory operations are missing or refused.
 int fo_stream_wait(void const* counter, unsigned target, void* stream) {
-  WaitValue32 const fn = wait_value32();
-  if (fn == nullptr) {
-    std::snprintf(g_error, sizeof(g_error), "stream_wait: the driver has no cuStreamWaitValue32");
-    return 1;
-  }
-  CUresult const err = fn(static_cast<CUstream>(stream), reinterpret_cast<CUdeviceptr>(counter), target,
-                          CU_STREAM_WAIT_VALUE_GEQ);
-  if (err != CUDA_SUCCESS) {
-    std::snprintf(g_error, sizeof(g_error), "stream_wait: cuStreamWaitValue32 returned CUresult %d", int(err));
-    return 1;
-  }
-  return 0;
+  static StreamValue32 const fn = driver_entry("cuStreamWaitValue32");
+  return stream_value("cuStreamWaitValue32", fn, counter, target, CU_STREAM_WAIT_VALUE_GEQ, stream);
+}
+
+// Writes `value` to *flag once the stream's earlier work is done and visible (the default write
+// orders it behind a memory barrier): a rank's signal to another one's stream, which waits on the
+// flag in its own memory (flashoverlap.comm.peer).
+int fo_write_value(void* flag, unsigned value, void* stream) {
+  static StreamValue32 const fn = driver_entry("cuStreamWriteValue32");
+  return stream_value("cuStreamWriteValue32", fn, flag, value, CU_STREAM_WRITE_VALUE_DEFAULT, stream);
 }
 
 int fo_record_event(void* event, void* stream) {
@@ -158,7 +224,7 @@ int fo_replay(uint64_t const* ops, int64_t words, uint64_t const* values, int* s
   using P = void*;
   using U = unsigned;
   using N = size_t;
-  constexpr int kArgs[] = {2, 3, 3, 7, 6, 7, 6, 6, 0, 20, 11};  // per signature (checked by a CPU test)
+  constexpr int kArgs[] = {2, 3, 3, 7, 6, 7, 6, 6, 0, 20, 11, 6};  // per signature (checked by a CPU test)
   constexpr int kSignatures = sizeof(kArgs) / sizeof(kArgs[0]);
   uint64_t a[20];
   int index = 0;
@@ -179,7 +245,7 @@ int fo_replay(uint64_t const* ops, int64_t words, uint64_t const* values, int* s
       case 0:  // fo_record_event, fo_wait_event
         rc = reinterpret_cast<int (*)(P, P)>(fn)(P(a[0]), P(a[1]));
         break;
-      case 1:  // fo_stream_wait
+      case 1:  // fo_stream_wait, fo_write_value
         rc = reinterpret_cast<int (*)(P, U, P)>(fn)(P(a[0]), U(a[1]), P(a[2]));
         break;
       case 2:  // fo_zero
@@ -219,6 +285,10 @@ int fo_replay(uint64_t const* ops, int64_t words, uint64_t const* values, int* s
         rc = reinterpret_cast<int (*)(P, P, P, int, int, int, int, int, int, int, P)>(fn)(
             P(a[0]), P(a[1]), P(a[2]), int(a[3]), int(a[4]), int(a[5]), int(a[6]), int(a[7]), int(a[8]), int(a[9]),
             P(a[10]));
+        break;
+      case 11:  // fo_add
+        rc = reinterpret_cast<int (*)(P, P, P, N, int, P)>(fn)(P(a[0]), P(a[1]), P(a[2]), N(a[3]), int(a[4]),
+                                                                 P(a[5]));
         break;
     }
     if (rc != 0) {
