@@ -481,7 +481,7 @@ def _enqueue(
         prep.gemm_done = torch.cuda.Event()
 
     peers = group if isinstance(group, comm.Peers) else None
-    own = None if peers is None or peers.own_row else peers.rank  # (comm.finish_group)
+    own = None if peers is None else peers.rank  # (comm.finish_group)
     if window is not None:
         window.acquire(caller)
     join(stream, caller, device)  # operands ready; earlier users of the buffers done

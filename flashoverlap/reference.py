@@ -51,6 +51,7 @@ def run_plan(
         return torch.full(shape, float("nan"), dtype=a.dtype)
 
     out, buffer, recv = comm.buffers(ex, plan, poisoned)
+    own = dist.get_rank(group) if ex.reduction == "pull" else None  # (its own row: read from the buffer)
     result = poisoned(out.shape) if window else out
     copy_out = window and comm.landed(ex, plan, 0, out) is not None
     remaining = np.array(plan.tiles_per_group)
@@ -61,7 +62,7 @@ def run_plan(
         remaining[plan.group[tile]] -= 1
         while issued < plan.num_groups and remaining[issued] == 0:
             comm.communicate_group(ex, plan, issued, buffer, recv, out, group)
-            comm.finish_group(ex, plan, issued, buffer, recv, result)
+            comm.finish_group(ex, plan, issued, buffer, recv, result, own)
             if copy_out:
                 comm.landed(ex, plan, issued, result).copy_(comm.landed(ex, plan, issued, out))
             issued += 1

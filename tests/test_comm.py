@@ -268,20 +268,28 @@ def test_landed_ranges_cover_the_result_once():
         assert (out == 1).all(), (ex.collective, layout)
 
 
-def test_a_pull_all_reduce_of_two_ranks_adds_its_own_partial_sums_from_its_buffer():
-    """Two ranks: this rank's row of the gathered partial sums stays empty (copying it beside the GEMM
-    is slow); the add reads the buffer instead, and gives what the row would have."""
+@pytest.mark.parametrize("world", [1, 2, 3])
+def test_a_pull_all_reduce_adds_its_own_partial_sums_from_its_buffer(world):
+    """This rank's row of the gathered partial sums stays empty (copying it beside the GEMM is
+    slow); the adds read the buffer instead, in rank order: every rank gets the same sum, bit for
+    bit, whichever row is its own."""
     from flashoverlap.comm import buffers, finish_group
     from flashoverlap.plan import make_plan
 
     plan = make_plan(512, 256, tile_m=128, tile_n=128, cluster_m=1, ctas=2, layout="rows")
-    ex = exchange("all_reduce", 512, 2, reduction="pull")
-    for own in (0, 1):
+    ex = exchange("all_reduce", 512, world, reduction="pull")
+    partials = torch.randn(world, plan.numel).to(torch.bfloat16)
+    results = []
+    for own in range(world):
         out, buffer, recv = buffers(ex, plan, lambda shape: torch.full(shape, float("nan"), dtype=torch.bfloat16))
-        buffer.copy_(torch.randn(plan.numel))
-        theirs = torch.randn(plan.numel).to(torch.bfloat16)
+        buffer.copy_(partials[own])
         for g in range(plan.num_groups):
             lo, hi = plan.bounds[g], plan.bounds[g + 1]
-            recv[2 * lo : 2 * hi].view(2, -1)[1 - own] = theirs[lo:hi]  # the other rank's, pulled
+            rows = recv[world * lo : world * hi].view(world, -1)
+            for r in range(world):  # the other ranks' rows, pulled
+                if r != own:
+                    rows[r] = partials[r, lo:hi]
             finish_group(ex, plan, g, buffer, recv, out, own)
-        assert torch.equal(out.view(-1), buffer + theirs)
+        results.append(out.view(-1))
+    assert all(torch.equal(r, results[0]) for r in results)
+    assert torch.allclose(results[0].float(), partials.float().sum(0), rtol=2e-2, atol=2e-2)

@@ -463,9 +463,7 @@ def communicate_group(
     if ex.reduction != "nccl":  # every rank's partial sums of the group, rank after rank
         into = recv[len(ex.recv) * plan.bounds[g] : len(ex.recv) * plan.bounds[g + 1]]
         if isinstance(group, Peers):  # copied out of each rank's memory as it says the group is there
-            rows = into.view(len(ex.recv), -1)
-            if group.own_row:  # (a local copy on the copy engines is slow beside the GEMM: 90 GB/s, stop 29)
-                copy_2d(rows[group.rank].view(1, -1), chunk.view(1, -1))
+            rows = into.view(len(ex.recv), -1)  # (this rank's own row stays empty: finish_group's ``own``)
             for r, theirs in group.arrivals(g, chunk):
                 copy_2d(rows[r].view(1, -1), theirs.view(1, -1))
         elif isinstance(group, Direct):
@@ -513,7 +511,9 @@ def finish_group(
     ``recv``) is copied into its columns of ``out``; a ``segments`` all-to-all copies the rows each
     rank sent into that rank's segment of ``out``. Nothing for any other call (:func:`finishes`).
     ``own``: the row of ``recv`` left empty, this rank's, whose partial sums ``buffer`` holds (a
-    ``pull`` all-reduce of two ranks: comm.peer.Peers.own_row)."""
+    ``pull`` all-reduce: copying them next to the others' on the copy engines ran at ~90 GB/s
+    beside the GEMM and held up the pulls behind it, stop 29); the rows are then added one by one
+    in rank order (the same sum on every rank, rounded at each add as NCCL's ring does)."""
     lo, hi = plan.bounds[g], plan.bounds[g + 1]
     if ex.reduction != "nccl":
         world = len(ex.recv)
@@ -521,8 +521,12 @@ def finish_group(
         parts = recv[world * lo : world * hi].view(world, hi - lo)
         if own is None:
             add_partials(parts, into[lo:hi])
-        else:  # two ranks: one add, the same on both (a + b == b + a)
-            add(into[lo:hi], buffer[lo:hi], parts[1 - own])
+        else:
+            rows = [buffer[lo:hi] if r == own else parts[r] for r in range(world)]
+            if world == 1:
+                copy_2d(into[lo:hi].view(1, -1), rows[0].view(1, -1))
+            for r in range(1, world):
+                add(into[lo:hi], rows[0] if r == 1 else into[lo:hi], rows[r])
     if plan.layout == "cols":
         c0, c1 = plan.columns(g)
         block = buffer if ex.collective == "all_reduce" else recv

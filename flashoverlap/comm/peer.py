@@ -43,9 +43,6 @@ class Peers(Window):
         self.group = group
         self.rank, self.world = dist.get_rank(group), dist.get_world_size(group)
         self.others = [r for r in range(self.world) if r != self.rank]
-        # whether a call copies its own partial sums beside the others' (summed in rank order, the
-        # same on every rank), or adds them from its buffer (two ranks: one add, commutative)
-        self.own_row = self.world != 2
         self.flag_bytes = carved_bytes(((MAX_GROUPS + 1) * self.world,), torch.int32)
         self.peers: list[torch.Tensor] = []  # every rank's current region (uint8), as mapped here
         self._handles: list = []  # (each region stays mapped while its handle lives)
