@@ -799,24 +799,38 @@ def _decide(
             return plain(f"{source} make one group, nothing to overlap")
         candidates = [cfg]
         # (on the shape every rank decides on: candidates that differ by rank would hang in NCCL)
-        other = None
-        if timed and not cfg.late_budget:  # (a late hint is late already; its grid is every SM)
-            capability = torch.cuda.get_device_capability(a.device)
-            other = alternative(cfg, shape, preps[0].sm_count + cfg.comm_sms, capability)
-        if other is not None and (other_prep := planned(other)).plan.num_groups > 1:
-            candidates.append(other)
-            preps.append(other_prep)
-        for c, prep in zip(candidates, preps):
+        others = []
+        if timed:
+            total = preps[0].sm_count + cfg.comm_sms
+            if not cfg.late_budget:  # (a late hint is late already; its grid is every SM)
+                others.append(alternative(cfg, shape, total, torch.cuda.get_device_capability(a.device)))
+            # where the ranks can pull (asked only where the trial runs: the first ask per group gathers
+            # every rank's view, a host sync)
+            pull = pulled(cfg, collective, shape, total)
+            if pull is not None and _trial_runs() and comm.peer.unavailable(full, a.device) is None:
+                others.append(pull)
+        for other in others:
+            if other is not None and (other_prep := planned(other)).plan.num_groups > 1:
+                candidates.append(other)
+                preps.append(other_prep)
+        exes = [
+            ex if c.reduction == ex.reduction else comm.exchange(collective, m, world, reduction=c.reduction)
+            for c in candidates
+        ]
+        for c, prep, e in zip(candidates, preps, exes):
             call = (collective, "ragged" if ex.ragged else m, n, k, a.dtype, weight_layout, a.device.index, c)
-            check_agreement(prep, collective, full, ex, call)
+            check_agreement(prep, collective, full, e, call)
         budgets = [budget_communicator(c, collective, full, a.device) for c in candidates]
-        tail = None if cfg.reduction == "pull" else comm.tail_group(full, a.device)  # (pull: no NCCL)
+        tail = comm.tail_group(full, a.device) if any(c.reduction != "pull" for c in candidates) else None
+        tails = [None if c.reduction == "pull" else tail for c in candidates]  # (pull: no NCCL)
         pick = 0
         if timed:
-            pick = trial(candidates, preps, budgets, a, weight, weight_layout, ex, tail, full, shape[0], found is None)
+            pick = trial(
+                candidates, preps, budgets, a, weight, weight_layout, exes, tails, full, shape[0], found is None
+            )
             if pick is None:
                 return plain(f"{source} lost to it when timed")
-        cfg, prep = candidates[pick], preps[pick]
+        cfg, prep, ex = candidates[pick], preps[pick], exes[pick]
         groups = prep.plan.num_groups  # the message is built only where printed: every call passes here
         _say(
             ex,
@@ -825,7 +839,7 @@ def _decide(
             group,
             lambda: f"overlapped, {source} {differences(cfg, _DEFAULTS)}: {groups} group{'s' * (groups > 1)}",
         )
-        return Decision(ex, cfg, prep, budgets[pick], tail)
+        return Decision(ex, cfg, prep, budgets[pick], tails[pick])
 
 
 @functools.lru_cache(maxsize=256)  # calls without NVLink ask every time (a replace() validates)
@@ -839,6 +853,27 @@ def without_pull(cfg: OverlapConfig) -> OverlapConfig:
 
 
 FEWEST_COMM_SMS = 4  # NCCL's CTAs beside an Ampere/Ada GEMM when a call without config= times fewer
+PULL_SMS = 4  # the most SMs a pull candidate leaves for its adds (the tuner's pick on 2x H100, stop 29)
+
+
+@functools.lru_cache(maxsize=1024)  # every call of a timed shape asks (a replace() validates)
+def pulled(cfg: OverlapConfig, collective: str, shape: tuple[int, int, int], total_sms: int) -> OverlapConfig | None:
+    """What an all-reduce without a tuned config also times where its ranks can pull (comm.peer):
+    ``cfg`` as a ``pull`` all-reduce (no window, the budget from the start, the default partition),
+    leaving for the adds the SMs its GEMM spares at the whole grid's wave count, at most
+    :data:`PULL_SMS` (4 on the suite's grids; 0: the adds wait for the GEMM's end). The tuner picked
+    pull with 4 SMs on every suite shape on 2x H100 (1.20x against 1.14x for stop 28's entries).
+    None for another collective, a pull already, or a layout other than ``rows``."""
+    if collective != "all_reduce" or cfg.reduction == "pull" or cfg.layout != "rows":
+        return None
+    m, n, _ = shape
+    tiles = scheduled_tiles(m, n, cfg.tile_m, cfg.tile_n, cfg.cluster_m, cfg.swizzle)
+    waves = -(-tiles // total_sms)
+    ctas = -(-tiles // waves)
+    spare = max(total_sms - -(-ctas // cfg.cluster_m) * cfg.cluster_m, 0)
+    return dataclasses.replace(
+        cfg, reduction="pull", symmetric=False, late_budget=False, comm_sms=min(spare, PULL_SMS), partition=None
+    )
 
 
 @functools.lru_cache(maxsize=1024)  # every call of a timed shape asks (a replace() validates)
@@ -917,18 +952,18 @@ _trials: OrderedDict[tuple, int | None] = OrderedDict()  # trial's answers, most
 def trial(
     cfgs: Sequence[OverlapConfig],
     preps: Sequence[Prepared],
-    budgets: Sequence[dist.ProcessGroup | comm.Direct],
+    budgets: Sequence[dist.ProcessGroup | comm.Direct | comm.Peers],
     a: torch.Tensor,
     weight: torch.Tensor,
     weight_layout: str,
-    ex: Exchange,
-    tail: dist.ProcessGroup | comm.Direct,
+    exes: Sequence[Exchange],
+    tails: Sequence[dist.ProcessGroup | comm.Direct | None],
     full: dist.ProcessGroup,
     m: int,
     untuned: bool = True,
 ) -> int | None:
-    """Which of the overlapped calls ``cfgs`` (their plans ``preps`` and communicators ``budgets``
-    and ``tail``: :func:`run_overlapped`) is fastest, None where none beats the sequential call on
+    """Which of the overlapped calls ``cfgs`` (their plans ``preps``, communicators ``budgets``,
+    exchanges ``exes`` and ``tails``: :func:`run_overlapped`) is fastest, None where none beats the sequential call on
     ``full`` by :data:`TRIAL_MARGIN`: for a call that is not tuned for its shape (the built-in
     defaults, or the nearest tuned shape's config: neither is tuned for this GPU, world size,
     transport and shape; on small GEMMs over NVLink they lose, and 16 SMs for NCCL lose beside a
@@ -949,24 +984,26 @@ def trial(
         weight_layout,
         a.device.index,
         tuple(cfgs),
-        ex.collective,
-        ex.uniform,
-        ex.ragged,
-        ex.reduction,
+        exes[0].collective,
+        exes[0].uniform,
+        exes[0].ragged,
+        tuple(e.reduction for e in exes),
         tuple(budgets),
         full,
     )
     if key in _trials:
         return _recent(_trials, key)
-    if os.environ.get("FLASHOVERLAP_TRIAL", "1") == "0" or torch.cuda.is_current_stream_capturing():
+    if not _trial_runs():
         return 0
     from .bench import time_variants
 
-    # the candidates differ in their SM budget
-    names = [f"overlapped, comm_sms {c.comm_sms}{' late' * c.late_budget}" for c in cfgs]
-    variants = {"sequential": lambda i: sequential(a, weight, weight_layout, ex, full)}
-    for name, prep, budget in zip(names, preps, budgets):
-        variants[name] = lambda i, p=prep, b=budget: run_overlapped(p, a, weight, ex, b, tail_group=tail)
+    # the candidates differ in their SM budget, or pull
+    names = [
+        f"overlapped, comm_sms {c.comm_sms}{' late' * c.late_budget}{' pull' * (c.reduction == 'pull')}" for c in cfgs
+    ]
+    variants = {"sequential": lambda i: sequential(a, weight, weight_layout, exes[0], full)}
+    for name, prep, budget, ex, tail in zip(names, preps, budgets, exes, tails):
+        variants[name] = lambda i, p=prep, b=budget, e=ex, t=tail: run_overlapped(p, a, weight, e, b, tail_group=t)
     times = time_variants(variants, rounds=3, block=4, warmup=1, group=full, graphs=graphs)
     timed = [j for j in range(len(cfgs)) if not math.isnan(times[names[j]])]  # NaN: some rank could not capture it
     best = min(timed, key=lambda j: times[names[j]], default=None)
@@ -975,7 +1012,7 @@ def trial(
     if dist.get_rank(full) == 0:
         what = "no tuned config" if untuned else "tuned for another shape"
         print(
-            f"[flashoverlap] {ex.collective} {m}x{preps[0].plan.n}, {what}: "
+            f"[flashoverlap] {exes[0].collective} {m}x{preps[0].plan.n}, {what}: "
             + ", ".join(f"{name} {t:.3f} ms" for name, t in times.items())
             + f" per call{' (CUDA graphs)' * graphs} -> {'sequential' if pick is None else names[pick]}"
             f" for M in [{1 << (m.bit_length() - 1)}, "
@@ -984,6 +1021,12 @@ def trial(
             flush=True,
         )
     return pick
+
+
+def _trial_runs() -> bool:
+    """Whether :func:`trial` times its candidates (not under ``FLASHOVERLAP_TRIAL=0``, nor while a
+    CUDA graph is captured)."""
+    return os.environ.get("FLASHOVERLAP_TRIAL", "1") != "0" and not torch.cuda.is_current_stream_capturing()
 
 
 def budget_communicator(

@@ -251,23 +251,26 @@ def test_column_parallel_linear_on_one_gpu(nccl_one_rank, sequence_parallel):
 
 def test_an_untuned_call_is_timed_once_against_sequential(nccl_one_rank, capfd):
     """overlap.trial on a group of one rank: real timing of the defaults, the same with its SM
-    budget late and the plain path, decided once per plans and communicators, the inputs and counters
-    left as they were."""
+    budget late, as a pull all-reduce, and the plain path, decided once per plans and communicators,
+    the inputs and counters left as they were."""
     m, n, k = 2048, 4096, 1024
     a, w, ref = operands(m, n, k, torch.bfloat16, "nk", seed=5)
     snapshot = a.clone()
     cfg = for_collective(OverlapConfig(), "all_reduce")
     prep = prepare(m, n, k, torch.bfloat16, "nk", a.device, cfg)
-    late = overlap.alternative(cfg, (m, n, k), prep.sm_count + cfg.comm_sms, torch.cuda.get_device_capability())
-    assert late is not None and late.late_budget
-    cfgs = [cfg, late]
-    preps = [prep, prepare(m, n, k, torch.bfloat16, "nk", a.device, late)]
-    ex = comm.exchange("all_reduce", m, 1)
+    total = prep.sm_count + cfg.comm_sms
+    late = overlap.alternative(cfg, (m, n, k), total, torch.cuda.get_device_capability())
+    pull = overlap.pulled(cfg, "all_reduce", (m, n, k), total)
+    assert late is not None and late.late_budget and pull.reduction == "pull"
+    cfgs = [cfg, late, pull]
+    preps = [prep, *(prepare(m, n, k, torch.bfloat16, "nk", a.device, c) for c in cfgs[1:])]
+    exes = [comm.exchange("all_reduce", m, 1, reduction=c.reduction) for c in cfgs]
     budgets = [overlap.budget_communicator(c, "all_reduce", dist.group.WORLD, a.device) for c in cfgs]
+    tails = [dist.group.WORLD, dist.group.WORLD, None]
     overlap._trials.clear()
-    args = (cfgs, preps, budgets, a, w, "nk", ex, dist.group.WORLD, dist.group.WORLD, m)
+    args = (cfgs, preps, budgets, a, w, "nk", exes, tails, dist.group.WORLD, m)
     pick = overlap.trial(*args)
-    assert pick in (0, 1, None) and list(overlap._trials.values()) == [pick]
+    assert pick in (0, 1, 2, None) and list(overlap._trials.values()) == [pick]
     assert "no tuned config" in capfd.readouterr().err
     key = next(iter(overlap._trials))
     overlap._trials[key] = other = 1 if pick is None else None
@@ -276,8 +279,8 @@ def test_an_untuned_call_is_timed_once_against_sequential(nccl_one_rank, capfd):
     for prep in preps:
         assert prep.counters.tolist() == [0] * prep.plan.num_groups
     assert torch.equal(a, snapshot)
-    for prep, budget in zip(preps, budgets):
-        assert rel_err(run_overlapped(prep, a, w, ex, budget, tail_group=dist.group.WORLD), ref) < 1e-2
+    for prep, budget, ex, tail in zip(preps, budgets, exes, tails):
+        assert rel_err(run_overlapped(prep, a, w, ex, budget, tail_group=tail), ref) < 1e-2
 
 
 @pytest.mark.parametrize("direct", [False, True])

@@ -272,6 +272,77 @@ def test_a_timed_call_runs_the_fastest_candidate(one_rank_group, monkeypatch):
     assert chosen.config.late_budget and chosen.prep is preps[True]
 
 
+def test_where_the_ranks_can_pull_a_timed_all_reduce_times_the_pull_too(one_rank_group, monkeypatch):
+    """A call without a tuned config also times its config as a pull all-reduce (overlap.pulled)
+    where comm.peer.unavailable allows; a winning pull runs with its own exchange, its copies and
+    no NCCL communicator for the last group."""
+    from flashoverlap import bench, overlap
+    from flashoverlap.plan import make_plan
+
+    m, n = 4096, 8192
+    ran = []
+
+    def prepare(m, n, k, dtype, layout, device, cfg, *args):
+        sms = 132 if cfg.late_budget else 132 - cfg.comm_sms
+        plan = make_plan(m, n, tile_m=128, tile_n=256, cluster_m=1, ctas=sms, layout="rows", keep=132 - cfg.comm_sms)
+        return overlap.Prepared(plan, *(None,) * 5, sms, None)
+
+    monkeypatch.setattr(overlap, "_trials", type(overlap._trials)())
+    monkeypatch.setattr(overlap, "world_size", lambda group: 2)
+    monkeypatch.setattr(overlap, "check_inputs", lambda a, w, layout: (m, n, 64))
+    monkeypatch.setattr(torch.cuda, "device", lambda device: contextlib.nullcontext())
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (9, 0))
+    monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: False)
+    monkeypatch.setattr(overlap, "tuned_config", lambda *args: None)
+    monkeypatch.setattr(overlap, "one_wave", lambda *args: False)
+    monkeypatch.setattr(overlap, "prepare", prepare)
+    monkeypatch.setattr(overlap, "check_agreement", lambda *args: None)
+    monkeypatch.setattr(overlap, "budget_communicator", lambda cfg, *args: f"budget {cfg.reduction} {cfg.comm_sms}")
+    monkeypatch.setattr(comm, "tail_group", lambda *args: "tail")
+    monkeypatch.setattr(comm.peer, "unavailable", lambda group, device: None)
+    monkeypatch.setattr(
+        overlap, "run_overlapped", lambda prep, a, w, ex, b, tail_group: ran.append((ex, b, tail_group))
+    )
+    times = {
+        "sequential": 1.0,
+        "overlapped, comm_sms 16": 0.95,
+        "overlapped, comm_sms 16 late": 0.9,
+        "overlapped, comm_sms 4 pull": 0.85,  # 1024 tiles: 8 waves on 128 SMs as on 132
+    }
+    timed = []
+    monkeypatch.setattr(
+        bench,
+        "time_variants",
+        lambda variants, *args, **kwargs: timed.append(sorted(variants)) or {v: times[v] for v in variants},
+    )
+    flashoverlap.gemm_all_reduce(bf16(m, 64), bf16(n, 64))
+    assert timed == [sorted(times)]
+    ((ex, budget, tail),) = ran
+    assert ex.reduction == "pull" and ex.recv == (m, m) and budget == "budget pull 4" and tail is None
+    # where they cannot pull, not timed
+    monkeypatch.setattr(overlap, "_trials", type(overlap._trials)())
+    monkeypatch.setattr(overlap, "_decided", type(overlap._decided)())
+    monkeypatch.setattr(comm.peer, "unavailable", lambda group, device: "no peer access")
+    flashoverlap.gemm_all_reduce(bf16(m, 64), bf16(n, 64))
+    assert timed[-1] == ["overlapped, comm_sms 16", "overlapped, comm_sms 16 late", "sequential"]
+
+
+@pytest.mark.parametrize(
+    ("m", "spare"),  # 128 x 256 tiles, N 8192: 32 tiles per tile row
+    [(4096, 4), (128 * 33, 0), (128 * 45, 1), (128 * 15, 4), (1024, 4)],  # 1024, 1056, 1440, 480, 256 tiles
+)
+def test_a_pull_candidate_leaves_the_adds_what_the_grid_spares(m, spare):
+    """overlap.pulled: as many SMs as the GEMM spares at its whole grid's wave count, at most 4."""
+    from flashoverlap import overlap
+    from flashoverlap.config import for_collective
+
+    cfg = for_collective(overlap.OverlapConfig(symmetric=True, late_budget=True), "all_reduce")
+    pull = overlap.pulled(cfg, "all_reduce", (m, 8192, 64), 132)
+    assert (pull.reduction, pull.comm_sms, pull.symmetric, pull.late_budget) == ("pull", spare, False, False)
+    assert overlap.pulled(pull, "all_reduce", (m, 8192, 64), 132) is None  # a pull already
+    assert overlap.pulled(cfg, "reduce_scatter", (m, 8192, 64), 132) is None
+
+
 @pytest.mark.parametrize("p2p_disabled", [False, True])
 def test_no_window_where_p2p_is_disabled(one_rank_group, monkeypatch, p2p_disabled):
     """NCCL's symmetric kernels reach peers through CUDA IPC whatever NCCL_P2P_DISABLE says: with
