@@ -236,21 +236,21 @@ def test_the_ampere_ada_alternative_leaves_nccl_fewer_sms(capability):
         assert overlap.alternative(dataclasses.replace(cfg, comm_sms=sms), (4096, 8192, 64), 132, capability) is None
 
 
-def test_a_timed_call_runs_the_fastest_candidate(one_rank_group, monkeypatch):
-    """A call without a tuned config times the defaults, the same with its SM budget late
-    (:func:`overlap.alternative`) and sequential once; the fastest runs, with its own plan and communicator."""
-    from flashoverlap import bench, overlap
+def untuned_all_reduce(monkeypatch, m: int, n: int) -> dict:
+    """An all-reduce of [m, 64] x [n, 64] on two ranks without a tuned config, planned on 132 SMs in
+    128 x 256 tiles, nothing checked with the other rank: the plans made, by (late_budget, reduction)."""
+    from flashoverlap import overlap
     from flashoverlap.plan import make_plan
 
-    m, n = 4096, 8192
-    preps, ran = {}, []
+    preps = {}
 
     def prepare(m, n, k, dtype, layout, device, cfg, *args):
         sms = 132 if cfg.late_budget else 132 - cfg.comm_sms
         plan = make_plan(m, n, tile_m=128, tile_n=256, cluster_m=1, ctas=sms, layout="rows", keep=132 - cfg.comm_sms)
-        return preps.setdefault(cfg.late_budget, overlap.Prepared(plan, *(None,) * 5, sms, None))
+        return preps.setdefault((cfg.late_budget, cfg.reduction), overlap.Prepared(plan, *(None,) * 5, sms, None))
 
     monkeypatch.setattr(overlap, "_trials", type(overlap._trials)())
+    monkeypatch.setattr(overlap, "_decided", type(overlap._decided)())
     monkeypatch.setattr(overlap, "world_size", lambda group: 2)
     monkeypatch.setattr(overlap, "check_inputs", lambda a, w, layout: (m, n, 64))
     monkeypatch.setattr(torch.cuda, "device", lambda device: contextlib.nullcontext())
@@ -260,16 +260,28 @@ def test_a_timed_call_runs_the_fastest_candidate(one_rank_group, monkeypatch):
     monkeypatch.setattr(overlap, "one_wave", lambda *args: False)
     monkeypatch.setattr(overlap, "prepare", prepare)
     monkeypatch.setattr(overlap, "check_agreement", lambda *args: None)
+    return preps
+
+
+def test_a_timed_call_runs_the_fastest_candidate(one_rank_group, monkeypatch):
+    """A call without a tuned config times the defaults, the same with its SM budget late
+    (:func:`overlap.alternative`) and sequential once; the fastest runs, with its own plan and communicator."""
+    from flashoverlap import bench, overlap
+
+    m, n = 4096, 8192
+    ran = []
+    preps = untuned_all_reduce(monkeypatch, m, n)
     monkeypatch.setattr(overlap, "budget_communicator", lambda cfg, *args: f"budget {cfg.comm_sms}")
     monkeypatch.setattr(overlap, "run_overlapped", lambda prep, a, w, ex, budget, **kw: ran.append((prep, budget)))
     times = {"sequential": 1.0, "overlapped, comm_sms 16": 0.95, "overlapped, comm_sms 16 late": 0.9}
     monkeypatch.setattr(bench, "time_variants", lambda variants, *args, **kwargs: {v: times[v] for v in variants})
     for _ in range(2):
         flashoverlap.gemm_all_reduce(bf16(m, 64), bf16(n, 64))
-    assert ran == [(preps[True], "budget 16")] * 2 and len(overlap._trials) == 1
-    assert (preps[True].plan.after, preps[True].plan.partition) == (6, (6, 1, 1))
+    late = preps[True, "nccl"]
+    assert ran == [(late, "budget 16")] * 2 and len(overlap._trials) == 1
+    assert (late.plan.after, late.plan.partition) == (6, (6, 1, 1))
     chosen = overlap.decide(bf16(m, 64), bf16(n, 64), "all_reduce")
-    assert chosen.config.late_budget and chosen.prep is preps[True]
+    assert chosen.config.late_budget and chosen.prep is late
 
 
 def test_where_the_ranks_can_pull_a_timed_all_reduce_times_the_pull_too(one_rank_group, monkeypatch):
@@ -277,26 +289,10 @@ def test_where_the_ranks_can_pull_a_timed_all_reduce_times_the_pull_too(one_rank
     where comm.peer.unavailable allows; a winning pull runs with its own exchange, its copies and
     no NCCL communicator for the last group."""
     from flashoverlap import bench, overlap
-    from flashoverlap.plan import make_plan
 
     m, n = 4096, 8192
     ran = []
-
-    def prepare(m, n, k, dtype, layout, device, cfg, *args):
-        sms = 132 if cfg.late_budget else 132 - cfg.comm_sms
-        plan = make_plan(m, n, tile_m=128, tile_n=256, cluster_m=1, ctas=sms, layout="rows", keep=132 - cfg.comm_sms)
-        return overlap.Prepared(plan, *(None,) * 5, sms, None)
-
-    monkeypatch.setattr(overlap, "_trials", type(overlap._trials)())
-    monkeypatch.setattr(overlap, "world_size", lambda group: 2)
-    monkeypatch.setattr(overlap, "check_inputs", lambda a, w, layout: (m, n, 64))
-    monkeypatch.setattr(torch.cuda, "device", lambda device: contextlib.nullcontext())
-    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (9, 0))
-    monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: False)
-    monkeypatch.setattr(overlap, "tuned_config", lambda *args: None)
-    monkeypatch.setattr(overlap, "one_wave", lambda *args: False)
-    monkeypatch.setattr(overlap, "prepare", prepare)
-    monkeypatch.setattr(overlap, "check_agreement", lambda *args: None)
+    untuned_all_reduce(monkeypatch, m, n)
     monkeypatch.setattr(overlap, "budget_communicator", lambda cfg, *args: f"budget {cfg.reduction} {cfg.comm_sms}")
     monkeypatch.setattr(comm, "tail_group", lambda *args: "tail")
     monkeypatch.setattr(comm.peer, "unavailable", lambda group, device: None)
