@@ -2,7 +2,7 @@
 memories on the copy engines, no NCCL.
 
 Beside a GEMM on every SM, NCCL's kernels take SMs from it (the budget), and NCCL's copy-engine
-all-gather hardly moves: 64 MB in 8 chunks beside a 4096x8192x8192 GEMM took 1.16-1.18 ms for both
+all-gather hardly moves: 64 MB in 8 chunks beside a 4096x8192x8192 GEMM took 1.15-1.18 ms for both
 against 0.79 for the GEMM alone on two H100s, while plain copies out of the other GPU's memory ran
 beside it at no cost to it (0.80 ms for both, 0.21 alone; bench/symmetric_probe.py, stop 29). So
 the GEMM writes its groups into memory every rank maps (torch symmetric memory: CUDA IPC over
