@@ -63,6 +63,8 @@ class OverlapConfig:
       (CUDA peer access through torch symmetric memory, no NCCL, no SM: comm.peer), which keep
       their pace beside a GEMM on every SM where NCCL's copy-engine all-gather does not; ranks with
       peer access only (NVLink or PCIe P2P), layout ``rows``, no NCCL window (``symmetric``).
+      Reduce-scatter (layout ``segments``) pulls too: each rank copies only its own segment's rows
+      of every other rank's group and adds them (experimental: not run on GPUs yet).
     """
 
     tile_m: int = 128
@@ -154,10 +156,11 @@ def _problems(cfg: OverlapConfig) -> list[str]:
         )
     if cfg.reduction not in REDUCTIONS:
         problems.append(f"reduction must be one of {list(REDUCTIONS)}, got {cfg.reduction!r}")
-    elif cfg.reduction == "pull" and (cfg.symmetric or cfg.layout not in ("rows", "auto")):
+    elif cfg.reduction == "pull" and (cfg.symmetric or cfg.layout not in ("rows", "segments", "auto")):
         problems.append(
             "reduction 'pull' brings its own memory every rank maps and adds into the result's row bands: "
-            f"layout 'rows' (or auto) without symmetric, got layout {cfg.layout!r}, symmetric {cfg.symmetric!r}"
+            f"layout 'rows', 'segments' (or auto) without symmetric, got layout {cfg.layout!r}, "
+            f"symmetric {cfg.symmetric!r}"
         )
     for name in ("sequential", "symmetric", "late_budget"):
         if not isinstance(getattr(cfg, name), bool):
@@ -191,9 +194,13 @@ def for_collective(cfg: OverlapConfig, collective: str) -> OverlapConfig:
             f"epilogue 'tma' stores whole rows of a row-major buffer: layout 'rows' or 'segments', "
             f"got layout {layout!r}"
         )
-    if cfg.reduction != "nccl" and collective != "all_reduce":
+    pulls = {"all_reduce": "rows", "reduce_scatter": "segments"}  # where each collective's pull lands in row bands
+    if cfg.reduction == "local" and collective != "all_reduce":
+        raise ValueError(f"reduction 'local' is for all_reduce (partial sums gathered, then added), not {collective}")
+    if cfg.reduction == "pull" and pulls.get(collective) != layout:
         raise ValueError(
-            f"reduction {cfg.reduction!r} is for all_reduce (partial sums gathered, then added), not {collective}"
+            "reduction 'pull' runs all_reduce in layout 'rows' and reduce_scatter in layout 'segments', "
+            f"not {collective} in layout {layout!r}"
         )
     return dataclasses.replace(cfg, layout=layout)
 

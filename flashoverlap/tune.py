@@ -579,6 +579,8 @@ def tune_shape(
         per_wave_ms = times[f"kernel{j}"] / prep.plan.num_waves
         ranks = world if collective != "all_reduce" else 1
         sent = wave_bytes(prep.plan, elem, ranks)
+        if pattern == "pull" and collective != "all_reduce":  # a rank pulls its own segment's rows only
+            sent = tuple(b / world for b in sent)
         kept = wave_bytes(prep.plan, elem, ranks, own=True)
         local = _local_model(collective, dtype, rounds) if any(kept) else None
         if comm.finishes(ex, prep.plan) and pattern != "all_gather":  # result rows copied into place per group

@@ -56,6 +56,7 @@ CONFIGS = {
         {"layout": "rows"},
         {"layout": "segments"},
         {"symmetric": True},
+        {"layout": "segments", "reduction": "pull", "comm_sms": 4},
     ],
     "all_to_all": [
         {},

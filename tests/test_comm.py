@@ -138,8 +138,9 @@ def test_only_a_uniform_all_to_all_takes_the_equal_split_path(monkeypatch):
             {"splits": [5, 5], "output_splits": [5, 2], "rows_per_rank": [10]},
             "rows_per_rank must be 2",
         ),
-        (("all_to_all", 10, 2), {"reduction": "local"}, "reduction must be 'nccl', or 'local' / 'pull' for all_reduce"),
-        (("reduce_scatter", 10, 2), {"reduction": "pull"}, "reduction must be 'nccl', or 'local' / 'pull'"),
+        (("all_to_all", 10, 2), {"reduction": "local"}, "reduction must be 'nccl', 'local' / 'pull' for all_reduce"),
+        (("all_to_all", 10, 2), {"reduction": "pull"}, "'pull' for reduce_scatter; got 'pull' for all_to_all"),
+        (("reduce_scatter", 10, 2), {"reduction": "local"}, "got 'local' for reduce_scatter"),
         (("all_reduce", 10, 2), {"reduction": "tree"}, "reduction must be"),
     ],
 )

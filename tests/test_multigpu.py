@@ -136,6 +136,7 @@ SPLIT_CONFIGS = [
     OverlapConfig(layout="segments", symmetric=True, comm_sms=4),
     OverlapConfig(layout="segments", late_budget=True),
     OverlapConfig(layout="rows", late_budget=True, comm_sms=24),
+    OverlapConfig(layout="segments", reduction="pull", comm_sms=4),  # reduce-scatter only (comm.peer)
 ]
 
 

@@ -31,6 +31,7 @@ COLLECTIVE_LAYOUTS = [
     ("all_reduce", "rows"),  # the ones from here on: reduction "local" (partial sums gathered, added after)
     ("all_reduce", "tiles"),
     ("all_reduce", "rows"),  # reduction "pull" (on GPUs copied out of the other ranks' memory; here all-gathered)
+    ("reduce_scatter", "segments"),  # ... this rank's segment rows of every rank's group (here all-to-all'ed)
 ]
 LOCAL, PULL = 10, 12  # COLLECTIVE_LAYOUTS[LOCAL:] gather and add locally, [PULL:] as "pull"
 SEGMENTED = ("rows", "segments")  # layouts whose reduce-scatter / all-to-all need equal, whole-unit segments

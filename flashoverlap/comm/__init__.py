@@ -229,9 +229,11 @@ def exchange(
         raise ValueError(f"splits apply to all_to_all only, not {collective}")
     if rows_per_rank is not None and (splits is None or output_splits is None):
         raise ValueError("rows_per_rank (every rank's M) goes with an all-to-all's splits and output_splits")
-    if reduction not in REDUCTIONS or (reduction != "nccl" and collective != "all_reduce"):
+    takes = {"all_reduce": REDUCTIONS, "reduce_scatter": ("nccl", "pull")}.get(collective, ("nccl",))
+    if reduction not in takes:
         raise ValueError(
-            f"reduction must be 'nccl', or 'local' / 'pull' for all_reduce; got {reduction!r} for {collective}"
+            "reduction must be 'nccl', 'local' / 'pull' for all_reduce, 'pull' for reduce_scatter; "
+            f"got {reduction!r} for {collective}"
         )
     if collective == "all_reduce":
         return Exchange(collective, (m,), (m,) * (world if reduction != "nccl" else 1), m, reduction)
@@ -239,7 +241,7 @@ def exchange(
         raise ValueError(f"{collective} splits M={m} rows evenly over {world} ranks: M must be a multiple of {world}")
     even = (m // world,) * world
     if collective == "reduce_scatter":
-        return Exchange(collective, even, even, m // world)
+        return Exchange(collective, even, even, m // world, reduction)
     send = even if splits is None else _counts("splits", splits, world)
     if sum(send) != m:
         raise ValueError(f"splits {list(send)} sum to {sum(send)} rows, but a has M={m} rows")
@@ -390,6 +392,8 @@ def buffers(
         extra = len(ex.send) - 2 if ex.collective == "reduce_scatter" else 0
         return out, alloc((plan.numel,)), alloc((extra * ex.rows * plan.n,)) if extra > 0 else None
     if plan.layout == "segments" and ex.collective == "reduce_scatter":  # each group's sums land in place
+        if ex.reduction == "pull":  # ... or this rank's segment rows of every rank's group are pulled
+            return out, shared if shared is not None else alloc((plan.numel,)), alloc((plan.numel,))
         return out, alloc((plan.numel,)), None
     return out, alloc((plan.numel,)), alloc((ex.rows * plan.n,))
 
@@ -460,6 +464,9 @@ def communicate_group(
     group); in the ``rows`` layout in ``out`` (see :func:`_rows_group`). ``recv``, ``out``: from
     :func:`buffers`."""
     chunk = buffer[plan.bounds[g] : plan.bounds[g + 1]]
+    if ex.reduction != "nccl" and ex.collective == "reduce_scatter":  # (a pull: this rank's segment rows)
+        _pull_segment(ex, plan, g, chunk, recv, group)
+        return
     if ex.reduction != "nccl":  # every rank's partial sums of the group, rank after rank
         into = recv[len(ex.recv) * plan.bounds[g] : len(ex.recv) * plan.bounds[g + 1]]
         if isinstance(group, Peers):  # copied out of each rank's memory as it says the group is there
@@ -488,6 +495,24 @@ def communicate_group(
     collective(ex, chunk.view(plan.m, c1 - c0), group, staged)
 
 
+def _pull_segment(
+    ex: Exchange, plan: Plan, g: int, chunk: torch.Tensor, recv: torch.Tensor, group: dist.ProcessGroup | Peers
+) -> None:
+    """Group ``g`` of a ``pull`` reduce-scatter (layout ``segments``: the group is [world, rows, n],
+    block q the rows of rank q's segment): every other rank's block of this rank's segment into
+    row q of the group's range of ``recv`` (viewed [world, rows * n]); with :class:`Peers` copied
+    out of their memory, else (gloo: the CPU reference executor) by an all-to-all of the blocks."""
+    world = len(ex.recv)
+    into = recv[plan.bounds[g] : plan.bounds[g + 1]].view(world, -1)
+    if isinstance(group, Peers):
+        for r, theirs in group.arrivals(g, chunk.view(world, -1)[group.rank]):
+            copy_2d(into[r].view(1, -1), theirs.view(1, -1))
+        return
+    rows = chunk.numel() // world // plan.n
+    blocks = Exchange("all_to_all", (rows,) * world, (rows,) * world, rows * world)
+    collective(blocks, chunk.view(-1, plan.n), group, into.view(-1, plan.n))
+
+
 def finishes(ex: Exchange, plan: Plan) -> bool:
     """Whether a call's groups need :func:`finish_group` after their collectives."""
     segments_a2a = plan.layout == "segments" and ex.collective == "all_to_all"
@@ -504,9 +529,11 @@ def finish_group(
     own: int | None = None,
 ) -> None:
     """Group ``g``'s own step once its collective is done (the GPU path runs it on a stream of its
-    own, so it never holds up the next collective): a ``local`` / ``pull`` all-reduce adds the world's partial
-    sums of the group (in ``recv``) straight into ``out``'s rows in the ``rows`` layout (its groups
-    are row bands of C), else into the group's range of ``buffer``; then in the ``cols`` layout the
+    own, so it never holds up the next collective): a ``local`` / ``pull`` all-reduce adds the
+    world's partial sums of the group (in ``recv``) straight into ``out``'s rows in the ``rows``
+    layout (its groups are row bands of C), else into the group's range of ``buffer``; a ``pull``
+    reduce-scatter every rank's rows of this rank's segment (``recv``: [world, rows * n] per group)
+    into ``out``'s rows of the group (:func:`_pull_segment`); then in the ``cols`` layout the
     group's [ex.rows, c1 - c0] block (of ``buffer`` after an all-reduce, local or not, else of
     ``recv``) is copied into its columns of ``out``; a ``segments`` all-to-all copies the rows each
     rank sent into that rank's segment of ``out``. Nothing for any other call (:func:`finishes`).
@@ -517,16 +544,21 @@ def finish_group(
     lo, hi = plan.bounds[g], plan.bounds[g + 1]
     if ex.reduction != "nccl":
         world = len(ex.recv)
-        into = out.view(-1) if plan.layout == "rows" else buffer
-        parts = recv[world * lo : world * hi].view(world, hi - lo)
-        if own is None:
-            add_partials(parts, into[lo:hi])
+        if ex.collective == "reduce_scatter":  # a pull: this rank's segment rows of every rank's group
+            r0, r1 = plan.segment_rows(g)
+            into, parts = out[r0:r1].view(-1), recv[lo:hi].view(world, -1)
+            mine = None if own is None else buffer[lo:hi].view(world, -1)[own]
         else:
-            rows = [buffer[lo:hi] if r == own else parts[r] for r in range(world)]
+            into = (out.view(-1) if plan.layout == "rows" else buffer)[lo:hi]
+            parts, mine = recv[world * lo : world * hi].view(world, hi - lo), buffer[lo:hi]
+        if own is None:
+            add_partials(parts, into)
+        else:
+            rows = [mine if r == own else parts[r] for r in range(world)]
             if world == 1:
-                copy_2d(into[lo:hi].view(1, -1), rows[0].view(1, -1))
+                copy_2d(into.view(1, -1), rows[0].view(1, -1))
             for r in range(1, world):
-                add(into[lo:hi], rows[0] if r == 1 else into[lo:hi], rows[r])
+                add(into, rows[0] if r == 1 else into, rows[r])
     if plan.layout == "cols":
         c0, c1 = plan.columns(g)
         block = buffer if ex.collective == "all_reduce" else recv
