@@ -63,8 +63,9 @@ class OverlapConfig:
       (CUDA peer access through torch symmetric memory, no NCCL, no SM: comm.peer), which keep
       their pace beside a GEMM on every SM where NCCL's copy-engine all-gather does not; ranks with
       peer access only (NVLink or PCIe P2P), layout ``rows``, no NCCL window (``symmetric``).
-      Reduce-scatter (layout ``segments``) pulls too: each rank copies only its own segment's rows
-      of every other rank's group and adds them (experimental: not run on GPUs yet).
+      Reduce-scatter / all-to-all (layout ``segments``) pull too: each rank copies only its own
+      segment's rows of every other rank's group, and adds them (reduce-scatter) or has its result
+      rows (all-to-all); experimental: not run on GPUs yet.
     """
 
     tile_m: int = 128
@@ -194,12 +195,12 @@ def for_collective(cfg: OverlapConfig, collective: str) -> OverlapConfig:
             f"epilogue 'tma' stores whole rows of a row-major buffer: layout 'rows' or 'segments', "
             f"got layout {layout!r}"
         )
-    pulls = {"all_reduce": "rows", "reduce_scatter": "segments"}  # where each collective's pull lands in row bands
+    pulls = {"all_reduce": "rows", "reduce_scatter": "segments", "all_to_all": "segments"}  # (comm.peer)
     if cfg.reduction == "local" and collective != "all_reduce":
         raise ValueError(f"reduction 'local' is for all_reduce (partial sums gathered, then added), not {collective}")
     if cfg.reduction == "pull" and pulls.get(collective) != layout:
         raise ValueError(
-            "reduction 'pull' runs all_reduce in layout 'rows' and reduce_scatter in layout 'segments', "
+            "reduction 'pull' runs all_reduce in layout 'rows', reduce_scatter and all_to_all in layout 'segments', "
             f"not {collective} in layout {layout!r}"
         )
     return dataclasses.replace(cfg, layout=layout)

@@ -781,7 +781,7 @@ def _decide(
         )
     with torch.cuda.device(a.device):  # the kernels launch on the current device
         if cfg.reduction != ex.reduction:
-            ex = comm.exchange(collective, m, world, reduction=cfg.reduction)
+            ex = comm.with_reduction(ex, cfg.reduction, world)
         comm.check_layout(ex, cfg.layout, rotation_unit(cfg, (m, n, k)))
         if cfg.symmetric and not ex.even:
             raise ValueError(
@@ -813,10 +813,7 @@ def _decide(
             if other is not None and (other_prep := planned(other)).plan.num_groups > 1:
                 candidates.append(other)
                 preps.append(other_prep)
-        exes = [
-            ex if c.reduction == ex.reduction else comm.exchange(collective, m, world, reduction=c.reduction)
-            for c in candidates
-        ]
+        exes = [ex if c.reduction == ex.reduction else comm.with_reduction(ex, c.reduction, world) for c in candidates]
         for c, prep, e in zip(candidates, preps, exes):
             call = (collective, "ragged" if ex.ragged else m, n, k, a.dtype, weight_layout, a.device.index, c)
             check_agreement(prep, collective, full, e, call)

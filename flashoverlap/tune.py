@@ -593,7 +593,7 @@ def tune_shape(
         problems.append(
             Problem(sent, per_wave_ms, *comm_models, host, kept, local, start_wave=prep.plan.after, tail_apart=apart)
         )
-        if pattern in ("all_gather", "pull"):  # the gathered partial sums added
+        if pattern == "all_gather" or pattern == "pull" and collective != "all_to_all":  # the partial sums added
             problems[-1] = with_local_adds(problems[-1], _local_model("all_gather", dtype, rounds), cfg.comm_sms)
         choices.append((choose(problems[-1], sequential_ms, margin), j))
     if not choices:

@@ -67,6 +67,7 @@ CONFIGS = {
         {"layout": "rows"},  # equal splits
         {"layout": "segments"},  # equal splits
         {"symmetric": True},  # equal splits, copy engines
+        {"layout": "segments", "reduction": "pull", "comm_sms": 4},  # equal splits
     ],
 }
 KEEP = 3  # outputs held and re-checked at every check

@@ -139,7 +139,6 @@ def test_only_a_uniform_all_to_all_takes_the_equal_split_path(monkeypatch):
             "rows_per_rank must be 2",
         ),
         (("all_to_all", 10, 2), {"reduction": "local"}, "reduction must be 'nccl', 'local' / 'pull' for all_reduce"),
-        (("all_to_all", 10, 2), {"reduction": "pull"}, "'pull' for reduce_scatter; got 'pull' for all_to_all"),
         (("reduce_scatter", 10, 2), {"reduction": "local"}, "got 'local' for reduce_scatter"),
         (("all_reduce", 10, 2), {"reduction": "tree"}, "reduction must be"),
     ],
@@ -199,6 +198,7 @@ def test_where_each_layout_leaves_its_result():
     ar, local = exchange("all_reduce", 1024, 2), exchange("all_reduce", 1024, 2, reduction="local")
     pull = exchange("all_reduce", 1024, 2, reduction="pull")
     rs, a2a = exchange("reduce_scatter", 1024, 2), exchange("all_to_all", 1024, 2)
+    rs_pull, a2a_pull = (exchange(c, 1024, 2, reduction="pull") for c in ("reduce_scatter", "all_to_all"))
     cases = {  # (exchange, layout): (finishes, lands in out)
         (ar, "rows"): (False, True),
         (ar, "tiles"): (False, False),
@@ -210,6 +210,8 @@ def test_where_each_layout_leaves_its_result():
         (rs, "cols"): (True, False),
         (rs, "segments"): (False, True),
         (a2a, "segments"): (True, False),
+        (rs_pull, "segments"): (True, False),  # this rank's rows of every rank's group, then added
+        (a2a_pull, "segments"): (False, True),  # straight into place
     }
     for (ex, layout), expected in cases.items():
         p = plan(layout, interleave(ex, layout))

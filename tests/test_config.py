@@ -55,10 +55,13 @@ def test_auto_layout_epilogue_kernel_and_tile_k_follow_collective_and_device():
         for_collective(OverlapConfig(epilogue="tma"), "all_to_all")
     with pytest.raises(ValueError, match="reduction 'local' is for all_reduce"):
         for_collective(OverlapConfig(reduction="local"), "reduce_scatter")
-    with pytest.raises(ValueError, match="reduction 'pull' runs all_reduce in layout 'rows' and reduce_scatter"):
-        for_collective(OverlapConfig(reduction="pull", layout="segments"), "all_to_all")
+    with pytest.raises(
+        ValueError, match="reduction 'pull' runs all_reduce in layout 'rows', reduce_scatter and all_to"
+    ):
+        for_collective(OverlapConfig(reduction="pull", layout="rows"), "all_to_all")
     with pytest.raises(ValueError, match="not reduce_scatter in layout 'rows'"):
         for_collective(OverlapConfig(reduction="pull", layout="rows"), "reduce_scatter")
+    assert for_collective(OverlapConfig(reduction="pull", layout="segments"), "all_to_all").layout == "segments"
     assert for_collective(OverlapConfig(reduction="pull"), "all_reduce").layout == "rows"
     assert for_collective(OverlapConfig(reduction="pull", layout="segments"), "reduce_scatter").layout == "segments"
     assert [c.layout for c in resolutions(OverlapConfig(reduction="pull"), "reduce_scatter")] == ["segments"]

@@ -182,6 +182,7 @@ def nccl_one_rank():
         ("all_reduce", "tiles", "local"),
         ("all_reduce", "rows", "pull"),
         ("reduce_scatter", "segments", "pull"),
+        ("all_to_all", "segments", "pull"),
     ],
 )
 def test_pipeline_on_one_gpu(nccl_one_rank, monkeypatch, mode, symmetric, nccl, collective, layout, reduction):

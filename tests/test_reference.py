@@ -32,6 +32,7 @@ COLLECTIVE_LAYOUTS = [
     ("all_reduce", "tiles"),
     ("all_reduce", "rows"),  # reduction "pull" (on GPUs copied out of the other ranks' memory; here all-gathered)
     ("reduce_scatter", "segments"),  # ... this rank's segment rows of every rank's group (here all-to-all'ed)
+    ("all_to_all", "segments"),  # ... straight into the result (equal splits)
 ]
 LOCAL, PULL = 10, 12  # COLLECTIVE_LAYOUTS[LOCAL:] gather and add locally, [PULL:] as "pull"
 SEGMENTED = ("rows", "segments")  # layouts whose reduce-scatter / all-to-all need equal, whole-unit segments

@@ -11,7 +11,7 @@ import hashlib
 import os
 import warnings
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 import torch.distributed as dist
@@ -23,6 +23,9 @@ from .peer import Peers
 
 COLLECTIVES = ("all_reduce", "reduce_scatter", "all_to_all")
 REDUCTIONS = ("nccl", "local", "pull")  # "local" and "pull" gather every rank's partial sums, then add
+# what each collective takes: a pull reduce-scatter / all-to-all copies this rank's rows of every
+# rank's group out of its memory (the ``segments`` layout: config.for_collective)
+TAKES = {"all_reduce": REDUCTIONS, "reduce_scatter": ("nccl", "pull"), "all_to_all": ("nccl", "pull")}
 # layouts whose reduce-scatter / all-to-all need equal segments of whole units (rows_carry)
 EQUAL_SEGMENTS = ("rows", "segments")
 MAX_PITCH = 2**31 - 1  # bytes between rows cudaMemcpy2DAsync takes (cudaDevAttrMaxPitch on current GPUs)
@@ -229,19 +232,17 @@ def exchange(
         raise ValueError(f"splits apply to all_to_all only, not {collective}")
     if rows_per_rank is not None and (splits is None or output_splits is None):
         raise ValueError("rows_per_rank (every rank's M) goes with an all-to-all's splits and output_splits")
-    takes = {"all_reduce": REDUCTIONS, "reduce_scatter": ("nccl", "pull")}.get(collective, ("nccl",))
-    if reduction not in takes:
-        raise ValueError(
-            "reduction must be 'nccl', 'local' / 'pull' for all_reduce, 'pull' for reduce_scatter; "
-            f"got {reduction!r} for {collective}"
-        )
+    _check_reduction(collective, reduction)
     if collective == "all_reduce":
-        return Exchange(collective, (m,), (m,) * (world if reduction != "nccl" else 1), m, reduction)
+        return with_reduction(Exchange(collective, (m,), (m,), m), reduction, world)
     if splits is None and m % world:
         raise ValueError(f"{collective} splits M={m} rows evenly over {world} ranks: M must be a multiple of {world}")
     even = (m // world,) * world
     if collective == "reduce_scatter":
         return Exchange(collective, even, even, m // world, reduction)
+    if reduction != "nccl":  # (its splits kept: with_reduction)
+        plain = exchange(collective, m, world, splits, output_splits, group, device, rows_per_rank=rows_per_rank)
+        return with_reduction(plain, reduction, world)
     send = even if splits is None else _counts("splits", splits, world)
     if sum(send) != m:
         raise ValueError(f"splits {list(send)} sum to {sum(send)} rows, but a has M={m} rows")
@@ -264,6 +265,23 @@ def exchange(
     recv = tuple(row[dist.get_rank(group)] for row in rows)
     uniform = len({c for row in rows for c in row}) == 1
     return Exchange(collective, send, recv, sum(recv), uniform=uniform, sources=tuple(map(sum, rows)))
+
+
+def _check_reduction(collective: str, reduction: str) -> None:
+    if reduction not in TAKES[collective]:
+        raise ValueError(
+            "reduction must be 'nccl', 'local' / 'pull' for all_reduce, 'pull' for reduce_scatter / all_to_all; "
+            f"got {reduction!r} for {collective}"
+        )
+
+
+def with_reduction(ex: Exchange, reduction: str, world: int) -> Exchange:
+    """``ex`` (of ``world`` ranks) with ``reduction``, its splits kept (an all-reduce's gathers
+    receive every rank's partial sums)."""
+    _check_reduction(ex.collective, reduction)
+    if ex.collective == "all_reduce":
+        return Exchange(ex.collective, ex.send, (ex.rows,) * (world if reduction != "nccl" else 1), ex.rows, reduction)
+    return replace(ex, reduction=reduction)
 
 
 def _counts(name: str, values: Sequence[int], world: int) -> tuple[int, ...]:
@@ -391,9 +409,10 @@ def buffers(
     if plan.layout == "rows":
         extra = len(ex.send) - 2 if ex.collective == "reduce_scatter" else 0
         return out, alloc((plan.numel,)), alloc((extra * ex.rows * plan.n,)) if extra > 0 else None
+    if ex.reduction == "pull":  # this rank's segment rows of every rank's group pulled (into place: all-to-all)
+        gathered = alloc((plan.numel,)) if ex.collective == "reduce_scatter" else None
+        return out, shared if shared is not None else alloc((plan.numel,)), gathered
     if plan.layout == "segments" and ex.collective == "reduce_scatter":  # each group's sums land in place
-        if ex.reduction == "pull":  # ... or this rank's segment rows of every rank's group are pulled
-            return out, shared if shared is not None else alloc((plan.numel,)), alloc((plan.numel,))
         return out, alloc((plan.numel,)), None
     return out, alloc((plan.numel,)), alloc((ex.rows * plan.n,))
 
@@ -464,8 +483,8 @@ def communicate_group(
     group); in the ``rows`` layout in ``out`` (see :func:`_rows_group`). ``recv``, ``out``: from
     :func:`buffers`."""
     chunk = buffer[plan.bounds[g] : plan.bounds[g + 1]]
-    if ex.reduction != "nccl" and ex.collective == "reduce_scatter":  # (a pull: this rank's segment rows)
-        _pull_segment(ex, plan, g, chunk, recv, group)
+    if ex.reduction != "nccl" and ex.collective != "all_reduce":  # (a pull: this rank's segment rows)
+        _pull_segment(ex, plan, g, chunk, recv, out, group)
         return
     if ex.reduction != "nccl":  # every rank's partial sums of the group, rank after rank
         into = recv[len(ex.recv) * plan.bounds[g] : len(ex.recv) * plan.bounds[g + 1]]
@@ -496,27 +515,45 @@ def communicate_group(
 
 
 def _pull_segment(
-    ex: Exchange, plan: Plan, g: int, chunk: torch.Tensor, recv: torch.Tensor, group: dist.ProcessGroup | Peers
+    ex: Exchange,
+    plan: Plan,
+    g: int,
+    chunk: torch.Tensor,
+    recv: torch.Tensor | None,
+    out: torch.Tensor,
+    group: dist.ProcessGroup | Peers,
 ) -> None:
-    """Group ``g`` of a ``pull`` reduce-scatter (layout ``segments``: the group is [world, rows, n],
-    block q the rows of rank q's segment): every other rank's block of this rank's segment into
-    row q of the group's range of ``recv`` (viewed [world, rows * n]); with :class:`Peers` copied
-    out of their memory, else (gloo: the CPU reference executor) by an all-to-all of the blocks."""
-    world = len(ex.recv)
-    into = recv[plan.bounds[g] : plan.bounds[g + 1]].view(world, -1)
+    """Group ``g`` of a ``pull`` reduce-scatter / all-to-all (layout ``segments``: the group is
+    [world, rows, n], block q the rows of rank q's segment): every rank's block of this rank's
+    segment, row q of ``into`` ([world, rows * n]) from rank q: a reduce-scatter's into the
+    group's range of ``recv`` (its own block stays in the buffer: finish_group adds it), an
+    all-to-all's straight into ``out``, at the group's rows of source q's segment (its own copied
+    too). With :class:`Peers` copied out of their memory, else (gloo: the CPU reference executor)
+    by an all-to-all of the blocks."""
+    world, (r0, r1) = len(ex.recv), plan.segment_rows(g)
+    if ex.collective == "reduce_scatter":
+        into = recv[plan.bounds[g] : plan.bounds[g + 1]].view(world, -1)
+    else:
+        into = out.view(world, -1)[:, r0 * plan.n : r1 * plan.n]
+    mine = chunk.view(world, -1)
     if isinstance(group, Peers):
-        for r, theirs in group.arrivals(g, chunk.view(world, -1)[group.rank]):
+        if ex.collective == "all_to_all":
+            copy_2d(into[group.rank].view(1, -1), mine[group.rank].view(1, -1))
+        for r, theirs in group.arrivals(g, mine[group.rank]):
             copy_2d(into[r].view(1, -1), theirs.view(1, -1))
         return
-    rows = chunk.numel() // world // plan.n
-    blocks = Exchange("all_to_all", (rows,) * world, (rows,) * world, rows * world)
-    collective(blocks, chunk.view(-1, plan.n), group, into.view(-1, plan.n))
+    blocks = Exchange("all_to_all", (r1 - r0,) * world, (r1 - r0,) * world, (r1 - r0) * world)
+    staged = collective(blocks, chunk.view(-1, plan.n), group, into.view(-1, plan.n) if into.is_contiguous() else None)
+    if not into.is_contiguous():
+        copy_2d(into, staged.view(world, -1))
 
 
 def finishes(ex: Exchange, plan: Plan) -> bool:
-    """Whether a call's groups need :func:`finish_group` after their collectives."""
-    segments_a2a = plan.layout == "segments" and ex.collective == "all_to_all"
-    return ex.reduction != "nccl" or plan.layout == "cols" or segments_a2a
+    """Whether a call's groups need :func:`finish_group` after their collectives (not a ``pull``
+    all-to-all: its rows land in place)."""
+    if ex.reduction != "nccl":
+        return ex.collective != "all_to_all"
+    return plan.layout == "cols" or plan.layout == "segments" and ex.collective == "all_to_all"
 
 
 def finish_group(
@@ -541,6 +578,8 @@ def finish_group(
     ``pull`` all-reduce: copying them next to the others' on the copy engines ran at ~90 GB/s
     beside the GEMM and held up the pulls behind it, stop 29); the rows are then added one by one
     in rank order (the same sum on every rank, rounded at each add as NCCL's ring does)."""
+    if not finishes(ex, plan):
+        return
     lo, hi = plan.bounds[g], plan.bounds[g + 1]
     if ex.reduction != "nccl":
         world = len(ex.recv)
@@ -587,10 +626,10 @@ def copy_2d(dst: torch.Tensor, src: torch.Tensor) -> None:
 
 def lands_in_out(ex: Exchange, plan: Plan) -> bool:
     """Whether the collectives leave the result in :func:`buffers`' ``out`` itself (the ``rows``
-    layout, and a ``segments`` reduce-scatter); every other layout puts it into the ``out`` that
-    :func:`finish_group` (or the ``tiles`` layout's :func:`restore`) is given."""
+    layout, a ``segments`` reduce-scatter, a ``pull`` all-to-all); every other layout puts it into
+    the ``out`` that :func:`finish_group` (or the ``tiles`` layout's :func:`restore`) is given."""
     if ex.reduction != "nccl":
-        return False
+        return ex.collective == "all_to_all"
     return plan.layout == "rows" or plan.layout == "segments" and ex.collective == "reduce_scatter"
 
 
@@ -598,12 +637,13 @@ def landed(ex: Exchange, plan: Plan, g: int, out: torch.Tensor) -> torch.Tensor 
     """The part of ``out`` (:func:`buffers`) that group ``g``'s collective completes, where the
     result lands there (:func:`lands_in_out`) in one range: an all-reduce's row band, a ``segments``
     reduce-scatter's rows of the group; else None (the ``rows`` layout of reduce-scatter /
-    all-to-all lands in parts of several segments, the own one's after a local step)."""
+    all-to-all lands in parts of several segments, the own one's after a local step; so does a
+    ``pull`` all-to-all, in every source's segment)."""
     if not lands_in_out(ex, plan):
         return None
     if ex.collective == "all_reduce":
         return out.view(-1)[plan.bounds[g] : plan.bounds[g + 1]]
-    if plan.layout == "segments":
+    if plan.layout == "segments" and ex.collective == "reduce_scatter":
         r0, r1 = plan.segment_rows(g)
         return out[r0:r1]
     return None
