@@ -3,6 +3,8 @@
 Communication is plain torch.distributed (NCCL on GPUs, gloo in the CPU reference executor) on
 one contiguous range per group, so any backend and transport works; on flashoverlap's own NCCL
 communicators through NCCL's C API where torch's NCCL allows (:mod:`comm.nccl`, ``FLASHOVERLAP_NCCL``).
+The exception, ``reduction: pull``: copies out of the other ranks' memory on the copy engines where
+the ranks have peer access (:mod:`comm.peer`: NCCL's kernels take SMs from the GEMM).
 """
 
 from __future__ import annotations
