@@ -15,7 +15,7 @@ from typing import Any
 
 import yaml
 
-from .comm import EQUAL_SEGMENTS, REDUCTIONS
+from .comm import EQUAL_SEGMENTS, PULL_LAYOUTS, REDUCTIONS
 from .gemm.generator import EPILOGUES, FAMILIES, GemmSpec, validate_instance
 from .plan import LAYOUTS, SWIZZLES
 
@@ -195,10 +195,9 @@ def for_collective(cfg: OverlapConfig, collective: str) -> OverlapConfig:
             f"epilogue 'tma' stores whole rows of a row-major buffer: layout 'rows' or 'segments', "
             f"got layout {layout!r}"
         )
-    pulls = {"all_reduce": "rows", "reduce_scatter": "segments", "all_to_all": "segments"}  # (comm.peer)
     if cfg.reduction == "local" and collective != "all_reduce":
         raise ValueError(f"reduction 'local' is for all_reduce (partial sums gathered, then added), not {collective}")
-    if cfg.reduction == "pull" and pulls.get(collective) != layout:
+    if cfg.reduction == "pull" and PULL_LAYOUTS[collective] != layout:
         raise ValueError(
             "reduction 'pull' runs all_reduce in layout 'rows', reduce_scatter and all_to_all in layout 'segments', "
             f"not {collective} in layout {layout!r}"

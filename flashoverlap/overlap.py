@@ -125,7 +125,7 @@ class Prepared:
     sm_count: int
     report: torch.Tensor  # int32[4]: a debug-mode wait that timed out (see flashoverlap.signal)
     symmetric: bool = False  # buffers in NCCL symmetric windows (OverlapConfig.symmetric)
-    # exchange -> (the window region, its (out, buffer, recv) there): the same every call
+    # exchange -> (the window region, its (out, buffer, recv) there, or a pull's buffer): the same every call
     window_views: dict = field(default_factory=dict)
     group_done: list = field(default_factory=list)  # an event per group (comm.finish_group)
     gemm_done: torch.cuda.Event | None = None  # the GEMM's end on the caller's stream (a window's copies out)
@@ -375,22 +375,17 @@ def run_overlapped(
             _windows[groups] = comm.nccl.Window(groups, device)
         window = _windows[groups] if _windows[groups].groups else None  # none without an NCCL group
     if window is not None:  # communicate in a symmetric window, copy the result out of it
-        region, views = prep.window_views.get(ex, (None, None))
-        if region is None or region is not window.memory:
+
+        def carve():
             sizes = []
             comm.buffers(ex, plan, lambda shape: sizes.append(shape) or torch.empty(shape, device="meta"))
             nbytes = sum(comm.nccl.carved_bytes(shape, a.dtype) for shape in sizes)
-            views = comm.buffers(ex, plan, window.allocator(nbytes, a.dtype))  # may grow the window
-            prep.window_views[ex] = (window.memory, views)
-        out, buffer, recv = views
+            return comm.buffers(ex, plan, window.allocator(nbytes, a.dtype))
+
+        out, buffer, recv = _carved(prep, ex, window, carve)
         result = alloc((ex.rows, plan.n))
-    else:
-        shared = None
-        if peers is not None:  # the GEMM's buffer in memory every rank maps, the same for every call
-            region, shared = prep.window_views.get(ex, (None, None))
-            if region is None or region is not peers.memory:
-                shared = peers.buffer(plan.numel, a.dtype)  # may grow the memory
-                prep.window_views[ex] = (peers.memory, shared)
+    else:  # a pull's GEMM buffer in memory every rank maps, the same for every call
+        shared = None if peers is None else _carved(prep, ex, peers, lambda: peers.buffer(plan.numel, a.dtype))
         out, buffer, recv = comm.buffers(ex, plan, alloc, shared)
         result = out
     timeout = signal.debug_timeout()
@@ -414,6 +409,17 @@ def run_overlapped(
     if timeout is not None:
         signal.raise_on_timeout(prep.report, plan.num_groups, timeout)
     return result
+
+
+def _carved(prep: Prepared, ex: Exchange, window: comm.nccl.Window, carve: Callable[[], object]):
+    """What ``carve()`` cuts out of ``window`` (an NCCL window or comm.Peers) for this plan's calls of
+    ``ex``, kept in ``prep.window_views`` while the window's memory stays the same (carving may grow
+    it: new views then)."""
+    region, views = prep.window_views.get(ex, (None, None))
+    if region is None or region is not window.memory:
+        views = carve()
+        prep.window_views[ex] = (window.memory, views)
+    return views
 
 
 def replay_key(

@@ -28,6 +28,7 @@ REDUCTIONS = ("nccl", "local", "pull")  # "local" and "pull" gather every rank's
 # what each collective takes: a pull reduce-scatter / all-to-all copies this rank's rows of every
 # rank's group out of its memory (the ``segments`` layout: config.for_collective)
 TAKES = {"all_reduce": REDUCTIONS, "reduce_scatter": ("nccl", "pull"), "all_to_all": ("nccl", "pull")}
+PULL_LAYOUTS = {"all_reduce": "rows", "reduce_scatter": "segments", "all_to_all": "segments"}  # where pulls land
 # layouts whose reduce-scatter / all-to-all need equal segments of whole units (rows_carry)
 EQUAL_SEGMENTS = ("rows", "segments")
 MAX_PITCH = 2**31 - 1  # bytes between rows cudaMemcpy2DAsync takes (cudaDevAttrMaxPitch on current GPUs)
@@ -491,9 +492,7 @@ def communicate_group(
     if ex.reduction != "nccl":  # every rank's partial sums of the group, rank after rank
         into = recv[len(ex.recv) * plan.bounds[g] : len(ex.recv) * plan.bounds[g + 1]]
         if isinstance(group, Peers):  # copied out of each rank's memory as it says the group is there
-            rows = into.view(len(ex.recv), -1)  # (this rank's own row stays empty: finish_group's ``own``)
-            for r, theirs in group.arrivals(g, chunk):
-                copy_2d(rows[r].view(1, -1), theirs.view(1, -1))
+            _pull(group, g, chunk, into.view(len(ex.recv), -1))  # (its own row stays empty: finish_group's ``own``)
         elif isinstance(group, Direct):
             group.all_gather(into, chunk)
         else:
@@ -514,6 +513,13 @@ def communicate_group(
     c0, c1 = plan.columns(g)
     staged = None if recv is None else recv[ex.rows * c0 : ex.rows * c1].view(ex.rows, c1 - c0)
     collective(ex, chunk.view(plan.m, c1 - c0), group, staged)
+
+
+def _pull(group: Peers, g: int, chunk: torch.Tensor, into: torch.Tensor) -> None:
+    """Every other rank r's ``chunk`` of group ``g`` (the same bytes of its memory) into row r of
+    ``into`` on the copy engines, each as soon as r says the group is there (comm.peer)."""
+    for r, theirs in group.arrivals(g, chunk):
+        copy_2d(into[r].view(1, -1), theirs.view(1, -1))
 
 
 def _pull_segment(
@@ -541,8 +547,7 @@ def _pull_segment(
     if isinstance(group, Peers):
         if ex.collective == "all_to_all":
             copy_2d(into[group.rank].view(1, -1), mine[group.rank].view(1, -1))
-        for r, theirs in group.arrivals(g, mine[group.rank]):
-            copy_2d(into[r].view(1, -1), theirs.view(1, -1))
+        _pull(group, g, mine[group.rank], into)
         return
     blocks = Exchange("all_to_all", (r1 - r0,) * world, (r1 - r0,) * world, (r1 - r0) * world)
     staged = collective(blocks, chunk.view(-1, plan.n), group, into.view(-1, plan.n) if into.is_contiguous() else None)
