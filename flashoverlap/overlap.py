@@ -487,7 +487,6 @@ def _enqueue(
         prep.gemm_done = torch.cuda.Event()
 
     peers = group if isinstance(group, comm.Peers) else None
-    own = None if peers is None else peers.rank  # (comm.finish_group)
     if window is not None:
         window.acquire(caller)
     join(stream, caller, device)  # operands ready; earlier users of the buffers done
@@ -515,7 +514,7 @@ def _enqueue(
             # as it retires), enqueued with its collective so that a slow host cannot hold it back
             enqueue.wait(finisher, prep.group_done[g])
             with _On(finisher, caller):
-                comm.finish_group(ex, plan, g, buffer, recv, result, own)
+                comm.finish_group(ex, plan, g, buffer, recv, result, peers)
     if copy_out:
         enqueue.wait(finisher, prep.gemm_done)
         with _On(finisher, caller):

@@ -51,7 +51,8 @@ def run_plan(
         return torch.full(shape, float("nan"), dtype=a.dtype)
 
     out, buffer, recv = comm.buffers(ex, plan, poisoned)
-    own = dist.get_rank(group) if ex.reduction == "pull" else None  # (its own row: read from the buffer)
+    # a pull's copies out of the other ranks' memory (the GPU path's steps), as gathers
+    peers = comm.peer.Gathered(group or dist.group.WORLD, buffer) if ex.reduction == "pull" else None
     result = poisoned(out.shape) if window else out
     copy_out = window and comm.landed(ex, plan, 0, out) is not None
     remaining = np.array(plan.tiles_per_group)
@@ -61,8 +62,8 @@ def run_plan(
         slot_view(buffer, plan, int(tile)).copy_(a[r0 : r0 + rows].float() @ b[:, c0 : c0 + cols])
         remaining[plan.group[tile]] -= 1
         while issued < plan.num_groups and remaining[issued] == 0:
-            comm.communicate_group(ex, plan, issued, buffer, recv, out, group)
-            comm.finish_group(ex, plan, issued, buffer, recv, result, own)
+            comm.communicate_group(ex, plan, issued, buffer, recv, out, peers or group)
+            comm.finish_group(ex, plan, issued, buffer, recv, result, peers)
             if copy_out:
                 comm.landed(ex, plan, issued, result).copy_(comm.landed(ex, plan, issued, out))
             issued += 1

@@ -432,8 +432,8 @@ def _comm_model(pattern: str, comm_sms: int, dtype, rounds: int, symmetric: bool
 
     from . import comm
 
-    if pattern == "pull":
-        return _fit_sizes("pull", _pulls(dtype), rounds)
+    if pattern == "pull":  # (one model for every comm_sms: each measurement maps memory on every rank)
+        return _pull_model(dtype, rounds)
 
     group = comm.budget_group(dist.group.WORLD, comm_sms, copy_engine=symmetric and pattern in comm.COPY_ENGINE)
     world, me, elem = dist.get_world_size(), dist.get_rank(), torch.finfo(dtype).bits // 8
@@ -469,9 +469,15 @@ def _comm_model(pattern: str, comm_sms: int, dtype, rounds: int, symmetric: bool
     return _fit_sizes(f"{pattern}{' symmetric' if symmetric else ''}", make, rounds)
 
 
+@functools.cache
+def _pull_model(dtype, rounds: int) -> CommModel:
+    """Time by size of a ``pull`` all-reduce's copies (:func:`_pulls`), measured once per run."""
+    return _fit_sizes("pull", _pulls(dtype), rounds)
+
+
 def _pulls(dtype):
     """``make(mb)`` for :func:`_fit_sizes`: the copies a ``pull`` all-reduce makes of one group of
-    that size, with the flags that order them (comm.peer.Peers.arrivals), in memory of its own."""
+    that size, with the flags that order them (comm._pull, comm.peer.Peers.arrivals), in memory of its own."""
     import torch
     import torch.distributed as dist
 
@@ -484,11 +490,7 @@ def _pulls(dtype):
         chunk = peers.buffer((mb << 20) // elem, dtype).copy_(torch.randn((mb << 20) // elem, device=device))
         into = torch.empty(peers.world, chunk.numel(), dtype=dtype, device=device)
 
-        def pull(i: int) -> None:
-            for r, theirs in peers.arrivals(0, chunk):
-                comm.copy_2d(into[r].view(1, -1), theirs.view(1, -1))
-
-        return pull, chunk.numel() * elem
+        return (lambda i: comm._pull(peers, 0, chunk, into)), chunk.numel() * elem
 
     return make
 
@@ -847,7 +849,8 @@ def main(argv: Sequence[str] | None = None) -> int:
                 print(brute_summary(entries, rows))
             print(f"wrote {len(entries)} entries to {args.output}")
     finally:
-        _comm_model.cache_clear()  # its communicators die with the process group
+        for model in (_comm_model, _pull_model):  # their communicators / mapped memory die with the group
+            model.cache_clear()
         dist.destroy_process_group()
     return 0
 

@@ -3,6 +3,7 @@
 import contextlib
 import os
 import tempfile
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -292,7 +293,7 @@ def test_a_pull_all_reduce_adds_its_own_partial_sums_from_its_buffer(world):
             for r in range(world):  # the other ranks' rows, pulled
                 if r != own:
                     rows[r] = partials[r, lo:hi]
-            finish_group(ex, plan, g, buffer, recv, out, own)
+            finish_group(ex, plan, g, buffer, recv, out, SimpleNamespace(rank=own))
         results.append(out.view(-1))
     assert all(torch.equal(r, results[0]) for r in results)
     assert torch.allclose(results[0].float(), partials.float().sum(0), rtol=2e-2, atol=2e-2)

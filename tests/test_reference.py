@@ -30,8 +30,8 @@ COLLECTIVE_LAYOUTS = [
     ("all_to_all", "segments"),  # equal splits
     ("all_reduce", "rows"),  # the ones from here on: reduction "local" (partial sums gathered, added after)
     ("all_reduce", "tiles"),
-    ("all_reduce", "rows"),  # reduction "pull" (on GPUs copied out of the other ranks' memory; here all-gathered)
-    ("reduce_scatter", "segments"),  # ... this rank's segment rows of every rank's group (here all-to-all'ed)
+    ("all_reduce", "rows"),  # reduction "pull" (on GPUs copied out of the other ranks' memory; here comm.peer.Gathered)
+    ("reduce_scatter", "segments"),  # ... this rank's segment rows of every rank's group
     ("all_to_all", "segments"),  # ... straight into the result (equal splits)
 ]
 LOCAL, PULL = 10, 12  # COLLECTIVE_LAYOUTS[LOCAL:] gather and add locally, [PULL:] as "pull"
@@ -141,6 +141,10 @@ def worker(rank: int, world: int, store_path: str):
                 seq = sequential(a, w, weight_layout, ex, None).double()
                 rel_seq = ((out.double() - seq).norm() / seq.norm()).item()
                 assert rel_seq < 1e-2, f"{what}: differs from matmul + {collective} by {rel_seq:.2e}"
+            if collective == "all_reduce":  # every rank holds the same sum, bit for bit
+                every = [torch.empty_like(out, dtype=torch.float32) for _ in range(world)]
+                dist.all_gather(every, out.float())
+                assert all(torch.equal(e, every[0]) for e in every), f"{what}: the ranks' sums differ"
     finally:
         dist.destroy_process_group()
 

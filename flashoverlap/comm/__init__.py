@@ -21,7 +21,8 @@ import torch.distributed as dist
 from .. import enqueue
 from ..plan import Plan, slot_view
 from .nccl import CTA_POLICY_ZERO, Direct, cuda_backend, group_fact, unavailable
-from .peer import Peers
+from .peer import Peers as Peers
+from .peer import Pulls
 
 COLLECTIVES = ("all_reduce", "reduce_scatter", "all_to_all")
 REDUCTIONS = ("nccl", "local", "pull")  # "local" and "pull" gather every rank's partial sums, then add
@@ -491,8 +492,8 @@ def communicate_group(
         return
     if ex.reduction != "nccl":  # every rank's partial sums of the group, rank after rank
         into = recv[len(ex.recv) * plan.bounds[g] : len(ex.recv) * plan.bounds[g + 1]]
-        if isinstance(group, Peers):  # copied out of each rank's memory as it says the group is there
-            _pull(group, g, chunk, into.view(len(ex.recv), -1))  # (its own row stays empty: finish_group's ``own``)
+        if isinstance(group, Pulls):  # copied out of each rank's memory as it says the group is there
+            _pull(group, g, chunk, into.view(len(ex.recv), -1))  # (its own row stays empty: finish_group's ``peers``)
         elif isinstance(group, Direct):
             group.all_gather(into, chunk)
         else:
@@ -515,7 +516,7 @@ def communicate_group(
     collective(ex, chunk.view(plan.m, c1 - c0), group, staged)
 
 
-def _pull(group: Peers, g: int, chunk: torch.Tensor, into: torch.Tensor) -> None:
+def _pull(group: Pulls, g: int, chunk: torch.Tensor, into: torch.Tensor) -> None:
     """Every other rank r's ``chunk`` of group ``g`` (the same bytes of its memory) into row r of
     ``into`` on the copy engines, each as soon as r says the group is there (comm.peer)."""
     for r, theirs in group.arrivals(g, chunk):
@@ -529,30 +530,23 @@ def _pull_segment(
     chunk: torch.Tensor,
     recv: torch.Tensor | None,
     out: torch.Tensor,
-    group: dist.ProcessGroup | Peers,
+    group: Pulls,
 ) -> None:
     """Group ``g`` of a ``pull`` reduce-scatter / all-to-all (layout ``segments``: the group is
     [world, rows, n], block q the rows of rank q's segment): every rank's block of this rank's
     segment, row q of ``into`` ([world, rows * n]) from rank q: a reduce-scatter's into the
     group's range of ``recv`` (its own block stays in the buffer: finish_group adds it), an
     all-to-all's straight into ``out``, at the group's rows of source q's segment (its own copied
-    too). With :class:`Peers` copied out of their memory, else (gloo: the CPU reference executor)
-    by an all-to-all of the blocks."""
+    too)."""
     world, (r0, r1) = len(ex.recv), plan.segment_rows(g)
     if ex.collective == "reduce_scatter":
         into = recv[plan.bounds[g] : plan.bounds[g + 1]].view(world, -1)
     else:
         into = out.view(world, -1)[:, r0 * plan.n : r1 * plan.n]
     mine = chunk.view(world, -1)
-    if isinstance(group, Peers):
-        if ex.collective == "all_to_all":
-            copy_2d(into[group.rank].view(1, -1), mine[group.rank].view(1, -1))
-        _pull(group, g, mine[group.rank], into)
-        return
-    blocks = Exchange("all_to_all", (r1 - r0,) * world, (r1 - r0,) * world, (r1 - r0) * world)
-    staged = collective(blocks, chunk.view(-1, plan.n), group, into.view(-1, plan.n) if into.is_contiguous() else None)
-    if not into.is_contiguous():
-        copy_2d(into, staged.view(world, -1))
+    if ex.collective == "all_to_all":
+        copy_2d(into[group.rank].view(1, -1), mine[group.rank].view(1, -1))
+    _pull(group, g, mine[group.rank], into)
 
 
 def finishes(ex: Exchange, plan: Plan) -> bool:
@@ -570,7 +564,7 @@ def finish_group(
     buffer: torch.Tensor,
     recv: torch.Tensor,
     out: torch.Tensor,
-    own: int | None = None,
+    peers: Pulls | None = None,
 ) -> None:
     """Group ``g``'s own step once its collective is done (the GPU path runs it on a stream of its
     own, so it never holds up the next collective): a ``local`` / ``pull`` all-reduce adds the
@@ -581,10 +575,11 @@ def finish_group(
     group's [ex.rows, c1 - c0] block (of ``buffer`` after an all-reduce, local or not, else of
     ``recv``) is copied into its columns of ``out``; a ``segments`` all-to-all copies the rows each
     rank sent into that rank's segment of ``out``. Nothing for any other call (:func:`finishes`).
-    ``own``: the row of ``recv`` left empty, this rank's, whose partial sums ``buffer`` holds (a
-    ``pull`` all-reduce: copying them next to the others' on the copy engines ran at ~90 GB/s
-    beside the GEMM and held up the pulls behind it, stop 29); the rows are then added one by one
-    in rank order (the same sum on every rank, rounded at each add as NCCL's ring does)."""
+    ``peers``: where a ``pull``'s rows came from (comm.peer), whose own row of ``recv`` stays empty:
+    ``buffer`` holds this rank's partial sums (copying them next to the others' on the copy engines
+    ran at ~90 GB/s beside the GEMM and held up the pulls behind it, stop 29); the rows are then
+    added one by one in rank order (the same sum on every rank, rounded at each add as NCCL's ring
+    does)."""
     if not finishes(ex, plan):
         return
     lo, hi = plan.bounds[g], plan.bounds[g + 1]
@@ -593,14 +588,14 @@ def finish_group(
         if ex.collective == "reduce_scatter":  # a pull: this rank's segment rows of every rank's group
             r0, r1 = plan.segment_rows(g)
             into, parts = out[r0:r1].view(-1), recv[lo:hi].view(world, -1)
-            mine = None if own is None else buffer[lo:hi].view(world, -1)[own]
+            mine = None if peers is None else buffer[lo:hi].view(world, -1)[peers.rank]
         else:
             into = (out.view(-1) if plan.layout == "rows" else buffer)[lo:hi]
             parts, mine = recv[world * lo : world * hi].view(world, hi - lo), buffer[lo:hi]
-        if own is None:
+        if peers is None:
             add_partials(parts, into)
         else:
-            rows = [mine if r == own else parts[r] for r in range(world)]
+            rows = [mine if r == peers.rank else parts[r] for r in range(world)]
             if world == 1:
                 copy_2d(into.view(1, -1), rows[0].view(1, -1))
             for r in range(1, world):

@@ -8,8 +8,9 @@ beside it at no cost to it (0.80 ms for both, 0.21 alone; bench/symmetric_probe.
 the GEMM writes its groups into memory every rank maps (torch symmetric memory: CUDA IPC over
 NVLink or PCIe P2P), each rank copies the other ranks' partial sums of a group into its own
 memory once they say the group is there, and adds them to its own (comm.finish_group) on the SMs
-the GEMM leaves (``comm_sms``) or as it retires. Ordered by flags in that memory, written and
-waited on by stream memory operations (no SM, no host):
+the GEMM leaves (``comm_sms``) or as it retires; a reduce-scatter / all-to-all copies its own
+segment's rows only (comm._pull_segment). Ordered by flags in that memory, written and waited on
+by stream memory operations (no SM, no host):
 
 - ``ready[g][r]`` in rank q's memory: rank r's group g is written (r's counter reached its
   target); q waits for it, clears it and copies;
@@ -32,7 +33,40 @@ from .nccl import Window, carved_bytes, cuda_backend, group_fact
 MAX_GROUPS = 256  # ready flags per rank: the most groups a call may have
 
 
-class Peers(Window):
+class Pulls:
+    """What comm's pulls need of a group of ranks: ``rank``, ``world``, ``others`` (every rank but
+    this one) and :meth:`arrivals`; :class:`Peers` on GPUs, :class:`Gathered` on gloo."""
+
+    rank: int
+    world: int
+    others: list[int]
+
+    def arrivals(self, g: int, chunk: torch.Tensor) -> Iterator[tuple[int, torch.Tensor]]:
+        raise NotImplementedError
+
+
+class Gathered(Pulls):
+    """:class:`Peers`' steps on a gloo group (the CPU reference executor): each :meth:`arrivals`
+    all-gathers every rank's ``memory`` (a flat tensor the chunks are views of) and yields the
+    other ranks' bytes at ``chunk``'s place in it, as a pull copies them. Every rank asks for the
+    same groups in the same order, so the gathers pair up, and a gather orders like the flags."""
+
+    def __init__(self, group: dist.ProcessGroup, memory: torch.Tensor) -> None:
+        self.group, self.memory = group, memory
+        self.rank, self.world = dist.get_rank(group), dist.get_world_size(group)
+        self.others = [r for r in range(self.world) if r != self.rank]
+
+    def arrivals(self, g: int, chunk: torch.Tensor) -> Iterator[tuple[int, torch.Tensor]]:
+        mine = self.memory.view(torch.uint8)
+        every = [torch.empty_like(mine) for _ in range(self.world)]
+        dist.all_gather(every, mine, group=self.group)
+        start = chunk.data_ptr() - mine.data_ptr()
+        nbytes = chunk.numel() * chunk.element_size()
+        for r in self.others:
+            yield r, every[r][start : start + nbytes].view(chunk.dtype)
+
+
+class Peers(Window, Pulls):
     """The memory of every rank of ``group`` (a :class:`comm.nccl.Window` whose regions every rank
     maps): at its start the flags (int32: ``ready`` [MAX_GROUPS, world], then ``done`` [world]),
     then the GEMM's buffer, the same bytes for every call (calls of one rank are stream-ordered,
