@@ -335,16 +335,42 @@ def entry(
     }
 
 
+def _key(e: dict) -> tuple:
+    """What a registry entry is for: one call (collective, transport, dtype, shape) timed one way."""
+    return (e["collective"], e["transport"], e["dtype"], tuple(e["shape"]), e.get("timing", "eager"))
+
+
+def incumbent(existing: list[dict], collective: str, transport: str, dtype: str, shape, timing: str) -> dict | None:
+    """The config of the entry in ``existing`` a re-tune of this call would replace, None where there
+    is none or it runs sequentially (the tuner measures sequential anyway)."""
+    want = (collective, transport, dtype, tuple(int(v) for v in shape), timing)
+    found = next((e["config"] for e in existing if _key(e) == want), None)
+    return None if found is None or found.get("sequential") else found
+
+
 def merge(existing: list[dict], new: list[dict]) -> list[dict]:
     """``existing`` entries with those ``new`` re-tunes replaced; sorted by collective, transport, shape
     (an entry timed as CUDA graphs beside the eager one of its shape)."""
-
-    def key(e):
-        return (e["collective"], e["transport"], e["dtype"], tuple(e["shape"]), e.get("timing", "eager"))
-
+    key = _key
     fresh = {key(e): e for e in new}
     kept = [e for e in existing if key(e) not in fresh]
     return sorted(kept + list(fresh.values()), key=key)
+
+
+def read_entries(path: str, gpu: str, world: int) -> list[dict]:
+    """The entries of the registry file at ``path`` (none where it does not exist yet); a file for
+    another GPU or world size is an error."""
+    from pathlib import Path
+
+    import yaml
+
+    target = Path(path)
+    if not target.exists():
+        return []
+    data = yaml.safe_load(target.read_text()) or {}
+    if (data.get("gpu"), data.get("world")) != (gpu, world):
+        raise ValueError(f"{path} holds configs for {data.get('gpu')!r} x{data.get('world')}, not {gpu!r} x{world}")
+    return data.get("entries", [])
 
 
 def write_registry(path: str, gpu: str, world: int, entries: list[dict]) -> None:
@@ -357,12 +383,7 @@ def write_registry(path: str, gpu: str, world: int, entries: list[dict]) -> None
     from . import registry
 
     target = Path(path)
-    existing = []
-    if target.exists():
-        data = yaml.safe_load(target.read_text()) or {}
-        if (data.get("gpu"), data.get("world")) != (gpu, world):
-            raise ValueError(f"{path} holds configs for {data.get('gpu')!r} x{data.get('world')}, not {gpu!r} x{world}")
-        existing = data.get("entries", [])
+    existing = read_entries(path, gpu, world)
     text = yaml.safe_dump({"gpu": gpu, "world": world, "entries": merge(existing, entries)}, sort_keys=False)
     registry.parse(yaml.safe_load(text), str(path))  # never write a file the runtime would reject
     tmp = target.with_suffix(".tmp")
@@ -513,13 +534,16 @@ def _tail_model(pattern: str, dtype, rounds: int, symmetric: bool) -> CommModel:
 
 
 def tune_shape(
-    shape, collective, candidates, dtype, transport, rounds, top, margin, brute_force=0, graphs=False
+    shape, collective, candidates, dtype, transport, rounds, top, margin, brute_force=0, graphs=False, current=None
 ) -> tuple[dict, list[dict]]:
     """Measure, predict, confirm for one shape: (registry entry, summary rows). ``brute_force`` > 0
     also measures every partition of up to that many groups for every candidate and adds the best
     of them (``brute_ms``, ``brute_config``) to the rows, to judge the model's pick. ``graphs``:
     for calls replayed as CUDA graphs: no host time in the model, the finalists and sequential
-    timed as graph replays, the entry marked ``timing: graphs``."""
+    timed as graph replays, the entry marked ``timing: graphs``. ``current``: the config the
+    registry being written has for this call (:func:`incumbent`), measured beside the finalists
+    (unless one of them), so that a re-tune replaces it only with what measures faster in the same
+    run (stop 30: one slow run of a finalist swapped 8192^3's 1.23x pull entry for a 1.10x one)."""
     import torch
     import torch.distributed as dist
 
@@ -603,12 +627,17 @@ def tune_shape(
     plain = candidates.index({}) if {} in candidates and problems[candidates.index({})] is not None else None
     defaults = [prep.plan.partition for prep in preps]
     finalists = pick_finalists(choices, problems, defaults, top, plain)
-    _progress(f"{m}x{n}x{k}: measuring {len(finalists)} finalists (best predicted, defaults) against sequential")
     overlapped = getattr(flashoverlap, f"gemm_{collective}")
     variants = {"seq": lambda i: sequential(a[i % sets], w[i % sets], "nk", ex, None)}
-    for f, (choice, j) in enumerate(finalists):  # one candidate may come twice (defaults)
-        tuned = {**candidates[j], "partition": list(choice.partition)}
-        variants[f"fo{f}"] = lambda i, tuned=tuned: overlapped(a[i % sets], w[i % sets], config=tuned)
+    tuned = [{**candidates[j], "partition": list(choice.partition)} for choice, j in finalists]
+    for f, config in enumerate(tuned):  # one candidate may come twice (defaults)
+        variants[f"fo{f}"] = lambda i, config=config: overlapped(a[i % sets], w[i % sets], config=config)
+    if current in tuned:
+        current = None
+    elif current is not None:
+        variants["current"] = lambda i: overlapped(a[i % sets], w[i % sets], config=current)
+    what = "best predicted, defaults" + (", the registry's" if current is not None else "")
+    _progress(f"{m}x{n}x{k}: measuring {len(finalists)} finalists ({what}) against sequential")
     measured = time_variants(variants, 2 * rounds, 8, 3, graphs=graphs)  # what gets written: as the bench measures
     rows = [
         {
@@ -621,6 +650,17 @@ def tune_shape(
         }
         for f, (choice, j) in enumerate(finalists)
     ]
+    if current is not None:
+        rows.append(
+            {
+                "shape": f"{m}x{n}x{k}",
+                "config": json.dumps({key: v for key, v in current.items() if key != "partition"}, sort_keys=True),
+                "partition": current.get("partition"),
+                "predicted_ms": None,  # (not modelled: the registry's)
+                "measured_ms": measured["current"],
+                "seq_ms": measured["seq"],
+            }
+        )
     if brute_force:
         brute_ms, brute_config = _brute_force(
             shape, collective, candidates, preps, brute_force, a, w, rounds, ex, graphs
@@ -657,8 +697,9 @@ def decide(rows: list[dict], margin: float) -> tuple[dict, float]:
     speedup over sequential: the fastest, or sequential where it does not win by ``margin``."""
     best = min(rows, key=lambda r: r["measured_ms"])
     speedup = best["seq_ms"] / best["measured_ms"]
-    if speedup > 1.0 + margin:
-        return {**json.loads(best["config"]), "partition": best["partition"]}, speedup
+    if speedup > 1.0 + margin:  # (a registry entry measured beside the finalists may have no partition)
+        partition = {} if best["partition"] is None else {"partition": best["partition"]}
+        return {**json.loads(best["config"]), **partition}, speedup
     return {"sequential": True}, speedup  # overlap does not pay here: never slower than sequential
 
 
@@ -812,17 +853,28 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 2
     os.environ.update(bench.TRANSPORTS[args.transport])
     local_rank = int(os.environ.get("LOCAL_RANK", 0))
+    gpu, world = torch.cuda.get_device_name(local_rank), int(os.environ.get("WORLD_SIZE", 1))
+    try:  # what --output holds already: a file for other GPUs is refused before anything runs
+        existing = [read_entries(args.output, gpu, world)]
+    except ValueError as exc:
+        parser.error(str(exc))
     torch.cuda.set_device(local_rank)
     dist.init_process_group("nccl", device_id=torch.device("cuda", local_rank))
     try:
         pulls = [c for c in candidates if c.get("reduction") == "pull"]
-        if pulls and (why := comm.peer.unavailable(dist.group.WORLD, torch.device("cuda", local_rank))):
-            _progress(f"{len(pulls)} pull candidate(s) dropped: {why}")
+        no_pulls = comm.peer.unavailable(dist.group.WORLD, torch.device("cuda", local_rank))  # (alike on every rank)
+        if pulls and no_pulls:
+            _progress(f"{len(pulls)} pull candidate(s) dropped: {no_pulls}")
             candidates = [c for c in candidates if c not in pulls] or parser.error("no candidate left")
         dtype = getattr(torch, args.dtype)
+        dist.broadcast_object_list(existing, src=0)  # every rank measures rank 0's entries (the one it writes)
+        timing = "graphs" if args.graphs else "eager"
         entries, rows = [], []
         for i, shape in enumerate(shapes):
             _progress(f"shape {i + 1}/{len(shapes)}")
+            current = incumbent(existing[0], args.collective, args.transport, args.dtype, shape, timing)
+            if current is not None and current.get("reduction") == "pull" and no_pulls:
+                current = None  # (a pull config raises where the ranks cannot pull)
             found, summary = tune_shape(
                 shape,
                 args.collective,
@@ -834,16 +886,17 @@ def main(argv: Sequence[str] | None = None) -> int:
                 args.margin,
                 args.brute_force,
                 args.graphs,
+                current,
             )
             entries.append(found)
             rows += summary
             if dist.get_rank() == 0:  # after every shape, so a run cut short keeps what it found
-                write_registry(args.output, torch.cuda.get_device_name(), dist.get_world_size(), entries)
+                write_registry(args.output, gpu, world, entries)
                 if args.csv:
                     bench.write_csv(args.csv, [dict(r, transport=args.transport) for r in rows])
         if dist.get_rank() == 0:
             print(format_summary(rows))
-            errors = [abs(r["predicted_ms"] / r["measured_ms"] - 1) for r in rows]
+            errors = [abs(r["predicted_ms"] / r["measured_ms"] - 1) for r in rows if r["predicted_ms"] is not None]
             print(f"median |predicted / measured - 1|: {statistics.median(errors):.1%}")
             if args.brute_force:
                 print(brute_summary(entries, rows))
@@ -859,11 +912,12 @@ def format_summary(rows: list[dict]) -> str:
     """Predicted vs measured per tuned candidate."""
     lines = [f"{'shape':>16} {'pred ms':>8} {'meas ms':>8} {'seq ms':>8} {'err':>6}  partition  config"]
     for r in rows:
-        err = r["predicted_ms"] / r["measured_ms"] - 1
-        lines.append(
-            f"{r['shape']:>16} {r['predicted_ms']:>8.3f} {r['measured_ms']:>8.3f} {r['seq_ms']:>8.3f} "
-            f"{err:>+6.1%}  {r['partition']}  {r['config']}"
-        )
+        if r["predicted_ms"] is None:  # the registry's entry, measured beside the finalists
+            predicted, err = f"{'-':>8}", f"{'-':>6}"
+        else:
+            predicted, err = f"{r['predicted_ms']:>8.3f}", f"{r['predicted_ms'] / r['measured_ms'] - 1:>+6.1%}"
+        measured = f"{r['measured_ms']:>8.3f} {r['seq_ms']:>8.3f}"
+        lines.append(f"{r['shape']:>16} {predicted} {measured} {err}  {r['partition']}  {r['config']}")
     return "\n".join(lines)
 
 

@@ -16,9 +16,11 @@ from flashoverlap.tune import (
     fit_comm,
     fit_host,
     format_summary,
+    incumbent,
     makespan,
     partitions,
     pick_finalists,
+    read_entries,
     wave_bytes,
     with_local_adds,
     write_registry,
@@ -327,6 +329,45 @@ def test_registry_writing_merges_and_validates(tmp_path):
     assert "timing" not in again[0]  # eager entries are written as before
 
 
+def test_a_retune_measures_the_registry_s_entry_and_keeps_it_where_it_wins(tmp_path):
+    """tune.incumbent: the entry --output holds for the call (its timing too; none where sequential)
+    is measured beside the finalists; written again where it measures fastest, with or without a
+    partition of its own; read_entries refuses another GPU's file before anything is measured."""
+    from flashoverlap.tune import decide
+
+    path = tmp_path / "tuned.yaml"
+    assert read_entries(str(path), "NVIDIA H200", 2) == []
+    pull = {"comm_sms": 4, "reduction": "pull", "partition": [1, 2, 1]}
+    written = [
+        entry("all_reduce", "nvlink", "bfloat16", (4096, 8192, 8192), pull, {"speedup": 1.2}),
+        entry("all_reduce", "nvlink", "bfloat16", (4096, 8192, 8192), {"symmetric": True}, {}, "graphs"),
+        entry("all_reduce", "nvlink", "bfloat16", (1024, 8192, 8192), {"sequential": True}, {}),
+    ]
+    write_registry(str(path), "NVIDIA H200", 2, written)
+    existing = read_entries(str(path), "NVIDIA H200", 2)
+    with pytest.raises(ValueError, match="holds configs for 'NVIDIA H200' x2, not 'NVIDIA H100' x2"):
+        read_entries(str(path), "NVIDIA H100", 2)
+    assert incumbent(existing, "all_reduce", "nvlink", "bfloat16", (4096, 8192, 8192), "eager") == pull
+    assert incumbent(existing, "all_reduce", "nvlink", "bfloat16", (4096, 8192, 8192), "graphs") == {"symmetric": True}
+    assert incumbent(existing, "all_reduce", "nvlink", "bfloat16", (1024, 8192, 8192), "eager") is None  # sequential
+    assert incumbent(existing, "all_reduce", "pcie", "bfloat16", (4096, 8192, 8192), "eager") is None
+    assert incumbent(existing, "reduce_scatter", "nvlink", "bfloat16", (4096, 8192, 8192), "eager") is None
+
+    def row(config, partition, measured_ms, predicted_ms=1.0):
+        return {"config": config, "partition": partition, "measured_ms": measured_ms, "seq_ms": 1.2,
+                "predicted_ms": predicted_ms, "shape": "4096x8192x8192"}  # fmt: skip
+
+    finalists = [row("{}", [2, 2], 1.05), row('{"comm_sms": 8}', [3, 1], 1.02)]
+    registry_s = row('{"comm_sms": 4, "reduction": "pull"}', [1, 2, 1], 1.0, None)
+    assert decide([*finalists, registry_s], 0.02)[0] == pull
+    assert decide([*finalists, {**registry_s, "config": '{"symmetric": true}', "partition": None}], 0.02)[0] == {
+        "symmetric": True
+    }
+    assert decide([*finalists, {**registry_s, "measured_ms": 1.1}], 0.02)[0] == {"comm_sms": 8, "partition": [3, 1]}
+    text = format_summary([*finalists, registry_s])
+    assert text.splitlines()[-1].split()[1:3] == ["-", "1.000"]  # no prediction for the registry's entry
+
+
 def test_an_entry_that_cannot_carry_every_call_gets_the_best_finalist_that_can_as_its_fallback():
     from flashoverlap.tune import measured_entry
 
@@ -380,6 +421,22 @@ def test_summary_and_cli_errors(capsys, monkeypatch):
         tune.main(["--shapes", "8x8x8", "--output", "x.yaml", "--transport", "pcie",
                    "--candidates", '{"symmetric": true}', '{"reduction": "pull"}'])  # fmt: skip
     assert "symmetric windows and pulls need peer access" in capsys.readouterr().err
+
+
+def test_a_registry_file_for_other_gpus_is_refused_before_anything_runs(tmp_path, capsys, monkeypatch):
+    import torch
+
+    from flashoverlap import tune
+
+    path = tmp_path / "tuned.yaml"
+    write_registry(str(path), "NVIDIA H200", 2, [entry("all_reduce", "nvlink", "bfloat16", (8, 8, 8), {}, {})])
+    for name, value in {"RANK": "0", "LOCAL_RANK": "0", "WORLD_SIZE": "2"}.items():
+        monkeypatch.setenv(name, value)
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda index=None: "NVIDIA H100 80GB HBM3")
+    monkeypatch.setattr(torch.cuda, "set_device", lambda index: pytest.fail("ran past the registry check"))
+    with pytest.raises(SystemExit):
+        tune.main(["--shapes", "8x8x8", "--output", str(path)])
+    assert "holds configs for 'NVIDIA H200' x2, not 'NVIDIA H100 80GB HBM3' x2" in capsys.readouterr().err
 
 
 def test_partitions_enumerate_every_split_once():
