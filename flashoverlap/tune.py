@@ -351,10 +351,9 @@ def incumbent(existing: list[dict], collective: str, transport: str, dtype: str,
 def merge(existing: list[dict], new: list[dict]) -> list[dict]:
     """``existing`` entries with those ``new`` re-tunes replaced; sorted by collective, transport, shape
     (an entry timed as CUDA graphs beside the eager one of its shape)."""
-    key = _key
-    fresh = {key(e): e for e in new}
-    kept = [e for e in existing if key(e) not in fresh]
-    return sorted(kept + list(fresh.values()), key=key)
+    fresh = {_key(e): e for e in new}
+    kept = [e for e in existing if _key(e) not in fresh]
+    return sorted(kept + list(fresh.values()), key=_key)
 
 
 def read_entries(path: str, gpu: str, world: int) -> list[dict]:
