@@ -507,3 +507,27 @@ def test_a_model_that_cannot_be_fitted_drops_its_candidates_instead_of_the_run(m
     assert tune._fitted(flat, "all_reduce", 4) is None
     assert said and "flat('all_reduce', 4): measured times do not grow with size" in said[0]
     assert tune._fitted(lambda p: fit_comm([1e6, 2e6], [0.01, 0.02]), "x").bytes_per_ms == pytest.approx(1e8)
+
+
+@pytest.mark.gpu
+def test_a_retune_on_one_gpu_measures_the_registry_s_entry_beside_its_finalists(tmp_path):
+    """End to end under torchrun on one GPU (one rank: the numbers mean nothing, the steps run):
+    the entry --output holds for the shape is measured beside the finalists, and the file keeps one
+    valid entry for it."""
+    import subprocess
+    import sys
+
+    import torch
+
+    from flashoverlap import registry
+
+    path = tmp_path / "tuned.yaml"
+    shape = (1024, 1024, 512)  # 32 tiles: one wave
+    held = entry("all_reduce", "nvlink", "bfloat16", shape, {"comm_sms": 8, "partition": [1]}, {"speedup": 1.0})
+    write_registry(str(path), torch.cuda.get_device_name(0), 1, [held])
+    command = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "1", "-m", "flashoverlap.tune",
+               "--shapes", "1024x1024x512", "--candidates", "{}", "--rounds", "2", "--output", str(path)]  # fmt: skip
+    run = subprocess.run(command, capture_output=True, text=True, timeout=600)
+    assert run.returncode == 0, run.stderr[-3000:]
+    assert "the registry's" in run.stdout + run.stderr
+    assert [e.shape for e in registry.load([path])] == [shape]
