@@ -542,7 +542,8 @@ def tune_shape(
     timed as graph replays, the entry marked ``timing: graphs``. ``current``: the config the
     registry being written has for this call (:func:`incumbent`), measured beside the finalists
     (unless one of them), so that a re-tune replaces it only with what measures faster in the same
-    run (stop 30: one slow run of a finalist swapped 8192^3's 1.23x pull entry for a 1.10x one)."""
+    run (stop 30: the model ranked 8192^3's pull, 1.23x in the registry, below its finalists, and a
+    1.10x entry replaced it)."""
     import torch
     import torch.distributed as dist
 
