@@ -236,15 +236,22 @@ def pick_finalists(
     defaults: list[tuple[int, ...]],
     top: int,
     plain: int | None,
+    kinds: Sequence[str] | None = None,
 ) -> list[tuple[Choice, int]]:
     """What the tuner measures, as (choice, candidate index): the ``top`` best predicted of
-    ``choices``, then, as a hedge against the model's partitions, each of their candidates with its
+    ``choices`` and, where ``kinds`` names each candidate's way of communicating (its
+    comm.comm_pattern), the best predicted of every kind not among them (the model errs by kind:
+    stop 30 left every pull out of 8192^3's four finalists on 2x H100, though pull measured fastest
+    there in stop 29); then, as a hedge against the model's partitions, each of their candidates with its
     default partition (``defaults``; stop 25: for all-to-all ``rows`` late in a window the model's
     ``[8]`` measured 0.93x where the default partition gave 1.08x), and the built-in defaults'
     candidate ``plain`` with its default partition: nothing written may lose to a call without
     config. Each (partition, candidate) once."""
     ranked = sorted(choices, key=lambda cj: cj[0].overlap_ms)
     finalists = ranked[:top]
+    for kind in dict.fromkeys([] if kinds is None else [kinds[j] for _, j in ranked]):
+        if all(kinds[j] != kind for _, j in finalists):
+            finalists.append(next(cj for cj in ranked if kinds[cj[1]] == kind))
     measured = {(c.partition, j) for c, j in finalists}
     best = ranked[0][0]  # the sequential prediction and margin are the shape's, alike in every choice
     for j in dict.fromkeys([*(j for _, j in finalists), *([] if plain is None else [plain])]):
@@ -626,7 +633,7 @@ def tune_shape(
         raise RuntimeError(f"{m}x{n}x{k}: no candidate could be modelled (see the messages above)")
     plain = candidates.index({}) if {} in candidates and problems[candidates.index({})] is not None else None
     defaults = [prep.plan.partition for prep in preps]
-    finalists = pick_finalists(choices, problems, defaults, top, plain)
+    finalists = pick_finalists(choices, problems, defaults, top, plain, patterns)
     overlapped = getattr(flashoverlap, f"gemm_{collective}")
     variants = {"seq": lambda i: sequential(a[i % sets], w[i % sets], "nk", ex, None)}
     tuned = [{**candidates[j], "partition": list(choice.partition)} for choice, j in finalists]
@@ -636,7 +643,7 @@ def tune_shape(
         current = None
     elif current is not None:
         variants["current"] = lambda i: overlapped(a[i % sets], w[i % sets], config=current)
-    what = "best predicted, defaults" + (", the registry's" if current is not None else "")
+    what = "best predicted overall and of each kind, defaults" + (", the registry's" if current is not None else "")
     _progress(f"{m}x{n}x{k}: measuring {len(finalists)} finalists ({what}) against sequential")
     measured = time_variants(variants, 2 * rounds, 8, 3, graphs=graphs)  # what gets written: as the bench measures
     rows = [

@@ -65,6 +65,24 @@ def test_finalists_hedge_each_measured_candidate_with_its_default_partition():
     assert len(pick_finalists(same, problems, [same[0][0].partition], top=4, plain=0)) == 1
 
 
+def test_finalists_take_the_best_predicted_of_every_way_of_communicating():
+    """pick_finalists with ``kinds``: the top, then the best predicted candidate of each kind the
+    top lacks (the model errs by kind), each hedged with its default partition as the top's are."""
+    rng = np.random.default_rng(7)
+    problems = [problem(rng, waves=6) for _ in range(6)]
+    choices = [(choose(p, 10.0), j) for j, p in enumerate(problems)]
+    ranked = sorted(choices, key=lambda cj: cj[0].overlap_ms)
+    order = [j for _, j in ranked]
+    kinds = ["all_reduce"] * 6
+    kinds[order[4]] = kinds[order[5]] = "pull"  # the two predicted worst pull
+    defaults = [(6,)] * 6
+    picked = pick_finalists(choices, problems, defaults, top=2, plain=None, kinds=kinds)
+    assert picked[:3] == ranked[:2] + [ranked[4]]  # the best pull, not the worse one
+    assert {j for _, j in picked} == {order[0], order[1], order[4]}
+    assert ((6,), order[4]) in [(c.partition, j) for c, j in picked]  # hedged too
+    assert pick_finalists(choices, problems, defaults, top=2, plain=None)[:2] == ranked[:2]  # no kinds: the top
+
+
 def test_the_search_stays_exact_with_host_time_per_group():
     rng = np.random.default_rng(2)
     for _ in range(40):
