@@ -642,6 +642,13 @@ def tune_shape(
     if current in tuned:
         current = None
     elif current is not None:
+        try:  # an entry this version cannot run (a partition of another wave count, say): not measured
+            held = for_call(resolve(current), ex, shape)
+            prepare(m, n, k, dtype, "nk", a[0].device, held, interleave=comm.interleave(ex, held.layout))
+        except (TypeError, ValueError) as exc:
+            _progress(f"{m}x{n}x{k}: the registry's entry is left out: {exc}")
+            current = None
+    if current is not None:
         variants["current"] = lambda i: overlapped(a[i % sets], w[i % sets], config=current)
     what = "best predicted overall and of each kind, defaults" + (", the registry's" if current is not None else "")
     _progress(f"{m}x{n}x{k}: measuring {len(finalists)} finalists ({what}) against sequential")
