@@ -65,7 +65,7 @@ class OverlapConfig:
       peer access only (NVLink or PCIe P2P), layout ``rows``, no NCCL window (``symmetric``).
       Reduce-scatter / all-to-all (layout ``segments``) pull too: each rank copies only its own
       segment's rows of every other rank's group, and adds them (reduce-scatter) or has its result
-      rows (all-to-all); experimental: not run on GPUs yet.
+      rows (all-to-all); opt-in (not among the tuner's defaults).
     """
 
     tile_m: int = 128

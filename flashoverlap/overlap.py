@@ -50,7 +50,7 @@ from .config import (
     takes_every_call,
 )
 from .gemm import SignalGemm, get_kernel
-from .plan import Plan, late_after, make_plan, rotation_rows, scheduled_tiles
+from .plan import Plan, late_after, make_plan, rotation_rows, scheduled_tiles, spare_sms
 
 DTYPES = {torch.bfloat16: "bfloat16", torch.float16: "float16"}
 WEIGHT_LAYOUTS = ("nk", "kn")
@@ -869,10 +869,7 @@ def pulled(cfg: OverlapConfig, collective: str, shape: tuple[int, int, int], tot
     if collective != "all_reduce" or cfg.reduction == "pull" or cfg.layout != "rows":
         return None
     m, n, _ = shape
-    tiles = scheduled_tiles(m, n, cfg.tile_m, cfg.tile_n, cfg.cluster_m, cfg.swizzle)
-    waves = -(-tiles // total_sms)
-    ctas = -(-tiles // waves)
-    spare = max(total_sms - -(-ctas // cfg.cluster_m) * cfg.cluster_m, 0)
+    spare = spare_sms(m, n, cfg.tile_m, cfg.tile_n, cfg.cluster_m, cfg.swizzle, total_sms, total_sms)
     return dataclasses.replace(
         cfg, reduction="pull", symmetric=False, late_budget=False, comm_sms=min(spare, PULL_SMS), partition=None
     )

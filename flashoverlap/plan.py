@@ -131,10 +131,16 @@ def scheduled_tiles(m: int, n: int, tile_m: int, tile_n: int, cluster_m: int, sw
 def widest_budget(plan: Plan, total_sms: int) -> int:
     """The most SMs a persistent ``plan`` can leave to NCCL at no cost to the GEMM: ``total_sms``
     minus the fewest CTAs (whole clusters) that still walk its tiles in as many waves."""
-    grid = (plan.m, plan.n, plan.tile_m, plan.tile_n, plan.cluster_m)
-    waves = wave_count(*grid, plan.ctas, 0, plan.swizzle)
-    ctas = -(-scheduled_tiles(*grid, plan.swizzle) // waves)
-    return max(total_sms - -(-ctas // plan.cluster_m) * plan.cluster_m, 0)
+    return spare_sms(plan.m, plan.n, plan.tile_m, plan.tile_n, plan.cluster_m, plan.swizzle, plan.ctas, total_sms)
+
+
+def spare_sms(m: int, n: int, tile_m: int, tile_n: int, cluster_m: int, swizzle: int, ctas: int, total_sms: int) -> int:
+    """``total_sms`` minus the fewest CTAs (whole clusters) that walk C[m, n]'s tiles in as many
+    waves as a persistent grid of ``ctas`` CTAs does."""
+    grid = (m, n, tile_m, tile_n, cluster_m)
+    waves = wave_count(*grid, ctas, 0, swizzle)
+    fewest = -(-scheduled_tiles(*grid, swizzle) // waves)
+    return max(total_sms - -(-fewest // cluster_m) * cluster_m, 0)
 
 
 def wave_count(

@@ -588,7 +588,7 @@ def finish_group(
         if ex.collective == "reduce_scatter":  # a pull: this rank's segment rows of every rank's group
             r0, r1 = plan.segment_rows(g)
             into, parts = out[r0:r1].view(-1), recv[lo:hi].view(world, -1)
-            mine = None if peers is None else buffer[lo:hi].view(world, -1)[peers.rank]
+            mine = buffer[lo:hi].view(world, -1)[peers.rank]  # (a pull: always with its peers)
         else:
             into = (out.view(-1) if plan.layout == "rows" else buffer)[lo:hi]
             parts, mine = recv[world * lo : world * hi].view(world, hi - lo), buffer[lo:hi]

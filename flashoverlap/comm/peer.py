@@ -40,9 +40,15 @@ class Pulls:
     rank: int
     world: int
     others: list[int]
+    memory: torch.Tensor  # this rank's memory the chunks are views of
 
     def arrivals(self, g: int, chunk: torch.Tensor) -> Iterator[tuple[int, torch.Tensor]]:
         raise NotImplementedError
+
+    def _at(self, theirs: torch.Tensor, chunk: torch.Tensor) -> torch.Tensor:
+        """Another rank's memory ``theirs`` (uint8) at the place ``chunk`` has in this rank's."""
+        start = chunk.data_ptr() - self.memory.data_ptr()
+        return theirs[start : start + chunk.numel() * chunk.element_size()].view(chunk.dtype)
 
 
 class Gathered(Pulls):
@@ -60,10 +66,8 @@ class Gathered(Pulls):
         mine = self.memory.view(torch.uint8)
         every = [torch.empty_like(mine) for _ in range(self.world)]
         dist.all_gather(every, mine, group=self.group)
-        start = chunk.data_ptr() - mine.data_ptr()
-        nbytes = chunk.numel() * chunk.element_size()
         for r in self.others:
-            yield r, every[r][start : start + nbytes].view(chunk.dtype)
+            yield r, self._at(every[r], chunk)
 
 
 class Peers(Window, Pulls):
@@ -128,11 +132,9 @@ class Peers(Window, Pulls):
         caller copies it)."""
         for r in self.others:
             self._signal(r, g * self.world + self.rank, 1)
-        start = chunk.data_ptr() - self.memory.data_ptr()
-        nbytes = chunk.numel() * chunk.element_size()
         for r in self.others:
             self._take(g * self.world + r)
-            yield r, self.peers[r][start : start + nbytes].view(chunk.dtype)
+            yield r, self._at(self.peers[r], chunk)
 
     def copied(self) -> None:
         """Every group of the call is copied here: tell the ranks they came from."""
