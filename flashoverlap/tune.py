@@ -504,7 +504,10 @@ def _pull_model(dtype, rounds: int) -> CommModel:
 
 def _pulls(dtype):
     """``make(mb)`` for :func:`_fit_sizes`: the copies a ``pull`` all-reduce makes of one group of
-    that size, with the flags that order them (comm._pull, comm.peer.Peers.arrivals), in memory of its own."""
+    that size, with the flags that order them (comm._pull, comm.peer.Peers.arrivals), in memory of its
+    own, each time claimed and released as a call does (Peers.claim / copied): without that a rank
+    ran a measurement ahead, set a ready flag the other had not cleared yet (one signal lost), and
+    the other waited for it forever (the tuner's hangs on 2x H100 in stop 30, 2x H200 in stop 31)."""
     import torch
     import torch.distributed as dist
 
@@ -517,7 +520,12 @@ def _pulls(dtype):
         chunk = peers.buffer((mb << 20) // elem, dtype).copy_(torch.randn((mb << 20) // elem, device=device))
         into = torch.empty(peers.world, chunk.numel(), dtype=dtype, device=device)
 
-        return (lambda i: comm._pull(peers, 0, chunk, into)), chunk.numel() * elem
+        def call(i: int) -> None:
+            peers.claim()
+            comm._pull(peers, 0, chunk, into)
+            peers.copied()
+
+        return call, chunk.numel() * elem
 
     return make
 
@@ -868,6 +876,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     os.environ.update(bench.TRANSPORTS[args.transport])
     local_rank = int(os.environ.get("LOCAL_RANK", 0))
     gpu, world = torch.cuda.get_device_name(local_rank), int(os.environ.get("WORLD_SIZE", 1))
+    if world < 2:  # (its collectives move nothing: no time by size to model)
+        parser.error("tuning needs two or more ranks (torchrun --nproc-per-node 2 or more): one communicates nothing")
     try:  # what --output holds already: a file for other GPUs is refused before anything runs
         existing = [read_entries(args.output, gpu, world)]
     except ValueError as exc:

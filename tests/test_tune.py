@@ -455,6 +455,46 @@ def test_a_registry_file_for_other_gpus_is_refused_before_anything_runs(tmp_path
     with pytest.raises(SystemExit):
         tune.main(["--shapes", "8x8x8", "--output", str(path)])
     assert "holds configs for 'NVIDIA H200' x2, not 'NVIDIA H100 80GB HBM3' x2" in capsys.readouterr().err
+    monkeypatch.setenv("WORLD_SIZE", "1")  # one rank communicates nothing: refused before any GPU work
+    with pytest.raises(SystemExit):
+        tune.main(["--shapes", "8x8x8", "--output", str(tmp_path / "new.yaml")])
+    assert "tuning needs two or more ranks" in capsys.readouterr().err
+
+
+def test_the_pull_model_claims_and_releases_each_measurement_as_a_call_does(monkeypatch):
+    """Without Peers.claim / copied around each measured pull a rank ran ahead, one of its ready
+    signals was lost and the other rank waited forever (the tuner's hangs in stops 30-31)."""
+    import torch
+
+    from flashoverlap import comm, tune
+
+    steps = []
+
+    class Recorder:
+        world = 2
+
+        def __init__(self, group, device):
+            pass
+
+        def buffer(self, numel, dtype):
+            return torch.empty(numel, dtype=dtype)
+
+        def claim(self):
+            steps.append("claim")
+
+        def copied(self):
+            steps.append("copied")
+
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
+    monkeypatch.setattr(torch, "randn", lambda n, device=None: torch.zeros(n))
+    monkeypatch.setattr(torch, "empty", lambda *shape, dtype=None, device=None: torch.zeros(*shape, dtype=dtype))
+    monkeypatch.setattr(comm.peer, "Peers", Recorder)
+    monkeypatch.setattr(comm, "_pull", lambda peers, g, chunk, into: steps.append(f"pull {g}"))
+    call, nbytes = tune._pulls(torch.bfloat16)(1)
+    assert nbytes == 1 << 20
+    call(0)
+    call(1)
+    assert steps == ["claim", "pull 0", "copied"] * 2
 
 
 def test_partitions_enumerate_every_split_once():
@@ -527,11 +567,11 @@ def test_a_model_that_cannot_be_fitted_drops_its_candidates_instead_of_the_run(m
     assert tune._fitted(lambda p: fit_comm([1e6, 2e6], [0.01, 0.02]), "x").bytes_per_ms == pytest.approx(1e8)
 
 
-@pytest.mark.gpu
-def test_a_retune_on_one_gpu_measures_the_registry_s_entry_beside_its_finalists(tmp_path):
-    """End to end under torchrun on one GPU (one rank: the numbers mean nothing, the steps run):
+@pytest.mark.multigpu
+def test_a_retune_on_two_gpus_measures_the_registry_s_entry_beside_its_finalists(tmp_path):
+    """End to end under torchrun on two GPUs (a tiny shape: the steps run, the numbers mean little):
     the entry --output holds for the shape is measured beside the finalists, and the file keeps one
-    valid entry for it."""
+    valid entry for it. (On one rank the collectives move nothing: the tuner refuses it.)"""
     import subprocess
     import sys
 
@@ -542,8 +582,8 @@ def test_a_retune_on_one_gpu_measures_the_registry_s_entry_beside_its_finalists(
     path = tmp_path / "tuned.yaml"
     shape = (1024, 1024, 512)  # 32 tiles: one wave
     held = entry("all_reduce", "nvlink", "bfloat16", shape, {"comm_sms": 8, "partition": [1]}, {"speedup": 1.0})
-    write_registry(str(path), torch.cuda.get_device_name(0), 1, [held])
-    command = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "1", "-m", "flashoverlap.tune",
+    write_registry(str(path), torch.cuda.get_device_name(0), 2, [held])
+    command = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "-m", "flashoverlap.tune",
                "--shapes", "1024x1024x512", "--candidates", "{}", "--rounds", "2", "--output", str(path)]  # fmt: skip
     run = subprocess.run(command, capture_output=True, text=True, timeout=600)
     assert run.returncode == 0, run.stderr[-3000:]
