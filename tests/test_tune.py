@@ -441,7 +441,7 @@ def test_summary_and_cli_errors(capsys, monkeypatch):
     assert "symmetric windows and pulls need peer access" in capsys.readouterr().err
 
 
-def test_a_registry_file_for_other_gpus_is_refused_before_anything_runs(tmp_path, capsys, monkeypatch):
+def test_other_gpus_registry_and_a_world_of_one_are_refused_before_anything_runs(tmp_path, capsys, monkeypatch):
     import torch
 
     from flashoverlap import tune
