@@ -517,6 +517,28 @@ def test_ranks_agree_once_per_call_whatever_plans_each_keeps():
     spawn_ranks(2, agreement_worker, timeout=120)
 
 
+def test_no_process_group_is_kept_past_exit(one_rank_group):
+    """The exit hook (overlap._forget) lets go of the groups flashoverlap's caches hold: one alive
+    as the interpreter finalizes aborted the test above's ranks now and then (~1 exit in 50)."""
+    import gc
+    import weakref
+
+    from flashoverlap.plan import make_plan
+
+    group = dist.new_group([0])
+    plan = make_plan(256, 256, tile_m=128, tile_n=256, cluster_m=1, ctas=2)
+    prep = overlap.Prepared(plan, SimpleNamespace(spec="spec"), None, torch.zeros(1), *(None,) * 4)
+    overlap.check_agreement(prep, "all_reduce", group, comm.exchange("all_reduce", 256, 1), ("all_reduce", 256))
+    held = weakref.ref(group)
+    dist.destroy_process_group(group)
+    del group
+    gc.collect()
+    assert held() is not None  # the agreement kept it
+    overlap._forget()
+    gc.collect()
+    assert held() is None
+
+
 def test_a_trial_holds_for_every_m_of_its_power_of_two(one_rank_group, monkeypatch):
     from flashoverlap import bench, overlap
     from flashoverlap.plan import make_plan

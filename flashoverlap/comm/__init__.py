@@ -20,6 +20,7 @@ import torch.distributed as dist
 
 from .. import enqueue
 from ..plan import Plan, slot_view
+from . import peer
 from .nccl import CTA_POLICY_ZERO, Direct, cuda_backend, group_fact, unavailable
 from .peer import Peers as Peers
 from .peer import Pulls
@@ -42,6 +43,14 @@ NCCL_PATHS = ("direct", "c10d")
 
 _budget_groups: dict[tuple, dist.ProcessGroup] = {}
 _direct: dict[tuple, Direct] = {}
+
+
+def forget_groups() -> None:
+    """Drop the communicators, groups and mapped memory kept per process group here (see
+    overlap._forget)."""
+    _budget_groups.clear()
+    _direct.clear()
+    peer._peers.clear()
 
 
 # torch 2.13 renamed these two (the old names warn there); older torch has only the old names.
