@@ -109,7 +109,8 @@ def build_parser() -> argparse.ArgumentParser:
     )
     parser.add_argument(
         "--trace",
-        help="write a Chrome trace of three calls of the first config here (rank 0) and print their timeline",
+        help="write a Chrome trace of three calls of the first config here (rank 0; rank r's beside it, "
+        "NAME.rank<r>.json) and print rank 0's timeline",
     )
     return parser
 
@@ -437,8 +438,14 @@ def variant(label: str) -> str:
     return "registry" + (label[label.rindex(" nccl=") :] if " nccl=" in label else "")
 
 
+TRACE_SLEEP_CYCLES = 20_000_000  # ~10 ms at 2 GHz: longer than a profiled host takes to enqueue three calls
+
+
 def trace_call(shape, config, collective, dtype, path: str) -> None:
-    """Profile three overlapped calls (after warm-up); rank 0 writes the trace and prints its kernels."""
+    """Profile three overlapped calls (after warm-up), enqueued behind a sleep on the GPU so that the
+    GPU runs them at its own pace, not the profiled host's (the timed runs' case: the host is ahead);
+    every rank writes its trace (rank r > 0 at ``path`` with ``.rank<r>`` before the suffix: the
+    ranks' clocks are the host's, so their timelines line up), rank 0 prints its kernels."""
     from torch.profiler import ProfilerActivity, profile
 
     import flashoverlap
@@ -460,16 +467,22 @@ def trace_call(shape, config, collective, dtype, path: str) -> None:
     dist.barrier()
     torch.cuda.synchronize()
     with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        torch.cuda._sleep(TRACE_SLEEP_CYCLES)
         for _ in range(3):  # back to back, as in the timed runs
             overlapped(a, w, config=config)
         torch.cuda.synchronize()
-    if dist.get_rank() != 0:
+    rank = dist.get_rank()
+    if rank != 0:
+        stem, dot, suffix = path.rpartition(".")
+        prof.export_chrome_trace(f"{stem}.rank{rank}.{suffix}" if dot else f"{path}.rank{rank}")
         return
     prof.export_chrome_trace(path)
     with open(path) as handle:
         events = json.load(handle)["traceEvents"]
     device_cats = ("kernel", "gpu_memset", "gpu_memcpy")
-    kernels = sorted((e for e in events if e.get("cat") in device_cats), key=lambda e: e["ts"])
+    kernels = sorted(
+        (e for e in events if e.get("cat") in device_cats and "spin_kernel" not in e["name"]), key=lambda e: e["ts"]
+    )
     if not kernels:
         print("trace: no device activity recorded")
         return
