@@ -5,6 +5,8 @@ import collections
 import csv
 import math
 import os
+import shutil
+import subprocess
 
 import pytest
 
@@ -190,3 +192,17 @@ def test_summary_per_variant(tmp_path, capsys):
     bench.write_csv(str(path), rows)
     assert bench.main(["--from-csv", str(path)]) == 0
     assert "1/2" in capsys.readouterr().out
+
+
+@pytest.mark.nvcc
+@pytest.mark.skipif(shutil.which("nvcc") is None, reason="needs nvcc")
+def test_the_stream_ops_probe_builds_and_refuses_unknown_cases(tmp_path):
+    """bench/stream_ops_probe.cu (the latencies behind comm.peer's flags) compiles for sm_90a, and
+    a case it does not have is a usage error before it touches a GPU."""
+    from pathlib import Path
+
+    source = Path(__file__).resolve().parent.parent / "bench" / "stream_ops_probe.cu"
+    binary = tmp_path / "probe"
+    subprocess.run(["nvcc", "-O2", "-arch=sm_90a", "-o", str(binary), str(source)], check=True, capture_output=True)
+    refused = subprocess.run([str(binary), "99"], capture_output=True, text=True)
+    assert refused.returncode == 2 and "usage" in refused.stdout
