@@ -441,11 +441,20 @@ def variant(label: str) -> str:
 TRACE_SLEEP_CYCLES = 20_000_000  # ~10 ms at 2 GHz: longer than a profiled host takes to enqueue three calls
 
 
+def rank_trace_path(path: str, rank: int) -> str:
+    """Where rank ``rank`` writes its trace: rank 0 at ``path``, the others beside it with
+    ``.rank<r>`` before the extension (trace.json -> trace.rank1.json)."""
+    if rank == 0:
+        return path
+    stem, ext = os.path.splitext(path)
+    return f"{stem}.rank{rank}{ext}"
+
+
 def trace_call(shape, config, collective, dtype, path: str) -> None:
     """Profile three overlapped calls (after warm-up), enqueued behind a sleep on the GPU so that the
     GPU runs them at its own pace, not the profiled host's (the timed runs' case: the host is ahead);
-    every rank writes its trace (rank r > 0 at ``path`` with ``.rank<r>`` before the suffix: the
-    ranks' clocks are the host's, so their timelines line up), rank 0 prints its kernels."""
+    every rank writes its trace (:func:`rank_trace_path`: the ranks' clocks are the host's, so their
+    timelines line up), rank 0 prints its kernels."""
     from torch.profiler import ProfilerActivity, profile
 
     import flashoverlap
@@ -471,12 +480,9 @@ def trace_call(shape, config, collective, dtype, path: str) -> None:
         for _ in range(3):  # back to back, as in the timed runs
             overlapped(a, w, config=config)
         torch.cuda.synchronize()
-    rank = dist.get_rank()
-    if rank != 0:
-        stem, dot, suffix = path.rpartition(".")
-        prof.export_chrome_trace(f"{stem}.rank{rank}.{suffix}" if dot else f"{path}.rank{rank}")
+    prof.export_chrome_trace(rank_trace_path(path, dist.get_rank()))
+    if dist.get_rank() != 0:
         return
-    prof.export_chrome_trace(path)
     with open(path) as handle:
         events = json.load(handle)["traceEvents"]
     device_cats = ("kernel", "gpu_memset", "gpu_memcpy")

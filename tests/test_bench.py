@@ -206,3 +206,9 @@ def test_the_stream_ops_probe_builds_and_refuses_unknown_cases(tmp_path):
     subprocess.run(["nvcc", "-O2", "-arch=sm_90a", "-o", str(binary), str(source)], check=True, capture_output=True)
     refused = subprocess.run([str(binary), "99"], capture_output=True, text=True)
     assert refused.returncode == 2 and "usage" in refused.stdout
+
+
+def test_every_rank_writes_its_trace_beside_rank_0_s():
+    assert bench.rank_trace_path("out/trace.json", 0) == "out/trace.json"
+    assert bench.rank_trace_path("out/trace.json", 1) == "out/trace.rank1.json"
+    assert bench.rank_trace_path("run.d/trace", 3) == "run.d/trace.rank3"  # a dot in a folder is not an extension
