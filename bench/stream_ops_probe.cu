@@ -88,6 +88,9 @@ char const* const kCases[] = {
     "kernel -> 4 x 2 MB copies from GPU 1 on one stream -> kernel",
     "round trip, waits on the other GPU's counter: GPU 1 waits on GPU 0's, GPU 0 on GPU 1's",
     "round trip, kernels count in the other GPU's memory, each GPU waits on its own",
+    "wait(counter) and wait(a flag already set) in one cuStreamBatchMemOp -> kernel",
+    "kernel -> wait(already satisfied) -> kernel, one stream",
+    "kernel -> wait on an event already complete -> kernel, one stream",
 };
 int const kNumCases = sizeof(kCases) / sizeof(kCases[0]);
 
@@ -99,6 +102,8 @@ int main(int argc, char** argv) {
     return 2;
   }
   StreamValue32 const wait_value = driver("cuStreamWaitValue32"), write_value = driver("cuStreamWriteValue32");
+  auto const batch = reinterpret_cast<CUresult (*)(CUstream, unsigned, CUstreamBatchMemOpParams*, unsigned)>(
+      driver("cuStreamBatchMemOp"));
   auto wait = [&](cudaStream_t s, void* p, unsigned v) {
     CHECK(wait_value(CUstream(s), CUdeviceptr(p), v, CU_STREAM_WAIT_VALUE_GEQ));
   };
@@ -121,13 +126,15 @@ int main(int argc, char** argv) {
   unsigned* words;  // GPU 0's: [0] the counter, [32] a flag
   unsigned long long* t;
   void* dst;
-  cudaStream_t a, b;
-  cudaEvent_t ev, ev2;
+  cudaStream_t a, b, idle;
+  cudaEvent_t ev, ev2, done;
   CHECK(cudaMalloc(&words, 4096));
   CHECK(cudaMalloc(&t, 64 * 8));
   CHECK(cudaMalloc(&dst, big));
   CHECK(cudaStreamCreateWithFlags(&a, cudaStreamNonBlocking));
   CHECK(cudaStreamCreateWithFlags(&b, cudaStreamNonBlocking));
+  CHECK(cudaStreamCreateWithFlags(&idle, cudaStreamNonBlocking));
+  CHECK(cudaEventCreateWithFlags(&done, cudaEventDisableTiming));
   CHECK(cudaEventCreateWithFlags(&ev, cudaEventDisableTiming));
   CHECK(cudaEventCreateWithFlags(&ev2, cudaEventDisableTiming));
   unsigned* const counter = words;
@@ -257,6 +264,31 @@ int main(int argc, char** argv) {
           wait(b, flag, 1);
           stamp<<<1, 1, 0, b>>>(t + 1);
           signal_sys<<<1, 1, 0, a>>>(flags1, t, 1000);  // into GPU 1's memory
+          break;
+        case 13: {
+          CHECK(cudaMemsetAsync(flag, 1, 4, b));  // 0x01010101 >= 1
+          CUstreamBatchMemOpParams ops[2] = {};
+          for (int q = 0; q < 2; ++q) {
+            ops[q].waitValue.operation = CU_STREAM_MEM_OP_WAIT_VALUE_32;
+            ops[q].waitValue.address = CUdeviceptr(q == 0 ? counter : flag);
+            ops[q].waitValue.value = 1;
+            ops[q].waitValue.flags = CU_STREAM_WAIT_VALUE_GEQ;
+          }
+          CHECK(batch(CUstream(b), 2, ops, 0));
+          stamp<<<1, 1, 0, b>>>(t + 1);
+          signal_gpu<<<1, 1, 0, a>>>(counter, t, 1000);
+          break;
+        }
+        case 14:
+          signal_gpu<<<1, 1, 0, b>>>(nullptr, t, 1000);
+          wait(b, counter, 0);  // (>= 0: at once)
+          stamp<<<1, 1, 0, b>>>(t + 1);
+          break;
+        case 15:
+          CHECK(cudaEventRecord(done, idle));
+          signal_gpu<<<1, 1, 0, b>>>(nullptr, t, 1000);
+          CHECK(cudaStreamWaitEvent(b, done, 0));
+          stamp<<<1, 1, 0, b>>>(t + 1);
           break;
       }
       bool hung = true;
