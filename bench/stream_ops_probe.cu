@@ -139,6 +139,13 @@ int main(int argc, char** argv) {
   CHECK(cudaEventCreateWithFlags(&ev2, cudaEventDisableTiming));
   unsigned* const counter = words;
   unsigned* const flag = words + 32;
+  // stop 31's pull order on one GPU: the counter, then a flag written, waited on and cleared
+  auto handshake = [&](cudaStream_t s) {
+    wait(s, counter, 1);
+    write(s, flag, 1);
+    wait(s, flag, 1);
+    write(s, flag, 0);
+  };
   char* const d = static_cast<char*>(dst);
   char* const s1 = static_cast<char*>(src1);
 
@@ -183,10 +190,7 @@ int main(int argc, char** argv) {
           signal_gpu<<<1, 1, 0, a>>>(counter, t, 1000);
           break;
         case 3:
-          wait(b, counter, 1);
-          write(b, flag, 1);
-          wait(b, flag, 1);
-          write(b, flag, 0);
+          handshake(b);
           stamp<<<1, 1, 0, b>>>(t + 1);
           signal_gpu<<<1, 1, 0, a>>>(counter, t, 1000);
           break;
@@ -220,10 +224,7 @@ int main(int argc, char** argv) {
           stamp<<<1, 1, 0, b>>>(t + 1);
           break;
         case 8:
-          wait(b, counter, 1);
-          write(b, flag, 1);
-          wait(b, flag, 1);
-          write(b, flag, 0);
+          handshake(b);
           CHECK(cudaMemcpyAsync(dst, src1, big, cudaMemcpyDeviceToDevice, b));
           stamp<<<1, 1, 0, b>>>(t + 1);
           signal_gpu<<<1, 1, 0, a>>>(counter, t, 1000);
