@@ -130,18 +130,22 @@ class Prepared:
     window_views: dict = field(default_factory=dict)
     group_done: list = field(default_factory=list)  # an event per group (comm.finish_group)
     gemm_done: torch.cuda.Event | None = None  # the GEMM's end on the caller's stream (a window's copies out)
+    counted: torch.cuda.Event | None = None  # a pull's own counters all seen on the finisher (Peers.mine)
     # replay_key -> the call's enqueue.Program; None once seen (noted on the next call like it), False
     # where that call could not be replayed
     programs: dict = field(default_factory=dict)
 
-    def launch(self, a: torch.Tensor, weight: torch.Tensor, buffer: torch.Tensor, stream: torch.cuda.Stream) -> None:
-        """Enqueue the signal GEMM on ``stream``, writing the plan's slots of ``buffer``."""
+    def launch(
+        self, a: torch.Tensor, weight: torch.Tensor, buffer: torch.Tensor, stream: torch.cuda.Stream, counters=None
+    ) -> None:
+        """Enqueue the signal GEMM on ``stream``, writing the plan's slots of ``buffer``, bumping
+        ``counters`` (default: the plan's own)."""
         self.kernel.run(
             a,
             weight,
             buffer,
             self.slots,
-            self.counters,
+            self.counters if counters is None else counters,
             self.workspace,
             (self.plan.tiles_m, self.plan.tiles_n),
             self.sm_count,
@@ -485,17 +489,21 @@ def _enqueue(
     finisher = side_stream(device, "finish") if finishes or copy_out else None
     if finisher is not None and not prep.group_done:
         prep.group_done = [torch.cuda.Event() for _ in prep.targets]
-        prep.gemm_done = torch.cuda.Event()
+        prep.gemm_done, prep.counted = torch.cuda.Event(), torch.cuda.Event()
 
+    # A pull's GEMM counts in memory the other ranks map, and they wait on that (comm.peer); this
+    # rank's own counters only where its own rows are read. Its buffer and counters were claimed
+    # for it at the previous call's end (Peers.claim).
     peers = group if isinstance(group, comm.Peers) else None
     if window is not None:
         window.acquire(caller)
     join(stream, caller, device)  # operands ready; earlier users of the buffers done
-    if peers is not None:  # the other ranks done with the previous call's buffer
-        with _On(stream, caller):
-            peers.claim()
+    if peers is not None:
+        peers.targets = prep.targets
+        if finisher is not None:  # (its waits on this call's counts come after their zeroing)
+            join(finisher, stream, device)
     join(caller, stream, device)  # a call from another stream may not have reset the counters yet
-    prep.launch(a, weight, buffer, caller)
+    prep.launch(a, weight, buffer, caller, None if peers is None else peers.counters)
     if copy_out:
         enqueue.record(prep.gemm_done, caller)
     last = len(prep.targets) - 1
@@ -506,13 +514,18 @@ def _enqueue(
         issuer = caller if g == last and apart else stream
         on = tail_group if g == last and tail_group is not None else group
         with _On(issuer, caller):
-            if issuer is stream:
+            if issuer is stream and peers is None:
                 signal.wait_geq(issuer, prep.counters, g, target, timeout, prep.report)
             comm.communicate_group(ex, plan, g, buffer, recv, out, on)
             if finisher is not None:
                 enqueue.record(prep.group_done[g], issuer)
         if finishes:  # the group's own step (copies: copy engines; adds: SMs the GEMM leaves, or
             # as it retires), enqueued with its collective so that a slow host cannot hold it back
+            if peers is not None:  # (before the copies end: a wait's latency beside them)
+                with _On(finisher, caller):
+                    peers.mine(g)
+                if g == last:
+                    enqueue.record(prep.counted, finisher)
             enqueue.wait(finisher, prep.group_done[g])
             with _On(finisher, caller):
                 comm.finish_group(ex, plan, g, buffer, recv, result, peers)
@@ -524,14 +537,20 @@ def _enqueue(
                 comm.copy_2d(*(comm.landed(ex, plan, g, t).view(-1, plan.n) for t in (result, out)))
     if apart:  # the stream saw all but the last counter
         join(stream, caller, device)
-    if peers is not None:  # (every group on `stream`: comm.tail_apart)
+    if peers is not None:  # (every group on `stream`: comm.tail_apart; its counters zeroed by Peers.claim)
         with _On(stream, caller):
             peers.copied()
-    signal.reset(prep.counters, stream)  # stream-ordered: the next call's GEMM waits for it through `caller`
+    else:
+        signal.reset(prep.counters, stream)  # stream-ordered: the next call's GEMM waits for it through `caller`
     # The caller's stream waits for the side streams, so the buffers of this call (allocated on it,
     # freed on return) are safe to reuse on it without record_stream.
     for side in [stream] if finisher is None else [stream, finisher]:
         join(caller, side, device)
+    if peers is not None:  # the next call's claim, beside this one's last adds; its GEMM waits for it, the caller not
+        if finisher is not None:  # (zeroed once this call's own counts were seen)
+            enqueue.wait(stream, prep.counted)
+        with _On(stream, caller):
+            peers.claim()
     if plan.layout == "tiles":  # every other layout's result is in place (comm.finish_group)
         comm.restore(buffer, result, plan, prep.slots)
     if result is not out and comm.lands_in_out(ex, plan) and not copy_out:  # the result is in the window

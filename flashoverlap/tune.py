@@ -507,10 +507,11 @@ def _pull_model(dtype, rounds: int) -> CommModel:
 
 def _pulls(dtype):
     """``make(mb)`` for :func:`_fit_sizes`: the copies a ``pull`` all-reduce makes of one group of
-    that size, with the flags that order them (comm._pull, comm.peer.Peers.arrivals), in memory of its
-    own, each time claimed and released as a call does (Peers.claim / copied): without that a rank
-    ran a measurement ahead, set a ready flag the other had not cleared yet (one signal lost), and
-    the other waited for it forever (the tuner's hangs on 2x H100 in stop 30, 2x H200 in stop 31)."""
+    that size, with the waits that order them (comm._pull, comm.peer.Peers.arrivals), in memory of its
+    own, each time claimed, counted (as the GEMM would) and released as a call does (Peers.claim /
+    mark / copied): without that a rank ran a measurement ahead, set a flag the other had not cleared
+    yet (one signal lost), and the other waited for it forever (the tuner's hangs on 2x H100 in stop
+    30, 2x H200 in stop 31)."""
     import torch
     import torch.distributed as dist
 
@@ -522,11 +523,13 @@ def _pulls(dtype):
         peers = comm.peer.Peers(dist.group.WORLD, device)  # (collective: every rank makes the same sizes)
         chunk = peers.buffer((mb << 20) // elem, dtype).copy_(torch.randn((mb << 20) // elem, device=device))
         into = torch.empty(peers.world, chunk.numel(), dtype=dtype, device=device)
+        peers.targets = (1,)
 
         def call(i: int) -> None:
-            peers.claim()
+            peers.mark(0)
             comm._pull(peers, 0, chunk, into)
             peers.copied()
+            peers.claim()
 
         return call, chunk.numel() * elem
 

@@ -62,3 +62,120 @@ def test_a_tuned_pull_falls_back_where_it_cannot_run():
     cfg = OverlapConfig(reduction="pull", comm_sms=4, partition=(1, 2, 1))
     assert overlap.without_pull(cfg) == OverlapConfig(comm_sms=4, partition=(1, 2, 1))
     assert comm.comm_pattern("all_reduce", "rows", overlap.without_pull(cfg).reduction) == "all_reduce"
+
+
+class _Memory:
+    """The ranks' flag words (int32 per (rank, index)) and which call's rows each rank's group holds,
+    as the simulated streams below read and write them."""
+
+    def __init__(self, regions: list[torch.Tensor]):
+        self.regions, self.words, self.rows = regions, {}, {}
+
+    def word(self, address: int) -> tuple[int, int]:
+        for rank, region in enumerate(self.regions):
+            if 0 <= address - region.data_ptr() < region.numel():
+                return rank, (address - region.data_ptr()) // 4
+        raise AssertionError(f"address {address:#x} is in no rank's memory")
+
+
+def _streams(peers: list, calls: int, targets: tuple[int, ...]) -> list[list]:
+    """Every rank's calls, as ops on three streams, recorded from :class:`peer.Peers`' methods as
+    overlap._enqueue orders them: comm (after the previous call's adds, each group's pulls, then
+    ``copied`` and, once the finisher saw its own counters, the next call's claim); gemm (after the
+    claim, each group's rows then its counter); finish (after the claim, each group's wait for its
+    own rows, then its add of them)."""
+    streams, sink = [], [None]  # sink[0]: the stream the methods enqueue on
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(peer.signal, "wait_at", lambda s, address, value: sink[0].append(("wait", address, value)))
+        mp.setattr(peer.enqueue, "runtime_call", lambda name, address, value, s: sink[0].append((name, address, value)))
+        mp.setattr(torch.cuda, "current_stream", lambda device: SimpleNamespace(cuda_stream=0))
+        for p in peers:
+            comm_ops, gemm_ops, finish_ops = [], [], []
+            for call in range(calls):
+                p.targets = targets
+                if call:  # (the comm stream joins the caller's, which joined the finisher's)
+                    comm_ops.append(("after", (p.rank, call - 1, "finished")))
+                comm_ops.append(("event", (p.rank, call, "claimed")))
+                gemm_ops.append(("after", (p.rank, call, "claimed")))
+                finish_ops.append(("after", (p.rank, call, "claimed")))
+                for g, target in enumerate(targets):
+                    gemm_ops += [("rows", p.rank, g, call), ("count", p._flag(p.rank, g), target)]
+                    sink[0] = comm_ops
+                    for r, _ in p.arrivals(g, p.memory[p.flag_bytes :]):
+                        comm_ops.append(("copy", r, g, call))
+                    comm_ops.append(("event", (p.rank, call, g)))
+                    sink[0] = finish_ops
+                    p.mine(g)
+                    if g == len(targets) - 1:
+                        finish_ops.append(("event", (p.rank, call, "counted")))
+                    finish_ops += [("after", (p.rank, call, g)), ("copy", p.rank, g, call)]
+                finish_ops.append(("event", (p.rank, call, "finished")))
+                sink[0] = comm_ops
+                p.copied()
+                comm_ops.append(("after", (p.rank, call, "counted")))
+                p.claim()
+            streams += [comm_ops, gemm_ops, finish_ops]
+    return streams
+
+
+def _run(streams: list[list], memory: _Memory, seed: int) -> None:
+    """Run the streams' ops in a random interleaving (a wait or an event wait blocks its stream);
+    every copy must find the rows of its own call."""
+    import random
+
+    rng, events, at = random.Random(seed), set(), [0] * len(streams)
+    while True:
+        ready = []
+        for i, ops in enumerate(streams):
+            if at[i] == len(ops):
+                continue
+            op = ops[at[i]]
+            if op[0] == "wait" and memory.words.get(memory.word(op[1]), 0) < op[2]:
+                continue
+            if op[0] == "after" and op[1] not in events:
+                continue
+            ready.append(i)
+        if not ready:
+            assert at == [len(ops) for ops in streams], "a stream waits forever"
+            return
+        i = rng.choice(ready)
+        op = streams[i][at[i]]
+        at[i] += 1
+        if op[0] == "fo_write_value":
+            memory.words[memory.word(op[1])] = op[2]
+        elif op[0] == "fo_zero":
+            rank, first = memory.word(op[1])
+            for index in range(first, first + op[2] // 4):
+                memory.words[(rank, index)] = 0
+        elif op[0] == "count":
+            word = memory.word(op[1])
+            memory.words[word] = memory.words.get(word, 0) + op[2]
+        elif op[0] == "rows":
+            memory.rows[op[1], op[2]] = op[3]
+        elif op[0] == "copy":
+            assert memory.rows.get((op[1], op[2])) == op[3], f"rank {op[1]}'s group {op[2]} was not call {op[3]}'s"
+        elif op[0] == "event":
+            events.add(op[1])
+
+
+@pytest.mark.parametrize("world", [2, 3])
+def test_pulls_copy_every_group_of_their_own_call_whatever_the_interleaving(world):
+    """The flags of comm.peer on a model of the ranks' streams: each rank's copies of another's
+    group wait for that rank's counter (in its memory) of the same call, never the previous call's
+    counts (zeroed after every rank copied: ``done``; waited on after the zeroing: ``fresh``), and
+    no GEMM overwrites rows another rank has yet to copy."""
+    regions = [torch.zeros(4096, dtype=torch.uint8) for _ in range(world)]
+    peers = []
+    for rank in range(world):
+        p = peer.Peers.__new__(peer.Peers)
+        p.rank, p.world, p.others = rank, world, [r for r in range(world) if r != rank]
+        p.fresh, p.device, p.peers, p.memory = peer.DONE + world, None, regions, regions[rank]
+        p.flag_bytes = 4 * (p.fresh + world)
+        peers.append(p)
+    streams = _streams(peers, 3, (2, 1, 3))
+    for seed in range(300):
+        memory = _Memory(regions)
+        for rank in range(world):  # as Peers._grow leaves the flags
+            for r in range(world):
+                memory.words[rank, peers[rank].fresh + r] = 1
+        _run(streams, memory, seed)

@@ -463,7 +463,8 @@ def test_other_gpus_registry_and_a_world_of_one_are_refused_before_anything_runs
 
 def test_the_pull_model_claims_and_releases_each_measurement_as_a_call_does(monkeypatch):
     """Without Peers.claim / copied around each measured pull a rank ran ahead, one of its ready
-    signals was lost and the other rank waited forever (the tuner's hangs in stops 30-31)."""
+    signals was lost and the other rank waited forever (the tuner's hangs in stops 30-31); and the
+    pulls wait for the other rank's counter, which no GEMM bumps here (Peers.mark)."""
     import torch
 
     from flashoverlap import comm, tune
@@ -482,6 +483,9 @@ def test_the_pull_model_claims_and_releases_each_measurement_as_a_call_does(monk
         def claim(self):
             steps.append("claim")
 
+        def mark(self, g):
+            steps.append(f"mark {g}")
+
         def copied(self):
             steps.append("copied")
 
@@ -494,7 +498,7 @@ def test_the_pull_model_claims_and_releases_each_measurement_as_a_call_does(monk
     assert nbytes == 1 << 20
     call(0)
     call(1)
-    assert steps == ["claim", "pull 0", "copied"] * 2
+    assert steps == ["mark 0", "pull 0", "copied", "claim"] * 2
 
 
 def test_partitions_enumerate_every_split_once():

@@ -546,16 +546,17 @@ def _pull_segment(
     segment, row q of ``into`` ([world, rows * n]) from rank q: a reduce-scatter's into the
     group's range of ``recv`` (its own block stays in the buffer: finish_group adds it), an
     all-to-all's straight into ``out``, at the group's rows of source q's segment (its own copied
-    too)."""
+    too, once written: the pulls wait only for the other ranks' rows)."""
     world, (r0, r1) = len(ex.recv), plan.segment_rows(g)
     if ex.collective == "reduce_scatter":
         into = recv[plan.bounds[g] : plan.bounds[g + 1]].view(world, -1)
     else:
         into = out.view(world, -1)[:, r0 * plan.n : r1 * plan.n]
     mine = chunk.view(world, -1)
-    if ex.collective == "all_to_all":
-        copy_2d(into[group.rank].view(1, -1), mine[group.rank].view(1, -1))
     _pull(group, g, mine[group.rank], into)
+    if ex.collective == "all_to_all":
+        group.mine(g)
+        copy_2d(into[group.rank].view(1, -1), mine[group.rank].view(1, -1))
 
 
 def finishes(ex: Exchange, plan: Plan) -> bool:

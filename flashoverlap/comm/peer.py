@@ -9,13 +9,24 @@ the GEMM writes its groups into memory every rank maps (torch symmetric memory: 
 NVLink or PCIe P2P), each rank copies the other ranks' partial sums of a group into its own
 memory once they say the group is there, and adds them to its own (comm.finish_group) on the SMs
 the GEMM leaves (``comm_sms``) or as it retires; a reduce-scatter / all-to-all copies its own
-segment's rows only (comm._pull_segment). Ordered by flags in that memory, written and waited on
-by stream memory operations (no SM, no host):
+segment's rows only (comm._pull_segment). Ordered by stream memory operations (no SM, no host):
+each rank writes its own memory and waits on the others' (a wait on another GPU's memory over
+NVLink answered in ~5 us on 2x H200, one on the GPU's own memory in ~9: stop 32's probe), so in
+rank r's memory:
 
-- ``ready[g][r]`` in rank q's memory: rank r's group g is written (r's counter reached its
-  target); q waits for it, clears it and copies;
-- ``done[r]``: rank r has copied all of a call's groups out of this rank's buffer; this rank's
-  next GEMM, which overwrites them, waits for it and clears it (set at first: nothing to copy).
+- ``counters[g]``: the GEMM's group counters (its kernel bumps them as for any call); every other
+  rank waits for group g's target there, then copies the group;
+- ``done[q]``: r has copied all of a call's groups out of q's memory; q waits for it (and clears
+  it) at the end of its call (Peers.claim: beside its last adds), then zeroes its counters for its
+  next call, whose GEMM overwrites the groups;
+- ``fresh[q]``: r's counters are zeroed for r's next call; q waits for it (and clears it) before it
+  waits on them, so that it never takes the previous call's counts for this one's.
+
+At first every region is as a claim leaves it (counters zero, ``fresh`` set, ``done`` clear).
+
+Before (stop 31) the GEMM's counters were local: each rank waited on its own, wrote a ready flag into
+the others' memory, which waited on it and cleared it before copying: ~16-22 us from a group's last
+tile to its copy, where one wait on the other's counter takes ~5.
 """
 
 from __future__ import annotations
@@ -27,15 +38,16 @@ from collections.abc import Iterator
 import torch
 import torch.distributed as dist
 
-from .. import enqueue
+from .. import enqueue, signal
 from .nccl import Window, carved_bytes, cuda_backend, group_fact
 
-MAX_GROUPS = 256  # ready flags per rank: the most groups a call may have
+MAX_GROUPS = 256  # counters per rank: the most groups a call may have
+COUNTERS, DONE = 0, MAX_GROUPS  # int32 offsets in each rank's memory (then ``fresh``: Peers.fresh)
 
 
 class Pulls:
     """What comm's pulls need of a group of ranks: ``rank``, ``world``, ``others`` (every rank but
-    this one) and :meth:`arrivals`; :class:`Peers` on GPUs, :class:`Gathered` on gloo."""
+    this one), :meth:`arrivals` and :meth:`mine`; :class:`Peers` on GPUs, :class:`Gathered` on gloo."""
 
     rank: int
     world: int
@@ -44,6 +56,10 @@ class Pulls:
 
     def arrivals(self, g: int, chunk: torch.Tensor) -> Iterator[tuple[int, torch.Tensor]]:
         raise NotImplementedError
+
+    def mine(self, g: int) -> None:
+        """Before this rank's own rows of group ``g`` are read (on the stream that reads them): wait
+        until they are written. (Nothing to wait for on gloo.)"""
 
     def _at(self, theirs: torch.Tensor, chunk: torch.Tensor) -> torch.Tensor:
         """Another rank's memory ``theirs`` (uint8) at the place ``chunk`` has in this rank's."""
@@ -72,18 +88,21 @@ class Gathered(Pulls):
 
 class Peers(Window, Pulls):
     """The memory of every rank of ``group`` (a :class:`comm.nccl.Window` whose regions every rank
-    maps): at its start the flags (int32: ``ready`` [MAX_GROUPS, world], then ``done`` [world]),
-    then the GEMM's buffer, the same bytes for every call (calls of one rank are stream-ordered,
-    the ranks' by the flags). Grows as a window does (collectively, with a host sync)."""
+    maps): at its start the GEMM's counters and the flags (int32: ``counters`` [MAX_GROUPS], ``done``
+    [world], ``fresh`` [world]), then the GEMM's buffer, the same bytes for every call (calls of one
+    rank are stream-ordered, the ranks' by the flags). Grows as a window does (collectively, with a
+    host sync). A call sets :attr:`targets` (its groups' counter targets) before its groups."""
 
     def __init__(self, group: dist.ProcessGroup, device: torch.device) -> None:
         super().__init__([], device)
         self.group = group
         self.rank, self.world = dist.get_rank(group), dist.get_world_size(group)
         self.others = [r for r in range(self.world) if r != self.rank]
-        self.flag_bytes = carved_bytes(((MAX_GROUPS + 1) * self.world,), torch.int32)
+        self.fresh = DONE + self.world
+        self.flag_bytes = carved_bytes((self.fresh + self.world,), torch.int32)
         self.peers: list[torch.Tensor] = []  # every rank's current region (uint8), as mapped here
         self._handles: list = []  # (each region stays mapped while its handle lives)
+        self.targets: tuple[int, ...] = ()  # the current call's counter target per group
 
     def _grow(self, nbytes: int) -> None:
         import torch.distributed._symmetric_memory as symm_mem
@@ -94,10 +113,10 @@ class Peers(Window, Pulls):
         self.memory = memory
         self.regions.append(memory)
         self._handles.append(handle)
-        # nothing ready, nothing to wait for, on every rank before any rank signals into this region
+        # as claimed (nothing counted, the counters fresh) on every rank before any rank waits on this region
         flags = memory[: self.flag_bytes].view(torch.int32)
         flags.zero_()
-        flags[MAX_GROUPS * self.world : (MAX_GROUPS + 1) * self.world] = 1
+        flags[self.fresh : self.fresh + self.world] = 1
         torch.cuda.synchronize(self.device)
         nccl = cuda_backend(self.group) == "nccl"
         dist.barrier(group=self.group, device_ids=[self.device.index] if nccl else None)
@@ -106,40 +125,59 @@ class Peers(Window, Pulls):
         """The GEMM's flat buffer of ``numel`` elements, after the flags (grows the region first)."""
         return self.allocator(carved_bytes((numel,), dtype), dtype, start=self.flag_bytes)((numel,))
 
+    @property
+    def counters(self) -> torch.Tensor:
+        """This rank's GEMM counters (int32 [MAX_GROUPS]) in its current region: a pull's GEMM bumps
+        these, not its plan's."""
+        return self.memory[: 4 * MAX_GROUPS].view(torch.int32)
+
     def _flag(self, rank: int, index: int) -> int:
-        """The address of flag ``index`` in rank ``rank``'s memory, as mapped here."""
+        """The address of int32 ``index`` (``COUNTERS``, ``DONE`` or ``fresh`` + ...) in rank ``rank``'s
+        memory, as mapped here."""
         return self.peers[rank].data_ptr() + 4 * index
 
-    def _signal(self, rank: int, index: int, value: int) -> None:
+    def _write(self, rank: int, index: int, value: int) -> None:
         stream = torch.cuda.current_stream(self.device).cuda_stream
         enqueue.runtime_call("fo_write_value", self._flag(rank, index), value, stream)
 
-    def _take(self, index: int) -> None:
-        """Wait (the current stream) until this rank's flag ``index`` is set, then clear it."""
-        stream = torch.cuda.current_stream(self.device).cuda_stream
-        enqueue.runtime_call("fo_stream_wait", self._flag(self.rank, index), 1, stream)
-        enqueue.runtime_call("fo_write_value", self._flag(self.rank, index), 0, stream)
+    def _take(self, rank: int, index: int) -> None:
+        """Wait (the current stream) until rank ``rank``'s flag ``index`` is set, then clear it."""
+        signal.wait_at(torch.cuda.current_stream(self.device), self._flag(rank, index), 1)
+        self._write(rank, index, 0)
 
     def claim(self) -> None:
-        """Before a call's GEMM (on the stream it waits for): wait until every other rank has copied
-        the previous call's groups out of this rank's buffer."""
+        """After a call (on the stream the next call's GEMM waits for, once this rank has seen its own
+        counters): wait until every other rank has copied the call's groups out of this rank's buffer
+        (and so seen its counters), zero the counters for the next call and say so."""
         for r in self.others:
-            self._take(MAX_GROUPS * self.world + r)
+            self._take(r, DONE + self.rank)
+        stream = torch.cuda.current_stream(self.device).cuda_stream
+        enqueue.runtime_call("fo_zero", self._flag(self.rank, 0), 4 * MAX_GROUPS, stream)
+        for r in self.others:
+            self._write(self.rank, self.fresh + r, 1)
 
     def arrivals(self, g: int, chunk: torch.Tensor) -> Iterator[tuple[int, torch.Tensor]]:
-        """Group ``g`` of this rank's buffer (``chunk``, its counter waited for) is there: tell every
-        other rank; then (rank, its ``chunk``) for each other rank, as soon as it said the same (the
-        caller copies it)."""
+        """(rank, its ``chunk`` of group ``g``) for each other rank, as soon as its counter says the
+        group is written (the caller copies it); before a call's first group, once every other rank
+        zeroed its counters for this call."""
+        stream = torch.cuda.current_stream(self.device)
         for r in self.others:
-            self._signal(r, g * self.world + self.rank, 1)
-        for r in self.others:
-            self._take(g * self.world + r)
+            if g == 0:
+                self._take(r, self.fresh + self.rank)
+            signal.wait_at(stream, self._flag(r, COUNTERS + g), self.targets[g])
             yield r, self._at(self.peers[r], chunk)
+
+    def mine(self, g: int) -> None:
+        signal.wait_at(torch.cuda.current_stream(self.device), self._flag(self.rank, COUNTERS + g), self.targets[g])
+
+    def mark(self, g: int) -> None:
+        """Count group ``g`` as written (to its target), as the GEMM would (the tuner's measured pulls)."""
+        self._write(self.rank, COUNTERS + g, self.targets[g])
 
     def copied(self) -> None:
         """Every group of the call is copied here: tell the ranks they came from."""
         for r in self.others:
-            self._signal(r, MAX_GROUPS * self.world + self.rank, 1)
+            self._write(self.rank, DONE + r, 1)
 
 
 def unavailable(group: dist.ProcessGroup, device: torch.device) -> str | None:

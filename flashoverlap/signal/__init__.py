@@ -105,11 +105,23 @@ def wait_geq(
     With ``timeout`` (seconds), a spin kernel gives up after that long and writes
     ``{1, index, value, target}`` into ``report`` (int32[4], zero until then).
     """
-    address = counters.data_ptr() + 4 * index
+    wait_at(stream, counters.data_ptr() + 4 * index, target, timeout, report, index)
+
+
+def wait_at(
+    stream: torch.cuda.Stream,
+    address: int,
+    target: int,
+    timeout: float | None = None,
+    report: torch.Tensor | None = None,
+    index: int = 0,
+) -> None:
+    """Enqueue on ``stream``: wait until the uint32 at device ``address`` is ``>= target`` (cyclic);
+    :func:`wait_geq`'s wait, also for flags outside a counter tensor (comm.peer's)."""
     # The spin kernel (one thread) without a time limit where stream waits do not work. It fits
     # beside the GEMM's CTAs (one H200, every SM to the GEMM: group 0 released at 0.119 ms by both),
     # but holds a thread polling memory for the whole wait: stream waits in CUDA graphs too.
-    if timeout is None and not stream_waits(counters.device.index, torch.cuda.is_current_stream_capturing()):
+    if timeout is None and not stream_waits(stream.device.index, torch.cuda.is_current_stream_capturing()):
         timeout = 0.0
     if timeout is None:
         enqueue.runtime_call("fo_stream_wait", address, target, stream.cuda_stream)
