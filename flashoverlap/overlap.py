@@ -129,7 +129,8 @@ class Prepared:
     # exchange -> (the window region, its (out, buffer, recv) there, or a pull's buffer): the same every call
     window_views: dict = field(default_factory=dict)
     group_done: list = field(default_factory=list)  # an event per group (comm.finish_group)
-    gemm_done: torch.cuda.Event | None = None  # the GEMM's end on the caller's stream (a window's copies out)
+    # the GEMM's end on the caller's stream (a window's copies out; a pull's last add)
+    gemm_done: torch.cuda.Event | None = None
     counted: torch.cuda.Event | None = None  # a pull's own counters all seen on the finisher (Peers.mine)
     # replay_key -> the call's enqueue.Program; None once seen (noted on the next call like it), False
     # where that call could not be replayed
@@ -495,16 +496,23 @@ def _enqueue(
     # rank's own counters only where its own rows are read. Its buffer and counters were claimed
     # for it at the previous call's end (Peers.claim).
     peers = group if isinstance(group, comm.Peers) else None
-    if window is not None:
-        window.acquire(caller)
+    shared = window if window is not None else peers  # memory every call uses: ordered across callers' streams
+    if shared is not None:
+        shared.acquire(caller)
     join(stream, caller, device)  # operands ready; earlier users of the buffers done
     if peers is not None:
         peers.targets = prep.targets
-        if finisher is not None:  # (its waits on this call's counts come after their zeroing)
+    if peers is not None and peers.claimed is not None and not torch.cuda.is_current_stream_capturing():
+        # the GEMM (and the finisher's waits on this call's counts) only after the counters' zeroing,
+        # not after the rest of the comm stream's claim and its wait for the caller above
+        for side in [caller] if finisher is None else [caller, finisher]:
+            enqueue.wait(side, peers.claimed)
+    else:
+        if peers is not None and finisher is not None:
             join(finisher, stream, device)
-    join(caller, stream, device)  # a call from another stream may not have reset the counters yet
+        join(caller, stream, device)  # a call from another stream may not have reset the counters yet
     prep.launch(a, weight, buffer, caller, None if peers is None else peers.counters)
-    if copy_out:
+    if copy_out or finisher is not None and peers is not None:
         enqueue.record(prep.gemm_done, caller)
     last = len(prep.targets) - 1
     for g, target in enumerate(prep.targets):
@@ -521,11 +529,12 @@ def _enqueue(
                 enqueue.record(prep.group_done[g], issuer)
         if finishes:  # the group's own step (copies: copy engines; adds: SMs the GEMM leaves, or
             # as it retires), enqueued with its collective so that a slow host cannot hold it back
-            if peers is not None:  # (before the copies end: a wait's latency beside them)
+            if peers is not None and g < last:  # (before the copies end: a wait's latency beside them)
                 with _On(finisher, caller):
                     peers.mine(g)
-                if g == last:
-                    enqueue.record(prep.counted, finisher)
+            elif peers is not None:  # the last: the GEMM's end (an event, ~2 us; a wait on a counter, ~9)
+                enqueue.wait(finisher, prep.gemm_done)
+                enqueue.record(prep.counted, finisher)
             enqueue.wait(finisher, prep.group_done[g])
             with _On(finisher, caller):
                 comm.finish_group(ex, plan, g, buffer, recv, result, peers)
@@ -555,8 +564,8 @@ def _enqueue(
         comm.restore(buffer, result, plan, prep.slots)
     if result is not out and comm.lands_in_out(ex, plan) and not copy_out:  # the result is in the window
         comm.copy_2d(result.view(-1, plan.n), out.view(-1, plan.n))
-    if window is not None:
-        window.release(caller)
+    if shared is not None:
+        shared.release(caller)
 
 
 def tuned_config(

@@ -80,24 +80,35 @@ class _Memory:
 
 def _streams(peers: list, calls: int, targets: tuple[int, ...]) -> list[list]:
     """Every rank's calls, as ops on three streams, recorded from :class:`peer.Peers`' methods as
-    overlap._enqueue orders them: comm (after the previous call's adds, each group's pulls, then
-    ``copied`` and, once the finisher saw its own counters, the next call's claim); gemm (after the
-    claim, each group's rows then its counter); finish (after the claim, each group's wait for its
-    own rows, then its add of them)."""
-    streams, sink = [], [None]  # sink[0]: the stream the methods enqueue on
+    overlap._enqueue orders them: comm (after the caller's previous work, each group's pulls, then
+    ``copied`` and, once the finisher saw its own counts, the next call's claim); gemm (the
+    caller's: after the previous call's adds and the claim's ``claimed`` event, each group's rows
+    then its counter, then its end); finish (after ``claimed``, each group's wait for its own rows
+    -- the last group's: the GEMM's end -- then its add of them)."""
+    streams, sink, claims = [], [None], {}  # sink[0]: the stream the methods enqueue on
+
+    def record(event, stream):  # Peers.claim's ``claimed``, numbered per rank
+        rank = next(p.rank for p in peers if p.claimed is event)
+        claims[rank] = claims.get(rank, 0) + 1
+        sink[0].append(("event", (rank, claims[rank], "claimed")))
+
     with pytest.MonkeyPatch.context() as mp:
         mp.setattr(peer.signal, "wait_at", lambda s, address, value: sink[0].append(("wait", address, value)))
-        mp.setattr(peer.enqueue, "runtime_call", lambda name, address, value, s: sink[0].append((name, address, value)))
+        mp.setattr(
+            peer.enqueue, "runtime_call", lambda name, address, value, s: sink[0].append((name, address, value))
+        )
+        mp.setattr(peer.enqueue, "record", record)
         mp.setattr(torch.cuda, "current_stream", lambda device: SimpleNamespace(cuda_stream=0))
+        mp.setattr(torch.cuda, "is_current_stream_capturing", lambda: False)
+        mp.setattr(torch.cuda, "Event", object)
         for p in peers:
             comm_ops, gemm_ops, finish_ops = [], [], []
             for call in range(calls):
                 p.targets = targets
-                if call:  # (the comm stream joins the caller's, which joined the finisher's)
+                if call:  # (the caller: after the previous call's adds; the GEMM and the finisher: after the claim)
                     comm_ops.append(("after", (p.rank, call - 1, "finished")))
-                comm_ops.append(("event", (p.rank, call, "claimed")))
-                gemm_ops.append(("after", (p.rank, call, "claimed")))
-                finish_ops.append(("after", (p.rank, call, "claimed")))
+                    gemm_ops += [("after", (p.rank, call - 1, "finished")), ("after", (p.rank, call, "claimed"))]
+                    finish_ops.append(("after", (p.rank, call, "claimed")))
                 for g, target in enumerate(targets):
                     gemm_ops += [("rows", p.rank, g, call), ("count", p._flag(p.rank, g), target)]
                     sink[0] = comm_ops
@@ -105,10 +116,12 @@ def _streams(peers: list, calls: int, targets: tuple[int, ...]) -> list[list]:
                         comm_ops.append(("copy", r, g, call))
                     comm_ops.append(("event", (p.rank, call, g)))
                     sink[0] = finish_ops
-                    p.mine(g)
-                    if g == len(targets) - 1:
-                        finish_ops.append(("event", (p.rank, call, "counted")))
+                    if g < len(targets) - 1:
+                        p.mine(g)
+                    else:
+                        finish_ops += [("after", (p.rank, call, "gemm done")), ("event", (p.rank, call, "counted"))]
                     finish_ops += [("after", (p.rank, call, g)), ("copy", p.rank, g, call)]
+                gemm_ops.append(("event", (p.rank, call, "gemm done")))
                 finish_ops.append(("event", (p.rank, call, "finished")))
                 sink[0] = comm_ops
                 p.copied()
@@ -119,11 +132,13 @@ def _streams(peers: list, calls: int, targets: tuple[int, ...]) -> list[list]:
 
 
 def _run(streams: list[list], memory: _Memory, seed: int) -> None:
-    """Run the streams' ops in a random interleaving (a wait or an event wait blocks its stream);
-    every copy must find the rows of its own call."""
+    """Run the streams' ops in a random interleaving (a wait or an event wait blocks its stream;
+    some streams, chosen per seed, run 100 times slower than the others); every copy must find the
+    rows of its own call."""
     import random
 
     rng, events, at = random.Random(seed), set(), [0] * len(streams)
+    speed = [rng.choice([1.0, 1.0, 0.01]) for _ in streams]
     while True:
         ready = []
         for i, ops in enumerate(streams):
@@ -138,7 +153,7 @@ def _run(streams: list[list], memory: _Memory, seed: int) -> None:
         if not ready:
             assert at == [len(ops) for ops in streams], "a stream waits forever"
             return
-        i = rng.choice(ready)
+        i = rng.choices(ready, [speed[i] for i in ready])[0]
         op = streams[i][at[i]]
         at[i] += 1
         if op[0] == "fo_write_value":
@@ -168,6 +183,7 @@ def test_pulls_copy_every_group_of_their_own_call_whatever_the_interleaving(worl
     peers = []
     for rank in range(world):
         p = peer.Peers.__new__(peer.Peers)
+        p.claimed = None
         p.rank, p.world, p.others = rank, world, [r for r in range(world) if r != rank]
         p.fresh, p.device, p.peers, p.memory = peer.DONE + world, None, regions, regions[rank]
         p.flag_bytes = 4 * (p.fresh + world)

@@ -103,6 +103,7 @@ class Peers(Window, Pulls):
         self.peers: list[torch.Tensor] = []  # every rank's current region (uint8), as mapped here
         self._handles: list = []  # (each region stays mapped while its handle lives)
         self.targets: tuple[int, ...] = ()  # the current call's counter target per group
+        self.claimed: torch.cuda.Event | None = None  # recorded where the last claim zeroed the counters
 
     def _grow(self, nbytes: int) -> None:
         import torch.distributed._symmetric_memory as symm_mem
@@ -146,13 +147,21 @@ class Peers(Window, Pulls):
         self._write(rank, index, 0)
 
     def claim(self) -> None:
-        """After a call (on the stream the next call's GEMM waits for, once this rank has seen its own
-        counters): wait until every other rank has copied the call's groups out of this rank's buffer
-        (and so seen its counters), zero the counters for the next call and say so."""
+        """After a call (once this rank has seen its own counters): wait until every other rank has
+        copied the call's groups out of this rank's buffer (and so seen its counters), zero the
+        counters for the next call, record :attr:`claimed` (what the next GEMM waits for; not while
+        a CUDA graph is captured: its calls are ordered by the capture), then clear the flags and
+        say so (before the other ranks' next ``done``, which follows their pulls of the ``fresh``
+        counters)."""
+        stream = torch.cuda.current_stream(self.device)
         for r in self.others:
-            self._take(r, DONE + self.rank)
-        stream = torch.cuda.current_stream(self.device).cuda_stream
-        enqueue.runtime_call("fo_zero", self._flag(self.rank, 0), 4 * MAX_GROUPS, stream)
+            signal.wait_at(stream, self._flag(r, DONE + self.rank), 1)
+        enqueue.runtime_call("fo_zero", self._flag(self.rank, 0), 4 * MAX_GROUPS, stream.cuda_stream)
+        if not torch.cuda.is_current_stream_capturing():
+            self.claimed = self.claimed or torch.cuda.Event()
+            enqueue.record(self.claimed, stream)
+        for r in self.others:
+            self._write(r, DONE + self.rank, 0)
         for r in self.others:
             self._write(self.rank, self.fresh + r, 1)
 
