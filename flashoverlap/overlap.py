@@ -131,7 +131,6 @@ class Prepared:
     group_done: list = field(default_factory=list)  # an event per group (comm.finish_group)
     # the GEMM's end on the caller's stream (a window's copies out; a pull's last add)
     gemm_done: torch.cuda.Event | None = None
-    counted: torch.cuda.Event | None = None  # a pull's own counters all seen on the finisher (Peers.mine)
     # replay_key -> the call's enqueue.Program; None once seen (noted on the next call like it), False
     # where that call could not be replayed
     programs: dict = field(default_factory=dict)
@@ -490,7 +489,7 @@ def _enqueue(
     finisher = side_stream(device, "finish") if finishes or copy_out else None
     if finisher is not None and not prep.group_done:
         prep.group_done = [torch.cuda.Event() for _ in prep.targets]
-        prep.gemm_done, prep.counted = torch.cuda.Event(), torch.cuda.Event()
+        prep.gemm_done = torch.cuda.Event()
 
     # A pull's GEMM counts in memory the other ranks map, and they wait on that (comm.peer); this
     # rank's own counters only where its own rows are read. Its buffer and counters were claimed
@@ -503,13 +502,10 @@ def _enqueue(
     if peers is not None:
         peers.targets = prep.targets
     if peers is not None and peers.claimed is not None and not torch.cuda.is_current_stream_capturing():
-        # the GEMM (and the finisher's waits on this call's counts) only after the counters' zeroing,
-        # not after the rest of the comm stream's claim and its wait for the caller above
-        for side in [caller] if finisher is None else [caller, finisher]:
-            enqueue.wait(side, peers.claimed)
+        # the GEMM only after the counters' zeroing, not after the rest of the comm stream's claim
+        # and its wait for the caller above
+        enqueue.wait(caller, peers.claimed)
     else:
-        if peers is not None and finisher is not None:
-            join(finisher, stream, device)
         join(caller, stream, device)  # a call from another stream may not have reset the counters yet
     prep.launch(a, weight, buffer, caller, None if peers is None else peers.counters)
     if copy_out or finisher is not None and peers is not None:
@@ -525,16 +521,14 @@ def _enqueue(
             if issuer is stream and peers is None:
                 signal.wait_geq(issuer, prep.counters, g, target, timeout, prep.report)
             comm.communicate_group(ex, plan, g, buffer, recv, out, on)
+            if peers is not None and finishes and g < last:  # this rank's own rows, for the finisher's
+                peers.mine(g)  # add (here, not on the finisher: each stream operation costs ~2 us)
             if finisher is not None:
                 enqueue.record(prep.group_done[g], issuer)
         if finishes:  # the group's own step (copies: copy engines; adds: SMs the GEMM leaves, or
             # as it retires), enqueued with its collective so that a slow host cannot hold it back
-            if peers is not None and g < last:  # (before the copies end: a wait's latency beside them)
-                with _On(finisher, caller):
-                    peers.mine(g)
-            elif peers is not None:  # the last: the GEMM's end (an event, ~2 us; a wait on a counter, ~9)
+            if peers is not None and g == last:  # its own rows: the GEMM's end (an event hop, ~2 us)
                 enqueue.wait(finisher, prep.gemm_done)
-                enqueue.record(prep.counted, finisher)
             enqueue.wait(finisher, prep.group_done[g])
             with _On(finisher, caller):
                 comm.finish_group(ex, plan, g, buffer, recv, result, peers)
@@ -556,8 +550,6 @@ def _enqueue(
     for side in [stream] if finisher is None else [stream, finisher]:
         join(caller, side, device)
     if peers is not None:  # the next call's claim, beside this one's last adds; its GEMM waits for it, the caller not
-        if finisher is not None:  # (zeroed once this call's own counts were seen)
-            enqueue.wait(stream, prep.counted)
         with _On(stream, caller):
             peers.claim()
     if plan.layout == "tiles":  # every other layout's result is in place (comm.finish_group)

@@ -80,11 +80,11 @@ class _Memory:
 
 def _streams(peers: list, calls: int, targets: tuple[int, ...]) -> list[list]:
     """Every rank's calls, as ops on three streams, recorded from :class:`peer.Peers`' methods as
-    overlap._enqueue orders them: comm (after the caller's previous work, each group's pulls, then
-    ``copied`` and, once the finisher saw its own counts, the next call's claim); gemm (the
-    caller's: after the previous call's adds and the claim's ``claimed`` event, each group's rows
-    then its counter, then its end); finish (after ``claimed``, each group's wait for its own rows
-    -- the last group's: the GEMM's end -- then its add of them)."""
+    overlap._enqueue orders them: comm (after the caller's previous work, each group's pulls and,
+    but for the last group, the wait for this rank's own rows; then ``copied`` and the next call's
+    claim); gemm (the caller's: after the previous call's adds and the claim's ``claimed`` event,
+    each group's rows then its counter, then its end); finish (each group's add of its own rows,
+    after the group's pulls -- the last group's also after the GEMM's end)."""
     streams, sink, claims = [], [None], {}  # sink[0]: the stream the methods enqueue on
 
     def record(event, stream):  # Peers.claim's ``claimed``, numbered per rank
@@ -94,9 +94,7 @@ def _streams(peers: list, calls: int, targets: tuple[int, ...]) -> list[list]:
 
     with pytest.MonkeyPatch.context() as mp:
         mp.setattr(peer.signal, "wait_at", lambda s, address, value: sink[0].append(("wait", address, value)))
-        mp.setattr(
-            peer.enqueue, "runtime_call", lambda name, address, value, s: sink[0].append((name, address, value))
-        )
+        mp.setattr(peer.enqueue, "runtime_call", lambda name, address, value, s: sink[0].append((name, address, value)))
         mp.setattr(peer.enqueue, "record", record)
         mp.setattr(torch.cuda, "current_stream", lambda device: SimpleNamespace(cuda_stream=0))
         mp.setattr(torch.cuda, "is_current_stream_capturing", lambda: False)
@@ -108,24 +106,20 @@ def _streams(peers: list, calls: int, targets: tuple[int, ...]) -> list[list]:
                 if call:  # (the caller: after the previous call's adds; the GEMM and the finisher: after the claim)
                     comm_ops.append(("after", (p.rank, call - 1, "finished")))
                     gemm_ops += [("after", (p.rank, call - 1, "finished")), ("after", (p.rank, call, "claimed"))]
-                    finish_ops.append(("after", (p.rank, call, "claimed")))
                 for g, target in enumerate(targets):
                     gemm_ops += [("rows", p.rank, g, call), ("count", p._flag(p.rank, g), target)]
                     sink[0] = comm_ops
                     for r, _ in p.arrivals(g, p.memory[p.flag_bytes :]):
                         comm_ops.append(("copy", r, g, call))
-                    comm_ops.append(("event", (p.rank, call, g)))
-                    sink[0] = finish_ops
                     if g < len(targets) - 1:
                         p.mine(g)
                     else:
-                        finish_ops += [("after", (p.rank, call, "gemm done")), ("event", (p.rank, call, "counted"))]
+                        finish_ops.append(("after", (p.rank, call, "gemm done")))
+                    comm_ops.append(("event", (p.rank, call, g)))
                     finish_ops += [("after", (p.rank, call, g)), ("copy", p.rank, g, call)]
                 gemm_ops.append(("event", (p.rank, call, "gemm done")))
                 finish_ops.append(("event", (p.rank, call, "finished")))
-                sink[0] = comm_ops
                 p.copied()
-                comm_ops.append(("after", (p.rank, call, "counted")))
                 p.claim()
             streams += [comm_ops, gemm_ops, finish_ops]
     return streams

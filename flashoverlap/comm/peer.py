@@ -58,8 +58,8 @@ class Pulls:
         raise NotImplementedError
 
     def mine(self, g: int) -> None:
-        """Before this rank's own rows of group ``g`` are read (on the stream that reads them): wait
-        until they are written. (Nothing to wait for on gloo.)"""
+        """Before this rank's own rows of group ``g`` are read (on the stream that reads them, or one
+        it waits for): wait until they are written. (Nothing to wait for on gloo.)"""
 
     def _at(self, theirs: torch.Tensor, chunk: torch.Tensor) -> torch.Tensor:
         """Another rank's memory ``theirs`` (uint8) at the place ``chunk`` has in this rank's."""
