@@ -501,7 +501,6 @@ def _enqueue(
     join(stream, caller, device)  # operands ready; earlier users of the buffers done
     if peers is not None:
         peers.targets = prep.targets
-    if peers is not None and peers.claimed is not None and not torch.cuda.is_current_stream_capturing():
         # the GEMM only after the counters' zeroing, not after the rest of the comm stream's claim
         # and its wait for the caller above
         enqueue.wait(caller, peers.claimed)
@@ -552,6 +551,8 @@ def _enqueue(
     if peers is not None:  # the next call's claim, beside this one's last adds; its GEMM waits for it, the caller not
         with _On(stream, caller):
             peers.claim()
+        if torch.cuda.is_current_stream_capturing():  # a capture ends with every stream joined
+            join(caller, stream, device)
     if plan.layout == "tiles":  # every other layout's result is in place (comm.finish_group)
         comm.restore(buffer, result, plan, prep.slots)
     if result is not out and comm.lands_in_out(ex, plan) and not copy_out:  # the result is in the window

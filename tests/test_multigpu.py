@@ -300,7 +300,8 @@ def test_row_parallel_linear_on_all_gpus(part):
 
 def graphs_worker(rank, world, store_path):
     """FLASHOVERLAP_TIMING=graphs: an untuned call's first use times its candidates as captured
-    graphs (NCCL inside them); its answer then runs eagerly and in the caller's own capture."""
+    graphs (NCCL inside them); its answer then runs eagerly and in the caller's own capture, as
+    does a pull (its memory claimed across eager calls and replays)."""
     from flashoverlap import overlap
 
     os.environ["FLASHOVERLAP_TIMING"] = "graphs"
@@ -315,23 +316,37 @@ def graphs_worker(rank, world, store_path):
         out = flashoverlap.gemm_all_reduce(a, w)
         assert [key[0] for key in overlap._trials] == [True], "timed as CUDA graphs"
         assert rel_err(out, expected) < 1e-2
-        static = a.clone()
-        side = torch.cuda.Stream()
-        side.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(side):
-            flashoverlap.gemm_all_reduce(static, w)
-        torch.cuda.current_stream().wait_stream(side)
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph):
-            captured = flashoverlap.gemm_all_reduce(static, w)
-        try:
-            for scale in (0.5, -2.0):
-                static.copy_(scale * a)
-                graph.replay()
-                torch.cuda.synchronize()
-                assert rel_err(captured, scale * expected) < 1e-2, f"replay x{scale}"
-        finally:
-            graph.reset()  # (a live graph holding NCCL work would hang the teardown)
+
+        def replayed(config) -> None:
+            """A call captured, replayed between eager calls, nothing waited for in between (a
+            pull's claim of the memory for the next call is still pending as that call starts)."""
+            static = a.clone()
+            side = torch.cuda.Stream()
+            side.wait_stream(torch.cuda.current_stream())
+            with torch.cuda.stream(side):
+                flashoverlap.gemm_all_reduce(static, w, config=config)
+            torch.cuda.current_stream().wait_stream(side)
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph):
+                captured = flashoverlap.gemm_all_reduce(static, w, config=config)
+            try:
+                for scale in (0.5, -2.0):
+                    static.copy_(scale * a)
+                    before = flashoverlap.gemm_all_reduce(a, w, config=config)
+                    graph.replay()
+                    after = flashoverlap.gemm_all_reduce(-a, w, config=config)
+                    torch.cuda.synchronize()
+                    for got, want, what in (
+                        (before, expected, "before"),
+                        (captured, scale * expected, "replay"),
+                        (after, -expected, "after"),
+                    ):
+                        assert rel_err(got, want) < 1e-2, f"{what} the replay x{scale}, config {config}"
+            finally:
+                graph.reset()  # (a live graph holding NCCL work would hang the teardown)
+
+        replayed(None)  # the timed answer
+        replayed({"reduction": "pull"})
     finally:
         dist.destroy_process_group()
 

@@ -98,7 +98,6 @@ def _streams(peers: list, calls: int, targets: tuple[int, ...]) -> list[list]:
         mp.setattr(peer.enqueue, "record", record)
         mp.setattr(torch.cuda, "current_stream", lambda device: SimpleNamespace(cuda_stream=0))
         mp.setattr(torch.cuda, "is_current_stream_capturing", lambda: False)
-        mp.setattr(torch.cuda, "Event", object)
         for p in peers:
             comm_ops, gemm_ops, finish_ops = [], [], []
             for call in range(calls):
@@ -177,7 +176,7 @@ def test_pulls_copy_every_group_of_their_own_call_whatever_the_interleaving(worl
     peers = []
     for rank in range(world):
         p = peer.Peers.__new__(peer.Peers)
-        p.claimed = None
+        p.claimed = object()
         p.rank, p.world, p.others = rank, world, [r for r in range(world) if r != rank]
         p.fresh, p.device, p.peers, p.memory = peer.DONE + world, None, regions, regions[rank]
         p.flag_bytes = 4 * (p.fresh + world)

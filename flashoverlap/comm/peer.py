@@ -103,7 +103,9 @@ class Peers(Window, Pulls):
         self.peers: list[torch.Tensor] = []  # every rank's current region (uint8), as mapped here
         self._handles: list = []  # (each region stays mapped while its handle lives)
         self.targets: tuple[int, ...] = ()  # the current call's counter target per group
-        self.claimed: torch.cuda.Event | None = None  # recorded where the last claim zeroed the counters
+        # recorded where the last claim zeroed the counters; external: a CUDA graph's GEMM waits for
+        # the claim of an eager call before its replay, and an eager call's for the graph's claim
+        self.claimed = torch.cuda.Event(external=True)
 
     def _grow(self, nbytes: int) -> None:
         import torch.distributed._symmetric_memory as symm_mem
@@ -118,6 +120,8 @@ class Peers(Window, Pulls):
         flags = memory[: self.flag_bytes].view(torch.int32)
         flags.zero_()
         flags[self.fresh : self.fresh + self.world] = 1
+        # (a wait on an event never recorded is none, also in a graph captured from the first call on)
+        enqueue.record(self.claimed, torch.cuda.current_stream(self.device))
         torch.cuda.synchronize(self.device)
         nccl = cuda_backend(self.group) == "nccl"
         dist.barrier(group=self.group, device_ids=[self.device.index] if nccl else None)
@@ -149,17 +153,14 @@ class Peers(Window, Pulls):
     def claim(self) -> None:
         """After a call (once this rank has seen its own counters): wait until every other rank has
         copied the call's groups out of this rank's buffer (and so seen its counters), zero the
-        counters for the next call, record :attr:`claimed` (what the next GEMM waits for; not while
-        a CUDA graph is captured: its calls are ordered by the capture), then clear the flags and
-        say so (before the other ranks' next ``done``, which follows their pulls of the ``fresh``
+        counters for the next call, record :attr:`claimed` (what the next GEMM waits for), then
+        clear the flags and say so (before the other ranks' next ``done``, which follows their pulls of the ``fresh``
         counters)."""
         stream = torch.cuda.current_stream(self.device)
         for r in self.others:
             signal.wait_at(stream, self._flag(r, DONE + self.rank), 1)
         enqueue.runtime_call("fo_zero", self._flag(self.rank, 0), 4 * MAX_GROUPS, stream.cuda_stream)
-        if not torch.cuda.is_current_stream_capturing():
-            self.claimed = self.claimed or torch.cuda.Event()
-            enqueue.record(self.claimed, stream)
+        enqueue.record(self.claimed, stream)
         for r in self.others:
             self._write(r, DONE + self.rank, 0)
         for r in self.others:
