@@ -427,7 +427,7 @@ def _local_model(collective: str, dtype, rounds: int) -> CommModel:
         x, y = (torch.randn((mb << 20) // elem, device="cuda").to(dtype) for _ in range(2))
         if collective == "all_gather":
             parts = torch.randn(world, x.numel(), device="cuda").to(dtype)
-            return (lambda i: comm.add_partials(parts, x)), x.numel() * elem
+            return (lambda i: comm.add_rows(parts, x)), x.numel() * elem
         op = x.add_ if collective == "reduce_scatter" else x.copy_
         return (lambda i: op(y)), x.numel() * elem
 

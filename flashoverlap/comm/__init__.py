@@ -588,8 +588,7 @@ def finish_group(
     ``peers``: where a ``pull``'s rows came from (comm.peer), whose own row of ``recv`` stays empty:
     ``buffer`` holds this rank's partial sums (copying them next to the others' on the copy engines
     ran at ~90 GB/s beside the GEMM and held up the pulls behind it, stop 29); the rows are then
-    added one by one in rank order (the same sum on every rank, rounded at each add as NCCL's ring
-    does)."""
+    added in rank order as a ``local`` reduction's (:func:`add_rows`)."""
     if not finishes(ex, plan):
         return
     lo, hi = plan.bounds[g], plan.bounds[g + 1]
@@ -602,14 +601,7 @@ def finish_group(
         else:
             into = (out.view(-1) if plan.layout == "rows" else buffer)[lo:hi]
             parts, mine = recv[world * lo : world * hi].view(world, hi - lo), buffer[lo:hi]
-        if peers is None:
-            add_partials(parts, into)
-        else:
-            rows = [mine if r == peers.rank else parts[r] for r in range(world)]
-            if world == 1:
-                copy_2d(into.view(1, -1), rows[0].view(1, -1))
-            for r in range(1, world):
-                add(into, rows[0] if r == 1 else into, rows[r])
+        add_rows(parts if peers is None else [mine if r == peers.rank else parts[r] for r in range(world)], into)
     if plan.layout == "cols":
         c0, c1 = plan.columns(g)
         block = buffer if ex.collective == "all_reduce" else recv
@@ -675,13 +667,14 @@ def add(out: torch.Tensor, a: torch.Tensor, b: torch.Tensor) -> None:
     enqueue.opaque()
 
 
-def add_partials(parts: torch.Tensor, out: torch.Tensor) -> None:
-    """``out`` = the sum of the rows of ``parts`` [world, n] (one rounding, as NCCL's sum of two)."""
-    if len(parts) <= 2:  # an add runs at 2.7 TB/s, a sum over the leading dimension at 1.3 (H200)
-        copy_2d(out.view(1, -1), parts[0].view(1, -1)) if len(parts) == 1 else add(out, parts[0], parts[1])
-        return
-    torch.sum(parts, dim=0, out=out)
-    enqueue.opaque()
+def add_rows(rows: Sequence[torch.Tensor], out: torch.Tensor) -> None:
+    """``out`` = the sum of ``rows`` (each of ``out``'s shape), added one by one in their order: the
+    same sum on every rank, rounded at each add as NCCL's ring does (one rounding for two rows), and
+    native calls a replay can enqueue (torch.sum over 4 ranks' rows was not: stop 33)."""
+    if len(rows) == 1:
+        copy_2d(out.view(1, -1), rows[0].view(1, -1))
+    for r in range(1, len(rows)):
+        add(out, rows[0] if r == 1 else out, rows[r])
 
 
 def restore(buffer: torch.Tensor, out: torch.Tensor, plan: Plan, slots: torch.Tensor | None = None) -> None:
