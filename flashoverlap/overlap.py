@@ -136,7 +136,12 @@ class Prepared:
     programs: dict = field(default_factory=dict)
 
     def launch(
-        self, a: torch.Tensor, weight: torch.Tensor, buffer: torch.Tensor, stream: torch.cuda.Stream, counters=None
+        self,
+        a: torch.Tensor,
+        weight: torch.Tensor,
+        buffer: torch.Tensor,
+        stream: torch.cuda.Stream,
+        counters: torch.Tensor | None = None,
     ) -> None:
         """Enqueue the signal GEMM on ``stream``, writing the plan's slots of ``buffer``, bumping
         ``counters`` (default: the plan's own)."""
