@@ -166,7 +166,7 @@ def _run(streams: list[list], memory: _Memory, seed: int) -> None:
             events.add(op[1])
 
 
-@pytest.mark.parametrize("world", [2, 3])
+@pytest.mark.parametrize("world", [2, 3, 4])
 def test_pulls_copy_every_group_of_their_own_call_whatever_the_interleaving(world):
     """The flags of comm.peer on a model of the ranks' streams: each rank's copies of another's
     group wait for that rank's counter (in its memory) of the same call, never the previous call's
