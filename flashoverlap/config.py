@@ -15,7 +15,7 @@ from typing import Any
 
 import yaml
 
-from .comm import EQUAL_SEGMENTS, PULL_LAYOUTS, REDUCTIONS
+from .comm import EQUAL_SEGMENTS, PULL_LAYOUTS, PULLS, REDUCTIONS
 from .gemm.generator import EPILOGUES, FAMILIES, GemmSpec, validate_instance
 from .plan import LAYOUTS, SWIZZLES
 
@@ -65,7 +65,11 @@ class OverlapConfig:
       peer access only (NVLink or PCIe P2P), layout ``rows``, no NCCL window (``symmetric``).
       Reduce-scatter / all-to-all (layout ``segments``) pull too: each rank copies only its own
       segment's rows of every other rank's group, and adds them (reduce-scatter) or has its result
-      rows (all-to-all); opt-in (not among the tuner's defaults).
+      rows (all-to-all); opt-in (not among the tuner's defaults). Or ``pull_scatter`` (all-reduce,
+      layout ``rows``): as ``pull``, but each rank copies and adds only its 1 / w share of each
+      group, and then copies the other ranks' summed shares: a reduce-scatter and an all-gather
+      per group by copies, 2 (w - 1) / w of a group per rank as NCCL's ring (``pull``: w - 1) and
+      1 / w of the adds; for four and more ranks.
     """
 
     tile_m: int = 128
@@ -157,10 +161,10 @@ def _problems(cfg: OverlapConfig) -> list[str]:
         )
     if cfg.reduction not in REDUCTIONS:
         problems.append(f"reduction must be one of {list(REDUCTIONS)}, got {cfg.reduction!r}")
-    elif cfg.reduction == "pull" and (cfg.symmetric or cfg.layout not in ("rows", "segments", "auto")):
+    elif cfg.reduction in PULLS and (cfg.symmetric or cfg.layout not in ("rows", "segments", "auto")):
         problems.append(
-            "reduction 'pull' brings its own memory every rank maps and adds into the result's row bands: "
-            f"layout 'rows', 'segments' (or auto) without symmetric, got layout {cfg.layout!r}, "
+            f"reduction {cfg.reduction!r} brings its own memory every rank maps and adds into the result's row "
+            f"bands: layout 'rows', 'segments' (or auto) without symmetric, got layout {cfg.layout!r}, "
             f"symmetric {cfg.symmetric!r}"
         )
     for name in ("sequential", "symmetric", "late_budget"):
@@ -195,12 +199,14 @@ def for_collective(cfg: OverlapConfig, collective: str) -> OverlapConfig:
             f"epilogue 'tma' stores whole rows of a row-major buffer: layout 'rows' or 'segments', "
             f"got layout {layout!r}"
         )
-    if cfg.reduction == "local" and collective != "all_reduce":
-        raise ValueError(f"reduction 'local' is for all_reduce (partial sums gathered, then added), not {collective}")
-    if cfg.reduction == "pull" and PULL_LAYOUTS[collective] != layout:
+    if cfg.reduction in ("local", "pull_scatter") and collective != "all_reduce":
         raise ValueError(
-            "reduction 'pull' runs all_reduce in layout 'rows', reduce_scatter and all_to_all in layout 'segments', "
-            f"not {collective} in layout {layout!r}"
+            f"reduction {cfg.reduction!r} is for all_reduce (partial sums gathered, then added), not {collective}"
+        )
+    if cfg.reduction in PULLS and PULL_LAYOUTS[collective] != layout:
+        raise ValueError(
+            f"reduction {cfg.reduction!r} runs all_reduce in layout 'rows', reduce_scatter and all_to_all in layout "
+            f"'segments', not {collective} in layout {layout!r}"
         )
     return dataclasses.replace(cfg, layout=layout)
 

@@ -188,7 +188,7 @@ def build_runtime(**kwargs) -> Path:
 
 @functools.cache
 def runtime_library() -> ctypes.CDLL:
-    """csrc/runtime.cu: restore, strided copy, adds, counter reset, stream waits and writes, replay."""
+    """csrc/runtime.cu: restore, strided copy, adds and sums, counter reset, stream waits and writes, replay."""
     lib = ctypes.CDLL(str(build_runtime()))
     lib.fo_runtime_error.restype = ctypes.c_char_p
     lib.fo_restore.argtypes = [ctypes.c_void_p] * 3 + [ctypes.c_int] * 7 + [ctypes.c_void_p]
@@ -196,6 +196,8 @@ def runtime_library() -> ctypes.CDLL:
     lib.fo_copy_2d.argtypes = [ctypes.c_void_p, ctypes.c_size_t] * 2 + [ctypes.c_size_t] * 2 + [ctypes.c_void_p]
     # out, a, b, n (elements), dtype, stream
     lib.fo_add.argtypes = [ctypes.c_void_p] * 3 + [ctypes.c_size_t, ctypes.c_int, ctypes.c_void_p]
+    # out, in0..in7 (unused: null), count, n (elements), dtype, stream
+    lib.fo_sum.argtypes = [ctypes.c_void_p] * 9 + [ctypes.c_int, ctypes.c_size_t, ctypes.c_int, ctypes.c_void_p]
     lib.fo_zero.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_void_p]  # ptr, bytes, stream
     lib.fo_stream_wait.argtypes = [ctypes.c_void_p, ctypes.c_uint, ctypes.c_void_p]  # counter, target, stream
     lib.fo_write_value.argtypes = [ctypes.c_void_p, ctypes.c_uint, ctypes.c_void_p]  # flag, value, stream

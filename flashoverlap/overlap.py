@@ -129,6 +129,8 @@ class Prepared:
     # exchange -> (the window region, its (out, buffer, recv) there, or a pull's buffer): the same every call
     window_views: dict = field(default_factory=dict)
     group_done: list = field(default_factory=list)  # an event per group (comm.finish_group)
+    lane_done: list = field(default_factory=list)  # per pull lane (overlap.lanes) an event per group
+    pulls_start: torch.cuda.Event | None = None  # where the lanes start
     # the GEMM's end on the caller's stream (a window's copies out; a pull's last add)
     gemm_done: torch.cuda.Event | None = None
     # replay_key -> the call's enqueue.Program; None once seen (noted on the next call like it), False
@@ -183,7 +185,7 @@ def _keep(cache: OrderedDict, key: tuple, value, limit: int) -> None:
         cache.popitem(last=False)
 
 
-SIDE_ROLES = ("comm", "finish")  # what side_stream keeps a stream for
+SIDE_ROLES = ("comm", "finish")  # what side_stream keeps a stream for (and every plan's tables are used on)
 _side_streams: dict[tuple[int, str], torch.cuda.Stream] = {}
 _windows: dict[tuple, comm.nccl.Window] = {}  # symmetric windows per (budget, tail) group pair
 
@@ -307,13 +309,22 @@ def check_agreement(prep: Prepared, collective: str, group: dist.ProcessGroup, e
 
 
 def side_stream(device: torch.device, role: str = "comm") -> torch.cuda.Stream:
-    """flashoverlap's own stream on ``device`` for ``role``: "comm" (the waits and collectives) or
+    """flashoverlap's own stream on ``device`` for ``role``: "comm" (the waits and collectives),
     "finish" (each group's own step after its collective, comm.finish_group: apart, so that one
-    waiting for SMs the GEMM holds never holds up the next group's collective)."""
+    waiting for SMs the GEMM holds never holds up the next group's collective), or a pull's lane
+    (:func:`lanes`)."""
     key = (device.index, role)
     if key not in _side_streams:
         _side_streams[key] = torch.cuda.Stream(device=device)
     return _side_streams[key]
+
+
+def lanes(device: torch.device, role: str, count: int) -> tuple[torch.cuda.Stream, ...]:
+    """``count`` streams of flashoverlap's own on ``device`` for a pull's copies from each other rank
+    (comm.peer.Peers.lanes): ``role`` "pull" (the partial sums) or "sums" (a ``pull_scatter``'s
+    sums), apart, so that the copies from several ranks run side by side on the copy engines, and a
+    wait for the other ranks' sums never holds up the next group's pulls."""
+    return tuple(side_stream(device, f"{role} lane {j}") for j in range(count))
 
 
 _join_events: dict[tuple[int, int, int], torch.cuda.Event] = {}
@@ -377,7 +388,8 @@ def run_overlapped(
     peers = group if isinstance(group, comm.Peers) else None
     if peers is not None and plan.num_groups > comm.peer.MAX_GROUPS:
         raise ValueError(
-            f"reduction 'pull' orders at most {comm.peer.MAX_GROUPS} groups per call, this plan has {plan.num_groups}"
+            f"reduction {ex.reduction!r} orders at most {comm.peer.MAX_GROUPS} groups per call, "
+            f"this plan has {plan.num_groups}"
         )
     if prep.symmetric:
         groups = tuple(comm.process_group(g) for g in (group, tail_group or group))
@@ -504,6 +516,15 @@ def _enqueue(
     if shared is not None:
         shared.acquire(caller)
     join(stream, caller, device)  # operands ready; earlier users of the buffers done
+    if peers is not None:  # the copies from each other rank side by side where there are several
+        others = len(peers.others)
+        peers.lanes = lanes(device, "pull", others) if others > 1 else ()
+        peers.sum_lanes = lanes(device, "sums", others) if ex.reduction == "pull_scatter" else ()
+        if len(prep.lane_done) != len(peers.lanes):
+            prep.lane_done = [[torch.cuda.Event() for _ in prep.targets] for _ in peers.lanes]
+            prep.pulls_start = torch.cuda.Event()
+        if peers.lanes:
+            enqueue.record(prep.pulls_start, stream)
     if peers is not None:
         peers.targets = prep.targets
         # the GEMM only after the counters' zeroing, not after the rest of the comm stream's claim
@@ -524,7 +545,12 @@ def _enqueue(
         with _On(issuer, caller):
             if issuer is stream and peers is None:
                 signal.wait_geq(issuer, prep.counters, g, target, timeout, prep.report)
+            for lane in peers.lanes if peers is not None and g == 0 else ():
+                enqueue.wait(lane, prep.pulls_start)
             comm.communicate_group(ex, plan, g, buffer, recv, out, on)
+            for lane, done in zip(peers.lanes if peers is not None else (), prep.lane_done):  # the pulls joined
+                enqueue.record(done[g], lane)
+                enqueue.wait(issuer, done[g])
             if peers is not None and finishes and g < last:  # this rank's own rows, for the finisher's
                 peers.mine(g)  # add (here, not on the finisher: each stream operation costs ~2 us)
             if finisher is not None:
@@ -536,6 +562,10 @@ def _enqueue(
             enqueue.wait(finisher, prep.group_done[g])
             with _On(finisher, caller):
                 comm.finish_group(ex, plan, g, buffer, recv, result, peers)
+        if ex.reduction == "pull_scatter":  # the others' sums, each on its lane (Peers.sum_lanes)
+            for lane in peers.sum_lanes if g == 0 else ():  # (after the first pulls: they took the `fresh` flags)
+                enqueue.wait(lane, prep.group_done[0])
+            comm.gather_group(ex, plan, g, buffer, result, peers)
     if copy_out:
         enqueue.wait(finisher, prep.gemm_done)
         with _On(finisher, caller):
@@ -544,6 +574,9 @@ def _enqueue(
                 comm.copy_2d(*(comm.landed(ex, plan, g, t).view(-1, plan.n) for t in (result, out)))
     if apart:  # the stream saw all but the last counter
         join(stream, caller, device)
+    sum_lanes = peers.sum_lanes if peers is not None else ()
+    for lane in sum_lanes:  # copied (done) once the sums are too
+        join(stream, lane, device)
     if peers is not None:  # (every group on `stream`: comm.tail_apart; its counters zeroed by Peers.claim)
         with _On(stream, caller):
             peers.copied()
@@ -551,8 +584,9 @@ def _enqueue(
         signal.reset(prep.counters, stream)  # stream-ordered: the next call's GEMM waits for it through `caller`
     # The caller's stream waits for the side streams, so the buffers of this call (allocated on it,
     # freed on return) are safe to reuse on it without record_stream.
-    for side in [stream] if finisher is None else [stream, finisher]:
-        join(caller, side, device)
+    for side in (stream, finisher, *sum_lanes):
+        if side is not None:
+            join(caller, side, device)
     if peers is not None:  # the next call's claim, beside this one's last adds; its GEMM waits for it, the caller not
         with _On(stream, caller):
             peers.claim()
@@ -786,9 +820,11 @@ def _decide(
         # (two H200s, P2P off: 3.4x "faster" than sequential, over NVLink). Without peer access NCCL
         # registers nothing anyway: no window either way.
         cfg = without_window(cfg)
-    if cfg.reduction == "pull" and (why := comm.peer.unavailable(full, a.device)):
+    if cfg.reduction in comm.PULLS and (why := comm.peer.unavailable(full, a.device)):
         if explicit is not None:
-            raise ValueError(f"reduction 'pull' copies between the GPUs' memories: {why}; use 'nccl' or 'local'")
+            raise ValueError(
+                f"reduction {cfg.reduction!r} copies between the GPUs' memories: {why}; use 'nccl' or 'local'"
+            )
         cfg = without_pull(cfg)  # a tuned entry (or the nearest one) where its pulls cannot run
     source = (
         "your config"
@@ -838,7 +874,7 @@ def _decide(
                 others.append(alternative(cfg, shape, total, torch.cuda.get_device_capability(a.device)))
             # where the ranks can pull (asked only where the trial runs: the first ask per group gathers
             # every rank's view, a host sync)
-            pull = pulled(cfg, collective, shape, total)
+            pull = pulled(cfg, collective, shape, total, world)
             if pull is not None and _trial_runs() and comm.peer.unavailable(full, a.device) is None:
                 others.append(pull)
         for other in others:
@@ -850,8 +886,8 @@ def _decide(
             call = (collective, "ragged" if ex.ragged else m, n, k, a.dtype, weight_layout, a.device.index, c)
             check_agreement(prep, collective, full, e, call)
         budgets = [budget_communicator(c, collective, full, a.device) for c in candidates]
-        tail = comm.tail_group(full, a.device) if any(c.reduction != "pull" for c in candidates) else None
-        tails = [None if c.reduction == "pull" else tail for c in candidates]  # (pull: no NCCL)
+        tail = comm.tail_group(full, a.device) if any(c.reduction not in comm.PULLS for c in candidates) else None
+        tails = [None if c.reduction in comm.PULLS else tail for c in candidates]  # (pulls: no NCCL)
         pick = 0
         if timed:
             pick = trial(
@@ -886,19 +922,29 @@ PULL_SMS = 4  # the most SMs a pull candidate leaves for its adds (the tuner's p
 
 
 @functools.lru_cache(maxsize=1024)  # every call of a timed shape asks (a replace() validates)
-def pulled(cfg: OverlapConfig, collective: str, shape: tuple[int, int, int], total_sms: int) -> OverlapConfig | None:
+def pulled(
+    cfg: OverlapConfig, collective: str, shape: tuple[int, int, int], total_sms: int, world: int = 2
+) -> OverlapConfig | None:
     """What an all-reduce without a tuned config also times where its ranks can pull (comm.peer):
-    ``cfg`` as a ``pull`` all-reduce (no window, the budget from the start, the default partition),
-    leaving for the adds the SMs its GEMM spares at the whole grid's wave count, at most
-    :data:`PULL_SMS` (4 on the suite's grids; 0: the adds wait for the GEMM's end). The tuner picked
-    pull with 4 SMs on every suite shape on 2x H100 (1.20x against 1.14x for stop 28's entries).
-    None for another collective, a pull already, or a layout other than ``rows``."""
-    if collective != "all_reduce" or cfg.reduction == "pull" or cfg.layout != "rows":
+    ``cfg`` as a pull (no window, the budget from the start, the default partition), leaving for the
+    adds the SMs its GEMM spares at the whole grid's wave count, at most :data:`PULL_SMS` (4 on the
+    suite's grids; 0: the adds wait for the GEMM's end). The tuner picked pull with 4 SMs on every
+    suite shape on 2x H100 (1.20x against 1.14x for NCCL on a budget). ``pull`` on two ranks,
+    ``pull_scatter`` on more (``world``): every rank copying every other rank's groups moves w - 1
+    groups per rank, 3 on four ranks against 1.5 for NCCL's ring and ``pull_scatter``. A
+    reduce-scatter / all-to-all in the ``segments`` layout pulls its own segment's rows (``pull``).
+    None for a pull already or another layout (``rows`` for all-reduce)."""
+    if cfg.reduction in comm.PULLS or cfg.layout != comm.PULL_LAYOUTS[collective]:
         return None
     m, n, _ = shape
     spare = spare_sms(m, n, cfg.tile_m, cfg.tile_n, cfg.cluster_m, cfg.swizzle, total_sms, total_sms)
     return dataclasses.replace(
-        cfg, reduction="pull", symmetric=False, late_budget=False, comm_sms=min(spare, PULL_SMS), partition=None
+        cfg,
+        reduction="pull_scatter" if collective == "all_reduce" and world > 2 else "pull",
+        symmetric=False,
+        late_budget=False,
+        comm_sms=min(spare, PULL_SMS),
+        partition=None,
     )
 
 
@@ -1025,7 +1071,8 @@ def trial(
 
     # the candidates differ in their SM budget, or pull
     names = [
-        f"overlapped, comm_sms {c.comm_sms}{' late' * c.late_budget}{' pull' * (c.reduction == 'pull')}" for c in cfgs
+        f"overlapped, comm_sms {c.comm_sms}{' late' * c.late_budget}{f' {c.reduction}' * (c.reduction in comm.PULLS)}"
+        for c in cfgs
     ]
     variants = {"sequential": lambda i: sequential(a, weight, weight_layout, exes[0], full)}
     for name, prep, budget, ex, tail in zip(names, preps, budgets, exes, tails):
@@ -1073,7 +1120,7 @@ def budget_communicator(
     ``cfg.comm_sms`` CTAs (the copy engines where ``cfg``'s symmetric collectives can use them),
     through NCCL's C API under ``FLASHOVERLAP_NCCL=direct`` (comm.direct); for a ``pull``
     all-reduce, the ranks' mapped memory (comm.peer), no NCCL."""
-    if cfg.reduction == "pull":
+    if cfg.reduction in comm.PULLS:
         return comm.peer.peers(full, device)
     copy_engine = cfg.symmetric and comm.comm_pattern(collective, cfg.layout, cfg.reduction) in comm.COPY_ENGINE
     return comm.direct(comm.budget_group(full, cfg.comm_sms, copy_engine=copy_engine), device)

@@ -52,7 +52,7 @@ def run_plan(
 
     out, buffer, recv = comm.buffers(ex, plan, poisoned)
     # a pull's copies out of the other ranks' memory (the GPU path's steps), as gathers
-    peers = comm.peer.Gathered(group or dist.group.WORLD, buffer) if ex.reduction == "pull" else None
+    peers = comm.peer.Gathered(group or dist.group.WORLD, buffer) if ex.reduction in comm.PULLS else None
     result = poisoned(out.shape) if window else out
     copy_out = window and comm.landed(ex, plan, 0, out) is not None
     remaining = np.array(plan.tiles_per_group)
@@ -64,6 +64,7 @@ def run_plan(
         while issued < plan.num_groups and remaining[issued] == 0:
             comm.communicate_group(ex, plan, issued, buffer, recv, out, peers or group)
             comm.finish_group(ex, plan, issued, buffer, recv, result, peers)
+            comm.gather_group(ex, plan, issued, buffer, result, peers)
             if copy_out:
                 comm.landed(ex, plan, issued, result).copy_(comm.landed(ex, plan, issued, out))
             issued += 1

@@ -292,6 +292,10 @@ DEFAULT_CANDIDATES = {
         # with a cluster of two along M: the GEMM itself faster (two H200s: chosen on 4 of the 7
         # suite shapes, 1.232-1.244x against 1.214-1.225x without, stop 31)
         {"reduction": "pull", "comm_sms": 4, "cluster_m": 2},
+        # each rank pulls and sums a 1 / w share of each group, then pulls the other shares' sums: as
+        # many bytes as NCCL's ring per rank (pull: w - 1 groups), for four ranks and more
+        {"reduction": "pull_scatter", "comm_sms": 4},
+        {"reduction": "pull_scatter", "comm_sms": 4, "cluster_m": 2},
     ),
     "reduce_scatter": (
         {},
@@ -305,6 +309,10 @@ DEFAULT_CANDIDATES = {
         # the own segment last: NCCL's late SMs carry only the other ranks' rows, in a window
         # (all-to-all 8192x4096x7168 over NVLink: 1.11-1.13x against 1.08-1.10x, stop 22)
         {"layout": "rows", "late_budget": True, "symmetric": True},
+        # each rank copies its segment's rows of every rank's group out of their memory: the copy
+        # engines, no NCCL (comm.peer)
+        {"layout": "segments", "reduction": "pull", "comm_sms": 4},
+        {"layout": "segments", "reduction": "pull", "comm_sms": 4, "cluster_m": 2},
     ),
 }
 DEFAULT_CANDIDATES["all_to_all"] = DEFAULT_CANDIDATES["reduce_scatter"]
@@ -462,8 +470,8 @@ def _comm_model(pattern: str, comm_sms: int, dtype, rounds: int, symmetric: bool
 
     from . import comm
 
-    if pattern == "pull":  # (one model for every comm_sms: each measurement maps memory on every rank)
-        return _pull_model(dtype, rounds)
+    if pattern in comm.PULLS:  # (one model for every comm_sms: each measurement maps memory on every rank)
+        return _pull_model(dtype, rounds, pattern)
 
     group = comm.budget_group(dist.group.WORLD, comm_sms, copy_engine=symmetric and pattern in comm.COPY_ENGINE)
     world, me, elem = dist.get_world_size(), dist.get_rank(), torch.finfo(dtype).bits // 8
@@ -500,22 +508,25 @@ def _comm_model(pattern: str, comm_sms: int, dtype, rounds: int, symmetric: bool
 
 
 @functools.cache
-def _pull_model(dtype, rounds: int) -> CommModel:
-    """Time by size of a ``pull`` all-reduce's copies (:func:`_pulls`), measured once per run."""
-    return _fit_sizes("pull", _pulls(dtype), rounds)
+def _pull_model(dtype, rounds: int, reduction: str = "pull") -> CommModel:
+    """Time by size of a ``pull`` / ``pull_scatter`` all-reduce's copies (:func:`_pulls`), measured
+    once per run."""
+    return _fit_sizes(reduction, _pulls(dtype, reduction), rounds)
 
 
-def _pulls(dtype):
+def _pulls(dtype, reduction: str = "pull"):
     """``make(mb)`` for :func:`_fit_sizes`: the copies a ``pull`` all-reduce makes of one group of
     that size, with the waits that order them (comm._pull, comm.peer.Peers.arrivals), in memory of its
     own, each time claimed, counted (as the GEMM would) and released as a call does (Peers.claim /
     mark / copied): without that a rank ran a measurement ahead, set a flag the other had not cleared
-    yet (one signal lost), and the other waited for it forever (the tuner's hangs on 2x H100 in stop
-    30, 2x H200 in stop 31)."""
+    yet (one signal lost), and the other waited for it forever (the tuner hung so). A
+    ``pull_scatter``'s one group: its share's copies, their sum and the other shares' copies, one
+    after another (comm.communicate_group, finish_group, gather_group)."""
     import torch
     import torch.distributed as dist
 
     from . import comm
+    from .plan import make_plan
 
     device, elem = torch.device("cuda", torch.cuda.current_device()), torch.finfo(dtype).bits // 8
 
@@ -524,10 +535,20 @@ def _pulls(dtype):
         chunk = peers.buffer((mb << 20) // elem, dtype).copy_(torch.randn((mb << 20) // elem, device=device))
         into = torch.empty(peers.world, chunk.numel(), dtype=dtype, device=device)
         peers.targets = (1,)
+        # one group of 1024-element rows: a plan of one wave
+        plan = make_plan(chunk.numel() // 1024, 1024, tile_m=128, tile_n=128, cluster_m=1, ctas=1 << 20, layout="rows")
+        ex = comm.exchange("all_reduce", plan.m, peers.world, reduction=reduction)
+        _, _, staged = comm.buffers(ex, plan, lambda shape: torch.empty(shape, dtype=dtype, device=device), chunk)
+        out = torch.empty(plan.m, plan.n, dtype=dtype, device=device)
 
         def call(i: int) -> None:
             peers.mark(0)
-            comm._pull(peers, 0, chunk, into)
+            if reduction == "pull":
+                comm._pull(peers, 0, chunk, into)
+            else:
+                comm.communicate_group(ex, plan, 0, chunk, staged, out, peers)
+                comm.finish_group(ex, plan, 0, chunk, staged, out, peers)
+                comm.gather_group(ex, plan, 0, chunk, out, peers)
             peers.copied()
             peers.claim()
 
@@ -640,7 +661,8 @@ def tune_shape(
         problems.append(
             Problem(sent, per_wave_ms, *comm_models, host, kept, local, start_wave=prep.plan.after, tail_apart=apart)
         )
-        if pattern == "all_gather" or pattern == "pull" and collective != "all_to_all":  # the partial sums added
+        # the partial sums added (a pull_scatter's share of them: in its time by size)
+        if pattern == "all_gather" or pattern == "pull" and collective != "all_to_all":
             problems[-1] = with_local_adds(problems[-1], _local_model("all_gather", dtype, rounds), cfg.comm_sms)
         choices.append((choose(problems[-1], sequential_ms, margin), j))
     if not choices:
@@ -868,7 +890,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         parser.error("give --shapes and/or --shapes-file")
     candidates = args.candidates or list(DEFAULT_CANDIDATES[args.collective])
     if args.transport != "nvlink":  # P2P disabled: calls run without windows nor pulls (overlap.decide)
-        candidates = [c for c in candidates if not c.get("symmetric") and c.get("reduction") != "pull"] or parser.error(
+        peerless = [c for c in candidates if not c.get("symmetric") and c.get("reduction") not in comm.PULLS]
+        candidates = peerless or parser.error(
             "symmetric windows and pulls need peer access: with P2P disabled some candidate must use neither"
         )
     for candidate in candidates:  # before any process group or GPU work
@@ -891,7 +914,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     torch.cuda.set_device(local_rank)
     dist.init_process_group("nccl", device_id=torch.device("cuda", local_rank))
     try:
-        pulls = [c for c in candidates if c.get("reduction") == "pull"]
+        pulls = [c for c in candidates if c.get("reduction") in comm.PULLS]
         no_pulls = comm.peer.unavailable(dist.group.WORLD, torch.device("cuda", local_rank))  # (alike on every rank)
         if pulls and no_pulls:
             _progress(f"{len(pulls)} pull candidate(s) dropped: {no_pulls}")
@@ -903,7 +926,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         for i, shape in enumerate(shapes):
             _progress(f"shape {i + 1}/{len(shapes)}")
             current = incumbent(existing[0], args.collective, args.transport, args.dtype, shape, timing)
-            if current is not None and current.get("reduction") == "pull" and no_pulls:
+            if current is not None and current.get("reduction") in comm.PULLS and no_pulls:
                 current = None  # (a pull config raises where the ranks cannot pull)
             found, summary = tune_shape(
                 shape,

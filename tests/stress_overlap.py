@@ -46,6 +46,7 @@ CONFIGS = {
         {"symmetric": True},
         {"reduction": "local", "symmetric": True, "comm_sms": 0},
         {"reduction": "pull", "comm_sms": 4},  # copies out of the other ranks' memory (not on a shared GPU)
+        {"reduction": "pull_scatter", "comm_sms": 4},  # ... each rank's share summed, the sums copied
     ],
     "reduce_scatter": [
         {},
@@ -100,8 +101,8 @@ def settled_allocated(groups: list) -> int:
 
 def point_to_point(collective: str, cfg: dict) -> bool:
     """Whether ``cfg`` moves data point to point (gloo cannot for CUDA tensors) or between mapped GPU
-    memories (not between ranks of one GPU): ``rows`` reduce-scatter / all-to-all, a ``pull`` all-reduce."""
-    return collective != "all_reduce" and cfg.get("layout") == "rows" or cfg.get("reduction") == "pull"
+    memories (not between ranks of one GPU): ``rows`` reduce-scatter / all-to-all, pulls."""
+    return collective != "all_reduce" and cfg.get("layout") == "rows" or cfg.get("reduction") in comm.PULLS
 
 
 def random_shape(rng: np.random.Generator, world: int) -> tuple[int, int, int]:

@@ -5,6 +5,7 @@ import os
 import tempfile
 from types import SimpleNamespace
 
+import numpy as np
 import pytest
 import torch
 import torch.distributed as dist
@@ -139,7 +140,7 @@ def test_only_a_uniform_all_to_all_takes_the_equal_split_path(monkeypatch):
             {"splits": [5, 5], "output_splits": [5, 2], "rows_per_rank": [10]},
             "rows_per_rank must be 2",
         ),
-        (("all_to_all", 10, 2), {"reduction": "local"}, "reduction must be 'nccl', 'local' / 'pull' for all_reduce"),
+        (("all_to_all", 10, 2), {"reduction": "local"}, "'local' / 'pull' / 'pull_scatter' for all_reduce"),
         (("reduce_scatter", 10, 2), {"reduction": "local"}, "got 'local' for reduce_scatter"),
         (("all_reduce", 10, 2), {"reduction": "tree"}, "reduction must be"),
     ],
@@ -177,19 +178,22 @@ def test_rows_rotation_starts_at_the_next_ranks_segment():
     assert rows_rotation(exchange("all_reduce", 12, 3), "rows", 1) == 0
 
 
-@pytest.mark.parametrize("world", [1, 2, 3, 4])
+@pytest.mark.parametrize("world", [1, 2, 3, 4, 8])
 def test_partial_sums_add_up_whatever_the_world_size(world):
-    """In rank order, rounded at each add (as NCCL's ring): the same bits on every rank."""
+    """Summed in float32 in rank order, rounded once: the same bits on every rank; ``out`` may be one
+    of the rows (a ``pull_scatter`` sums its share in place)."""
     from flashoverlap.comm import add_rows
 
     parts = torch.randn(world, 1000).to(torch.bfloat16)
     out = torch.full((1000,), float("nan"), dtype=torch.bfloat16)
     add_rows(parts, out)
     assert torch.allclose(out.float(), parts.float().sum(0), rtol=1e-2, atol=1e-2)
-    want = parts[0].clone()
+    want = parts[0].float()
     for part in parts[1:]:
-        want = want + part
-    assert torch.equal(out, want)
+        want = want + part.float()
+    assert torch.equal(out, want.to(torch.bfloat16))
+    add_rows(list(parts), parts[-1])
+    assert torch.equal(parts[-1], out)
 
 
 def test_where_each_layout_leaves_its_result():
@@ -203,6 +207,7 @@ def test_where_each_layout_leaves_its_result():
 
     ar, local = exchange("all_reduce", 1024, 2), exchange("all_reduce", 1024, 2, reduction="local")
     pull = exchange("all_reduce", 1024, 2, reduction="pull")
+    scatter = exchange("all_reduce", 1024, 4, reduction="pull_scatter")
     rs, a2a = exchange("reduce_scatter", 1024, 2), exchange("all_to_all", 1024, 2)
     rs_pull, a2a_pull = (exchange(c, 1024, 2, reduction="pull") for c in ("reduce_scatter", "all_to_all"))
     cases = {  # (exchange, layout): (finishes, lands in out)
@@ -212,6 +217,7 @@ def test_where_each_layout_leaves_its_result():
         (local, "rows"): (True, False),
         (local, "tiles"): (True, False),
         (pull, "rows"): (True, False),
+        (scatter, "rows"): (True, False),
         (rs, "rows"): (False, True),
         (rs, "cols"): (True, False),
         (rs, "segments"): (False, True),
@@ -224,7 +230,7 @@ def test_where_each_layout_leaves_its_result():
         assert (finishes(ex, p), lands_in_out(ex, p)) == expected, (ex.collective, ex.reduction, layout)
         # the last group's collective may run beside the others' but where its own-segment step
         # reads what they received (the rows layout's exchange), and where there is no NCCL (pull)
-        alone = layout == "rows" and ex.collective != "all_reduce" or ex.reduction == "pull"
+        alone = layout == "rows" and ex.collective != "all_reduce" or ex.reduction in ("pull", "pull_scatter")
         assert tail_apart(ex.collective, layout, ex.reduction) is not alone
 
 
@@ -302,3 +308,75 @@ def test_a_pull_all_reduce_adds_its_own_partial_sums_from_its_buffer(world):
         results.append(out.view(-1))
     assert all(torch.equal(r, results[0]) for r in results)
     assert torch.allclose(results[0].float(), partials.float().sum(0), rtol=2e-2, atol=2e-2)
+
+
+@pytest.mark.parametrize("world", [2, 3, 4, 8])
+def test_pull_scatter_shares_and_their_staging_tile_every_group(world):
+    """``pull_scatter``: the ranks' shares of a group cover it once, each whole 16-byte vectors where
+    the group is; each rank's staging of the others' partial sums of its share lies inside its
+    group's part of ``recv`` (as comm.buffers sizes it), apart from every other group's."""
+    from flashoverlap.comm import VECTOR, buffers, shares, staging
+    from flashoverlap.plan import make_plan
+
+    rng = np.random.default_rng(world)
+    for _ in range(20):
+        m, n = int(rng.integers(1, 2000)), 8 * int(rng.integers(1, 64))
+        plan = make_plan(m, n, tile_m=64, tile_n=64, cluster_m=1, ctas=int(rng.integers(1, 9)), layout="rows")
+        ex = exchange("all_reduce", m, world, reduction="pull_scatter")
+        _, _, recv = buffers(ex, plan, torch.empty)
+        for rank in range(world):
+            used = torch.zeros(recv.numel(), dtype=torch.int32)
+            for g in range(plan.num_groups):
+                bounds = shares(plan.bounds[g], plan.bounds[g + 1], world)
+                assert bounds[0] == plan.bounds[g] and bounds[-1] == plan.bounds[g + 1]
+                assert all(lo <= hi and lo % VECTOR == 0 for lo, hi in zip(bounds, bounds[1:]))
+                for r, part in enumerate(staging(recv, bounds, rank, g)):
+                    assert (part is None) == (r == rank)
+                    if part is not None:
+                        start = part.data_ptr() // recv.element_size() - recv.data_ptr() // recv.element_size()
+                        assert part.numel() == bounds[rank + 1] - bounds[rank] and start + part.numel() <= recv.numel()
+                        used[start : start + part.numel()] += 1
+            assert used.max() <= 1, (m, n, rank)
+
+
+@pytest.mark.parametrize("world", [2, 4])
+def test_a_pull_scatter_sums_each_share_once_and_gathers_the_others(world):
+    """Each rank sums its share of a group from its own buffer and the others' partial sums (staged)
+    into its buffer, where the others copy it from, and into its result; after every rank's gather
+    each holds the whole sum."""
+    from flashoverlap.comm import buffers, finish_group, gather_group, shares, staging
+    from flashoverlap.plan import make_plan
+
+    plan = make_plan(512, 264, tile_m=128, tile_n=128, cluster_m=1, ctas=2, layout="rows")
+    ex = exchange("all_reduce", 512, world, reduction="pull_scatter")
+    partials = torch.randn(world, plan.numel).to(torch.bfloat16)
+    calls = [buffers(ex, plan, lambda shape: torch.full(shape, float("nan"), dtype=torch.bfloat16)) for _ in partials]
+    for (_, buffer, _), partial in zip(calls, partials):
+        buffer.copy_(partial)
+
+    class Peers(SimpleNamespace):
+        def summed(self, g):
+            self.said.append(g)
+
+        def sums(self, g, parts):  # (rank r's buffer at the place of parts[r] in this rank's)
+            for r in range(world):
+                if r != self.rank:
+                    start = parts[r].storage_offset() - calls[self.rank][1].storage_offset()
+                    yield r, calls[r][1][start : start + parts[r].numel()]
+
+    peers = [Peers(rank=r, world=world, said=[]) for r in range(world)]
+    for g in range(plan.num_groups):
+        bounds = shares(plan.bounds[g], plan.bounds[g + 1], world)
+        for rank, (_, _, recv) in enumerate(calls):  # the pulls of this rank's share
+            for r, into in enumerate(staging(recv, bounds, rank, g)):
+                if into is not None:
+                    into.copy_(partials[r, bounds[rank] : bounds[rank + 1]])
+        for rank, (out, buffer, recv) in enumerate(calls):
+            finish_group(ex, plan, g, buffer, recv, out, peers[rank])
+        for rank, (out, buffer, _) in enumerate(calls):
+            gather_group(ex, plan, g, buffer, out, peers[rank])
+    want = partials.float().sum(0)
+    for rank, (out, _, _) in enumerate(calls):
+        assert peers[rank].said == list(range(plan.num_groups))
+        assert torch.equal(out.view(-1), calls[0][0].view(-1))  # the same bits on every rank
+        assert torch.allclose(out.view(-1).float(), want, rtol=2e-2, atol=2e-2)

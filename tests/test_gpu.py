@@ -181,6 +181,7 @@ def nccl_one_rank():
         ("all_reduce", "rows", "local"),
         ("all_reduce", "tiles", "local"),
         ("all_reduce", "rows", "pull"),
+        ("all_reduce", "rows", "pull_scatter"),
         ("reduce_scatter", "segments", "pull"),
         ("all_to_all", "segments", "pull"),
     ],
@@ -195,16 +196,16 @@ def test_pipeline_on_one_gpu(nccl_one_rank, monkeypatch, mode, symmetric, nccl, 
     replays = []
     replay = enqueue.Program.replay
     monkeypatch.setattr(enqueue.Program, "replay", lambda self, values: replays.append(1) or replay(self, values))
-    if reduction == "pull" and symmetric:
-        pytest.skip("reduction 'pull' brings its own memory (no NCCL window)")
-    native = nccl == "direct" or reduction == "pull"
+    if reduction in comm.PULLS and symmetric:
+        pytest.skip("pulls bring their own memory (no NCCL window)")
+    native = nccl == "direct" or reduction in comm.PULLS
     monkeypatch.setenv("FLASHOVERLAP_WAIT", mode)
     monkeypatch.setenv("FLASHOVERLAP_NCCL", nccl)
     signal.forget_probes()
     group = comm.direct(comm.budget_group(dist.group.WORLD, 16), torch.device("cuda", 0))
     tail = comm.tail_group(dist.group.WORLD, torch.device("cuda", 0))  # direct: a private communicator
     assert isinstance(group, comm.Direct) == isinstance(tail, comm.Direct) == (nccl == "direct")
-    if reduction == "pull":
+    if reduction in comm.PULLS:
         group, tail = comm.peer.peers(dist.group.WORLD, torch.device("cuda", 0)), None
     try:
         cfg = for_collective(OverlapConfig(layout=layout, symmetric=symmetric, reduction=reduction), collective)
@@ -420,6 +421,31 @@ def test_native_adds_equal_torch_s_bit_for_bit(dtype):
         expected = a + b
         comm.add(a, a, b)
         assert torch.equal(a, expected), (offset, n)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_native_sums_round_once_as_float32_does(dtype):
+    """comm.add_rows (csrc/runtime.cu fo_sum, the pulls' sums): the rows summed in float32 in their
+    order, rounded once, as the CPU path does, bit for bit; in 16-byte vectors or element by element;
+    into one of the rows too; more rows than one pass takes (comm.MAX_SUM) in two."""
+    flat = torch.randn(10, 1 << 20, device="cuda").to(dtype)
+    for rows, offset, n in [(2, 0, 1 << 20), (4, 0, 1000003), (8, 3, 12345), (3, 8, 7), (5, 1, 1), (4, 0, 0)]:
+        parts = [flat[r, offset : offset + n] for r in range(rows)]
+        out = flat[9, offset : offset + n].fill_(float("nan"))
+        comm.add_rows(parts, out)
+        expected = parts[0].float()
+        for part in parts[1:]:
+            expected = expected + part.float()
+        expected = expected.to(dtype)
+        cpu = torch.empty(n, dtype=dtype)
+        comm.add_rows([p.cpu() for p in parts], cpu)
+        assert torch.equal(out, expected) and torch.equal(out.cpu(), cpu), (rows, offset, n)
+        comm.add_rows(parts, parts[-1])
+        assert torch.equal(parts[-1], expected), (rows, offset, n)
+    many = [flat[r, :4096] for r in range(9)]
+    out = torch.empty(4096, device="cuda", dtype=dtype)
+    comm.add_rows(many, out)
+    assert torch.allclose(out.float(), torch.stack(many).float().sum(0), rtol=2e-2, atol=2e-2)
 
 
 def test_plan_cache_is_bounded(monkeypatch):

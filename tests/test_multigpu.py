@@ -47,6 +47,8 @@ CONFIGS = [
     OverlapConfig(reduction="pull"),  # ... copied out of the other ranks' memory (comm.peer)
     OverlapConfig(reduction="pull", comm_sms=4, partition=None),
     OverlapConfig(reduction="pull", late_budget=True),
+    OverlapConfig(reduction="pull_scatter"),  # each rank's share pulled and summed, the sums pulled
+    OverlapConfig(reduction="pull_scatter", comm_sms=4, partition=None, cluster_m=2),
 ]
 
 
@@ -347,6 +349,7 @@ def graphs_worker(rank, world, store_path):
 
         replayed(None)  # the timed answer
         replayed({"reduction": "pull"})
+        replayed({"reduction": "pull_scatter"})
     finally:
         dist.destroy_process_group()
 

@@ -336,7 +336,13 @@ def test_a_pull_candidate_leaves_the_adds_what_the_grid_spares(m, spare):
     pull = overlap.pulled(cfg, "all_reduce", (m, 8192, 64), 132)
     assert (pull.reduction, pull.comm_sms, pull.symmetric, pull.late_budget) == ("pull", spare, False, False)
     assert overlap.pulled(pull, "all_reduce", (m, 8192, 64), 132) is None  # a pull already
-    assert overlap.pulled(cfg, "reduce_scatter", (m, 8192, 64), 132) is None
+    assert overlap.pulled(cfg, "reduce_scatter", (m, 8192, 64), 132) is None  # (layout rows)
+    # four ranks: each pulls and sums its share (two ranks' pull would copy three groups per rank)
+    assert overlap.pulled(cfg, "all_reduce", (m, 8192, 64), 132, 4).reduction == "pull_scatter"
+    segments = for_collective(overlap.OverlapConfig(layout="segments"), "reduce_scatter")
+    for collective in ("reduce_scatter", "all_to_all"):  # their own segment's rows, on any world size
+        found = overlap.pulled(segments, collective, (m, 8192, 64), 132, 4)
+        assert (found.reduction, found.layout, found.comm_sms) == ("pull", "segments", spare)
 
 
 @pytest.mark.parametrize("p2p_disabled", [False, True])

@@ -69,7 +69,7 @@ class _Memory:
     as the simulated streams below read and write them."""
 
     def __init__(self, regions: list[torch.Tensor]):
-        self.regions, self.words, self.rows = regions, {}, {}
+        self.regions, self.words, self.rows, self.sums = regions, {}, {}, {}
 
     def word(self, address: int) -> tuple[int, int]:
         for rank, region in enumerate(self.regions):
@@ -78,49 +78,86 @@ class _Memory:
         raise AssertionError(f"address {address:#x} is in no rank's memory")
 
 
-def _streams(peers: list, calls: int, targets: tuple[int, ...]) -> list[list]:
-    """Every rank's calls, as ops on three streams, recorded from :class:`peer.Peers`' methods as
-    overlap._enqueue orders them: comm (after the caller's previous work, each group's pulls and,
-    but for the last group, the wait for this rank's own rows; then ``copied`` and the next call's
-    claim); gemm (the caller's: after the previous call's adds and the claim's ``claimed`` event,
-    each group's rows then its counter, then its end); finish (each group's add of its own rows,
-    after the group's pulls -- the last group's also after the GEMM's end)."""
-    streams, sink, claims = [], [None], {}  # sink[0]: the stream the methods enqueue on
+class _Stream(SimpleNamespace):
+    """A stream of the model: the ops enqueued on it, in order."""
+
+
+def _streams(peers: list, calls: int, targets: tuple[int, ...], scatter: bool = False) -> list[list]:
+    """Every rank's calls, as ops on its streams, recorded from :class:`peer.Peers`' methods as
+    overlap._enqueue orders them: comm (after the caller's previous work, each group's pulls --
+    from each other rank on a lane of its own where there are several, joined back -- and, but for
+    the last group, the wait for this rank's own rows; then ``copied`` and the next call's claim);
+    gemm (the caller's: after the previous call's work and the claim's ``claimed`` event, each
+    group's rows then its counter, then its end); finish (each group's add of its own rows, after
+    the group's pulls -- the last group's also after the GEMM's end; with ``scatter`` then
+    ``summed``); with ``scatter`` (``pull_scatter``) a lane per other rank for its sums (after the
+    first group's pulls), joined into comm before ``copied``."""
+    streams, claims, current = [], {}, [None]
 
     def record(event, stream):  # Peers.claim's ``claimed``, numbered per rank
         rank = next(p.rank for p in peers if p.claimed is event)
         claims[rank] = claims.get(rank, 0) + 1
-        sink[0].append(("event", (rank, claims[rank], "claimed")))
+        stream.cuda_stream.ops.append(("event", (rank, claims[rank], "claimed")))
+
+    def on(stream):
+        current[0] = stream
+        return stream.ops
 
     with pytest.MonkeyPatch.context() as mp:
-        mp.setattr(peer.signal, "wait_at", lambda s, address, value: sink[0].append(("wait", address, value)))
-        mp.setattr(peer.enqueue, "runtime_call", lambda name, address, value, s: sink[0].append((name, address, value)))
+        mp.setattr(peer.signal, "wait_at", lambda s, address, value: s.cuda_stream.ops.append(("wait", address, value)))
+        mp.setattr(peer.enqueue, "runtime_call", lambda name, address, value, s: s.ops.append((name, address, value)))
         mp.setattr(peer.enqueue, "record", record)
-        mp.setattr(torch.cuda, "current_stream", lambda device: SimpleNamespace(cuda_stream=0))
+        mp.setattr(torch.cuda, "current_stream", lambda device: SimpleNamespace(cuda_stream=current[0]))
+        mp.setattr(torch.cuda, "set_stream", lambda stream: current.__setitem__(0, stream.cuda_stream))
         mp.setattr(torch.cuda, "is_current_stream_capturing", lambda: False)
         for p in peers:
-            comm_ops, gemm_ops, finish_ops = [], [], []
+            comm, gemm, finish = (_Stream(ops=[]) for _ in range(3))
+            several = len(p.others) > 1
+            lanes = tuple(_Stream(ops=[]) for _ in p.others) if several else ()
+            sum_lanes = tuple(_Stream(ops=[]) for _ in p.others) if scatter else ()
+            p.lanes = tuple(SimpleNamespace(cuda_stream=lane) for lane in lanes)
+            p.sum_lanes = tuple(SimpleNamespace(cuda_stream=lane) for lane in sum_lanes)
             for call in range(calls):
                 p.targets = targets
-                if call:  # (the caller: after the previous call's adds; the GEMM and the finisher: after the claim)
-                    comm_ops.append(("after", (p.rank, call - 1, "finished")))
-                    gemm_ops += [("after", (p.rank, call - 1, "finished")), ("after", (p.rank, call, "claimed"))]
+                if call:  # (the caller: after the previous call's work; the GEMM and the finisher: after the claim)
+                    done = ("after", (p.rank, call - 1, "finished"))
+                    comm.ops.append(done)
+                    gemm.ops += [done, ("after", (p.rank, call, "claimed"))]
+                comm.ops.append(("event", (p.rank, call, "start")))
+                for lane in lanes:
+                    lane.ops.append(("after", (p.rank, call, "start")))
                 for g, target in enumerate(targets):
-                    gemm_ops += [("rows", p.rank, g, call), ("count", p._flag(p.rank, g), target)]
-                    sink[0] = comm_ops
+                    gemm.ops += [("rows", p.rank, g, call), ("count", p._flag(p.rank, g), target)]
+                    on(comm)
                     for r, _ in p.arrivals(g, p.memory[p.flag_bytes :]):
-                        comm_ops.append(("copy", r, g, call))
+                        current[0].ops.append(("copy", r, g, call))
+                    for j, lane in enumerate(lanes):
+                        lane.ops.append(("event", (p.rank, call, g, j)))
+                        comm.ops.append(("after", (p.rank, call, g, j)))
                     if g < len(targets) - 1:
                         p.mine(g)
                     else:
-                        finish_ops.append(("after", (p.rank, call, "gemm done")))
-                    comm_ops.append(("event", (p.rank, call, g)))
-                    finish_ops += [("after", (p.rank, call, g)), ("copy", p.rank, g, call)]
-                gemm_ops.append(("event", (p.rank, call, "gemm done")))
-                finish_ops.append(("event", (p.rank, call, "finished")))
+                        finish.ops.append(("after", (p.rank, call, "gemm done")))
+                    comm.ops.append(("event", (p.rank, call, g)))
+                    finish.ops += [("after", (p.rank, call, g)), ("copy", p.rank, g, call)]
+                    if scatter:
+                        on(finish).append(("sum", p.rank, g, call))
+                        p.summed(g)
+                        for lane in sum_lanes if g == 0 else ():
+                            lane.ops.append(("after", (p.rank, call, 0)))
+                        on(gemm)  # (the caller's: the lanes are switched to and back)
+                        for r, _ in p.sums(g, [p.memory[p.flag_bytes :]] * p.world):
+                            current[0].ops.append(("copy sum", r, g, call))
+                gemm.ops.append(("event", (p.rank, call, "gemm done")))
+                finish.ops.append(("event", (p.rank, call, "finished")))
+                for j, lane in enumerate(sum_lanes):
+                    lane.ops.append(("event", (p.rank, call, "summed", j)))
+                    comm.ops.append(("after", (p.rank, call, "summed", j)))
+                    gemm.ops.append(("after", (p.rank, call, "summed", j)))
+                on(comm)
                 p.copied()
                 p.claim()
-            streams += [comm_ops, gemm_ops, finish_ops]
+            streams += [s.ops for s in (comm, gemm, finish, *lanes, *sum_lanes)]
     return streams
 
 
@@ -162,16 +199,24 @@ def _run(streams: list[list], memory: _Memory, seed: int) -> None:
             memory.rows[op[1], op[2]] = op[3]
         elif op[0] == "copy":
             assert memory.rows.get((op[1], op[2])) == op[3], f"rank {op[1]}'s group {op[2]} was not call {op[3]}'s"
+        elif op[0] == "sum":  # (its own rows, summed in place with the others' pulled)
+            memory.sums[op[1], op[2]] = op[3]
+        elif op[0] == "copy sum":
+            found = memory.rows.get((op[1], op[2])), memory.sums.get((op[1], op[2]))
+            assert found == (op[3], op[3]), f"rank {op[1]}'s sum of group {op[2]} was not call {op[3]}'s: {found}"
         elif op[0] == "event":
             events.add(op[1])
 
 
-@pytest.mark.parametrize("world", [2, 3, 4])
-def test_pulls_copy_every_group_of_their_own_call_whatever_the_interleaving(world):
+@pytest.mark.parametrize("scatter", [False, True])
+@pytest.mark.parametrize("world", [2, 3, 4, 8])
+def test_pulls_copy_every_group_of_their_own_call_whatever_the_interleaving(world, scatter):
     """The flags of comm.peer on a model of the ranks' streams: each rank's copies of another's
     group wait for that rank's counter (in its memory) of the same call, never the previous call's
     counts (zeroed after every rank copied: ``done``; waited on after the zeroing: ``fresh``), and
-    no GEMM overwrites rows another rank has yet to copy."""
+    no GEMM overwrites rows another rank has yet to copy; with ``scatter`` (``pull_scatter``) each
+    copy of another rank's sum waits for that rank's ``summed`` flag of the same call, and no GEMM
+    overwrites a sum another rank has yet to copy."""
     regions = [torch.zeros(4096, dtype=torch.uint8) for _ in range(world)]
     peers = []
     for rank in range(world):
@@ -181,8 +226,8 @@ def test_pulls_copy_every_group_of_their_own_call_whatever_the_interleaving(worl
         p.fresh, p.device, p.peers, p.memory = peer.DONE + world, None, regions, regions[rank]
         p.flag_bytes = 4 * (p.fresh + world)
         peers.append(p)
-    streams = _streams(peers, 3, (2, 1, 3))
-    for seed in range(300):
+    streams = _streams(peers, 3, (2, 1, 3), scatter)
+    for seed in range(300 if world <= 4 else 60):
         memory = _Memory(regions)
         for rank in range(world):  # as Peers._grow leaves the flags
             for r in range(world):

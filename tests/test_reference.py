@@ -33,8 +33,9 @@ COLLECTIVE_LAYOUTS = [
     ("all_reduce", "rows"),  # reduction "pull" (on GPUs copied out of the other ranks' memory; here comm.peer.Gathered)
     ("reduce_scatter", "segments"),  # ... this rank's segment rows of every rank's group
     ("all_to_all", "segments"),  # ... straight into the result (equal splits)
+    ("all_reduce", "rows"),  # reduction "pull_scatter": each rank's share pulled and summed, the sums pulled
 ]
-LOCAL, PULL = 10, 12  # COLLECTIVE_LAYOUTS[LOCAL:] gather and add locally, [PULL:] as "pull"
+LOCAL, PULL, SCATTER = 10, 12, 15  # COLLECTIVE_LAYOUTS[LOCAL:] gather and add locally, [PULL:] as "pull", ...
 SEGMENTED = ("rows", "segments")  # layouts whose reduce-scatter / all-to-all need equal, whole-unit segments
 
 
@@ -124,7 +125,7 @@ def worker(rank: int, world: int, store_path: str):
                 if index % 4 == 0:  # otherwise exchanged by comm.exchange
                     output_splits = [a2a_splits(index, s, m, world)[rank] for s in range(world)]
             position = index % len(COLLECTIVE_LAYOUTS)
-            reduction = "pull" if position >= PULL else "local" if position >= LOCAL else "nccl"
+            reduction = ["nccl", "local", "pull", "pull_scatter"][sum(position >= p for p in (LOCAL, PULL, SCATTER))]
             ex = comm.exchange(collective, m, world, splits, output_splits, reduction=reduction)
             plan = rank_plan(args, ex, rank)
             a, w = operands(index, rank, plan.m, plan.n, k, dtype, weight_layout)

@@ -3,8 +3,8 @@
 Communication is plain torch.distributed (NCCL on GPUs, gloo in the CPU reference executor) on
 one contiguous range per group, so any backend and transport works; on flashoverlap's own NCCL
 communicators through NCCL's C API where torch's NCCL allows (:mod:`comm.nccl`, ``FLASHOVERLAP_NCCL``).
-The exception, ``reduction: pull``: copies out of the other ranks' memory on the copy engines where
-the ranks have peer access (:mod:`comm.peer`: NCCL's kernels take SMs from the GEMM).
+The exception, ``reduction: pull`` / ``pull_scatter``: copies out of the other ranks' memory on the
+copy engines where the ranks have peer access (:mod:`comm.peer`: NCCL's kernels take SMs from the GEMM).
 """
 
 from __future__ import annotations
@@ -26,11 +26,19 @@ from .peer import Peers as Peers
 from .peer import Pulls
 
 COLLECTIVES = ("all_reduce", "reduce_scatter", "all_to_all")
-REDUCTIONS = ("nccl", "local", "pull")  # "local" and "pull" gather every rank's partial sums, then add
+# "local" and "pull" gather every rank's partial sums, then add; "pull_scatter" pulls and adds one
+# share of every group per rank, then pulls the other shares' sums (a reduce-scatter and an
+# all-gather per group by copies: 2 (w - 1) / w of a group per rank, as a ring, where "pull" moves w - 1)
+REDUCTIONS = ("nccl", "local", "pull", "pull_scatter")
+PULLS = ("pull", "pull_scatter")  # the reductions that copy out of the other ranks' memory (comm.peer)
 # what each collective takes: a pull reduce-scatter / all-to-all copies this rank's rows of every
-# rank's group out of its memory (the ``segments`` layout: config.for_collective)
+# rank's group out of its memory (the ``segments`` layout: config.for_collective), which is already
+# a reduce-scatter's share: no pull_scatter there
 TAKES = {"all_reduce": REDUCTIONS, "reduce_scatter": ("nccl", "pull"), "all_to_all": ("nccl", "pull")}
 PULL_LAYOUTS = {"all_reduce": "rows", "reduce_scatter": "segments", "all_to_all": "segments"}  # where pulls land
+MAX_SUM = 8  # the most rows csrc/runtime.cu fo_sum adds in one pass
+VECTOR = 8  # elements a share of a group is made of (16-byte vectors of bf16 / fp16: fo_sum's loads, the copies)
+SLACK = 2  # vectors per rank and group that a pull_scatter's staging has beyond the groups' length (comm.staging)
 # layouts whose reduce-scatter / all-to-all need equal segments of whole units (rows_carry)
 EQUAL_SEGMENTS = ("rows", "segments")
 MAX_PITCH = 2**31 - 1  # bytes between rows cudaMemcpy2DAsync takes (cudaDevAttrMaxPitch on current GPUs)
@@ -126,9 +134,9 @@ def comm_pattern(collective: str, layout: str, reduction: str = "nccl") -> str:
     """What a call's groups communicate: the collective itself, ``exchange`` (the ``rows`` layout of
     reduce-scatter / all-to-all: grouped send to rank + k / receive from rank - k) or
     ``all_gather`` (a ``local`` all-reduce), ``pull`` (the same by copies out of the other ranks'
-    memory: comm.peer)."""
+    memory: comm.peer), ``pull_scatter`` (its shares pulled and added, the sums pulled)."""
     if reduction != "nccl":
-        return "all_gather" if reduction == "local" else "pull"
+        return "all_gather" if reduction == "local" else reduction
     return "exchange" if layout == "rows" and collective != "all_reduce" else collective
 
 
@@ -283,7 +291,8 @@ def exchange(
 def _check_reduction(collective: str, reduction: str) -> None:
     if reduction not in TAKES[collective]:
         raise ValueError(
-            "reduction must be 'nccl', 'local' / 'pull' for all_reduce, 'pull' for reduce_scatter / all_to_all; "
+            "reduction must be 'nccl', 'local' / 'pull' / 'pull_scatter' for all_reduce, 'pull' for "
+            "reduce_scatter / all_to_all; "
             f"got {reduction!r} for {collective}"
         )
 
@@ -396,10 +405,9 @@ def rows_rotation(ex: Exchange, layout: str, rank: int) -> int:
 def tail_apart(collective: str, layout: str, reduction: str = "nccl") -> bool:
     """Whether a call's last group may communicate beside the earlier groups' collectives, on the
     caller's stream behind the GEMM (overlap.run_overlapped): all but the ``rows`` layout's
-    exchange, whose last group's own-segment step reads what the earlier groups received, and a
-    ``pull`` all-reduce (no NCCL communicator to take the last group; its copies are ordered by
-    flags, comm.peer)."""
-    return comm_pattern(collective, layout, reduction) not in ("exchange", "pull")
+    exchange, whose last group's own-segment step reads what the earlier groups received, and
+    pulls (no NCCL communicator to take the last group; their copies are ordered by flags, comm.peer)."""
+    return comm_pattern(collective, layout, reduction) not in ("exchange", *PULLS)
 
 
 def buffers(
@@ -409,7 +417,8 @@ def buffers(
     (``out`` itself for an all-reduce in the ``rows`` layout; ``shared`` where given: a ``pull``
     all-reduce's, in memory every rank maps) and the flat buffer received rows land in: for an
     all-reduce None, or with a ``local`` / ``pull`` reduction every rank's partial sums, group
-    by group ([world, group size] each); in the ``rows`` layout, the partial sums a reduce-scatter
+    by group ([world, group size] each), with ``pull_scatter`` the other ranks' partial sums of this
+    rank's share of each group (:func:`staging`); in the ``rows`` layout, the partial sums a reduce-scatter
     receives beyond the first (which lands in ``out``): world - 2 segments, else None; in the
     ``segments`` layout None for a reduce-scatter, for an all-to-all the rows received, group by
     group ([world, group rows] each).
@@ -417,7 +426,9 @@ def buffers(
     out = alloc((ex.rows, plan.n))
     if ex.collective == "all_reduce":
         gathered = alloc((len(ex.recv) * plan.numel,)) if ex.reduction != "nccl" else None
-        in_place = plan.in_place and ex.reduction != "pull"  # (whose buffer others read while this rank adds)
+        if ex.reduction == "pull_scatter":
+            gathered = alloc((plan.numel + SLACK * len(ex.recv) * VECTOR * plan.num_groups,))
+        in_place = plan.in_place and ex.reduction not in PULLS  # (whose buffer others read while this rank adds)
         return out, shared if shared is not None else out.view(-1) if in_place else alloc((plan.numel,)), gathered
     if plan.layout == "rows":
         extra = len(ex.send) - 2 if ex.collective == "reduce_scatter" else 0
@@ -499,6 +510,12 @@ def communicate_group(
     if ex.reduction != "nccl" and ex.collective != "all_reduce":  # (a pull: this rank's segment rows)
         _pull_segment(ex, plan, g, chunk, recv, out, group)
         return
+    if ex.reduction == "pull_scatter":  # the other ranks' partial sums of this rank's share
+        bounds = shares(plan.bounds[g], plan.bounds[g + 1], group.world)
+        into = staging(recv, bounds, group.rank, g)
+        for r, theirs in group.arrivals(g, buffer[bounds[group.rank] : bounds[group.rank + 1]]):
+            copy_2d(into[r].view(1, -1), theirs.view(1, -1))
+        return
     if ex.reduction != "nccl":  # every rank's partial sums of the group, rank after rank
         into = recv[len(ex.recv) * plan.bounds[g] : len(ex.recv) * plan.bounds[g + 1]]
         if isinstance(group, Pulls):  # copied out of each rank's memory as it says the group is there
@@ -523,6 +540,29 @@ def communicate_group(
     c0, c1 = plan.columns(g)
     staged = None if recv is None else recv[ex.rows * c0 : ex.rows * c1].view(ex.rows, c1 - c0)
     collective(ex, chunk.view(plan.m, c1 - c0), group, staged)
+
+
+def shares(lo: int, hi: int, world: int) -> list[int]:
+    """The bounds of each rank's share of a group's elements [lo, hi) (``pull_scatter``): ``world``
+    ranges of whole :data:`VECTOR` s, as equal as they come (share q: [bounds[q], bounds[q + 1]))."""
+    vectors = (hi - lo) // VECTOR
+    return [lo + vectors * q // world * VECTOR for q in range(world)] + [hi]
+
+
+def staging(recv: torch.Tensor, bounds: Sequence[int], rank: int, g: int) -> list[torch.Tensor | None]:
+    """Where the other ranks' partial sums of ``rank``'s share of group ``g`` land (``pull_scatter``;
+    ``bounds``: :func:`shares`), per rank (None for ``rank`` itself: its own stay in its buffer): one
+    after another from the group's start in ``recv``, moved on by :data:`SLACK` w vectors per earlier
+    group (w - 1 shares of at most 1 / w of a group and 2 vectors each fit in its length and that)."""
+    length, world = bounds[rank + 1] - bounds[rank], len(bounds) - 1
+    into, start = [], bounds[0] + SLACK * world * VECTOR * g
+    for r in range(world):
+        if r == rank:
+            into.append(None)
+            continue
+        into.append(recv[start : start + length])
+        start += length
+    return into
 
 
 def _pull(group: Pulls, g: int, chunk: torch.Tensor, into: torch.Tensor) -> None:
@@ -561,7 +601,7 @@ def _pull_segment(
 
 def finishes(ex: Exchange, plan: Plan) -> bool:
     """Whether a call's groups need :func:`finish_group` after their collectives (not a ``pull``
-    all-to-all: its rows land in place)."""
+    all-to-all: its rows land in place; a ``pull_scatter``'s adds its share)."""
     if ex.reduction != "nccl":
         return ex.collective != "all_to_all"
     return plan.layout == "cols" or plan.layout == "segments" and ex.collective == "all_to_all"
@@ -588,10 +628,20 @@ def finish_group(
     ``peers``: where a ``pull``'s rows came from (comm.peer), whose own row of ``recv`` stays empty:
     ``buffer`` holds this rank's partial sums (copying them next to the others' on the copy engines
     ran at ~90 GB/s beside the GEMM and held up the pulls behind it, stop 29); the rows are then
-    added in rank order as a ``local`` reduction's (:func:`add_rows`)."""
+    added in rank order as a ``local`` reduction's (:func:`add_rows`). A ``pull_scatter`` adds only its
+    share (:func:`shares`) of every rank's partial sums, into its own buffer, where the other ranks
+    pull the sum from (:func:`gather_group`) once it says so (``peers.summed``), and copies it into
+    ``out``."""
     if not finishes(ex, plan):
         return
     lo, hi = plan.bounds[g], plan.bounds[g + 1]
+    if ex.reduction == "pull_scatter":
+        bounds, me = shares(lo, hi, peers.world), peers.rank
+        mine, into = buffer[bounds[me] : bounds[me + 1]], staging(recv, bounds, me, g)
+        add_rows([mine if r == me else into[r] for r in range(peers.world)], mine)
+        peers.summed(g)
+        copy_2d(out.view(-1)[bounds[me] : bounds[me + 1]].view(1, -1), mine.view(1, -1))
+        return
     if ex.reduction != "nccl":
         world = len(ex.recv)
         if ex.collective == "reduce_scatter":  # a pull: this rank's segment rows of every rank's group
@@ -609,6 +659,19 @@ def finish_group(
     elif plan.layout == "segments" and ex.collective == "all_to_all":
         (r0, r1), world = plan.segment_rows(g), len(ex.recv)
         copy_2d(out.view(world, -1)[:, r0 * plan.n : r1 * plan.n], recv[lo:hi].view(world, -1))
+
+
+def gather_group(ex: Exchange, plan: Plan, g: int, buffer: torch.Tensor, out: torch.Tensor, peers: Pulls) -> None:
+    """A ``pull_scatter``'s second half of group ``g``: every other rank's share of the group, summed
+    there (:func:`finish_group`), copied out of its buffer into ``out`` as soon as it says so (the GPU
+    path runs it on a stream of its own: its waits never hold up the next group's first half).
+    Nothing for any other call."""
+    if ex.reduction != "pull_scatter":
+        return
+    bounds = shares(plan.bounds[g], plan.bounds[g + 1], peers.world)
+    parts = [buffer[bounds[r] : bounds[r + 1]] for r in range(peers.world)]
+    for r, theirs in peers.sums(g, parts):
+        copy_2d(out.view(-1)[bounds[r] : bounds[r + 1]].view(1, -1), theirs.view(1, -1))
 
 
 def copy_2d(dst: torch.Tensor, src: torch.Tensor) -> None:
@@ -668,13 +731,28 @@ def add(out: torch.Tensor, a: torch.Tensor, b: torch.Tensor) -> None:
 
 
 def add_rows(rows: Sequence[torch.Tensor], out: torch.Tensor) -> None:
-    """``out`` = the sum of ``rows`` (each of ``out``'s shape), added one by one in their order: the
-    same sum on every rank, rounded at each add as NCCL's ring does (one rounding for two rows), and
-    native calls a replay can enqueue (torch.sum over 4 ranks' rows was not: stop 33)."""
+    """``out`` = the sum of ``rows`` (each of ``out``'s shape; ``out`` may be one of them), summed in
+    float32 in their order and rounded once: the same sum on every rank that adds the same rows. On
+    CUDA one pass of csrc/runtime.cu's fo_sum (a native call a replay can enqueue) over up to
+    :data:`MAX_SUM` rows: each element read once per row and written once, where chained two-row adds
+    read and write the running sum again per row, on the few SMs a GEMM leaves."""
     if len(rows) == 1:
         copy_2d(out.view(1, -1), rows[0].view(1, -1))
-    for r in range(1, len(rows)):
-        add(out, rows[0] if r == 1 else out, rows[r])
+        return
+    if len(rows) > MAX_SUM:  # (more ranks than one host's GPUs: the first rows' sum, then the rest)
+        add_rows(rows[:MAX_SUM], out)
+        add_rows([out, *rows[MAX_SUM:]], out)
+        return
+    if out.is_cuda and out.dtype in ADD_DTYPES and all(t.is_contiguous() for t in (out, *rows)):
+        stream = torch.cuda.current_stream(out.device).cuda_stream
+        inputs = [t.data_ptr() for t in rows] + [None] * (MAX_SUM - len(rows))
+        enqueue.runtime_call("fo_sum", out.data_ptr(), *inputs, len(rows), out.numel(), ADD_DTYPES[out.dtype], stream)
+        return
+    total = rows[0].float()
+    for row in rows[1:]:
+        total = total + row.float()
+    out.copy_(total)
+    enqueue.opaque()
 
 
 def restore(buffer: torch.Tensor, out: torch.Tensor, plan: Plan, slots: torch.Tensor | None = None) -> None:

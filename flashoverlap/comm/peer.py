@@ -9,13 +9,19 @@ the GEMM writes its groups into memory every rank maps (torch symmetric memory: 
 NVLink or PCIe P2P), each rank copies the other ranks' partial sums of a group into its own
 memory once they say the group is there, and adds them to its own (comm.finish_group) on the SMs
 the GEMM leaves (``comm_sms``) or as it retires; a reduce-scatter / all-to-all copies its own
-segment's rows only (comm._pull_segment). Ordered by stream memory operations (no SM, no host):
+segment's rows only (comm._pull_segment). With ``reduction: pull_scatter`` each rank copies and adds
+only its share of each group (a reduce-scatter), and then copies the other ranks' summed shares out
+of their memory (an all-gather): 2 (w - 1) / w of a group per rank, where copying every rank's whole
+group is w - 1 (the same on two ranks, 3 against 1.5 on four), and 1 / w of the adds. Ordered by
+stream memory operations (no SM, no host):
 each rank writes its own memory and waits on the others' (a wait on another GPU's memory over
 NVLink answered in ~5 us on 2x H200, one on the GPU's own memory in ~9: stop 32's probe), so in
 rank r's memory:
 
 - ``counters[g]``: the GEMM's group counters (its kernel bumps them as for any call); every other
   rank waits for group g's target there, then copies the group;
+- ``summed[g]`` (``pull_scatter``): r has added its share of group g in its buffer; every other rank
+  waits for it there, then copies that share (zeroed with the counters);
 - ``done[q]``: r has copied all of a call's groups out of q's memory; q waits for it (and clears
   it) at the end of its call (Peers.claim: beside its last adds), then zeroes its counters for its
   next call, whose GEMM overwrites the groups;
@@ -24,9 +30,8 @@ rank r's memory:
 
 At first every region is as a claim leaves it (counters zero, ``fresh`` set, ``done`` clear).
 
-Before (stop 31) the GEMM's counters were local: each rank waited on its own, wrote a ready flag into
-the others' memory, which waited on it and cleared it before copying: ~16-22 us from a group's last
-tile to its copy, where one wait on the other's counter takes ~5.
+Waiting on the other rank's counter where it lies (~5 us from a group's last tile to its copy) beats
+a ready flag each rank writes after waiting on its own counter (16-22 us: a second hop).
 """
 
 from __future__ import annotations
@@ -42,12 +47,14 @@ from .. import enqueue, signal
 from .nccl import Window, carved_bytes, cuda_backend, group_fact
 
 MAX_GROUPS = 256  # counters per rank: the most groups a call may have
-COUNTERS, DONE = 0, MAX_GROUPS  # int32 offsets in each rank's memory (then ``fresh``: Peers.fresh)
+# int32 offsets in each rank's memory (then ``fresh``: Peers.fresh); a claim zeroes [COUNTERS, DONE)
+COUNTERS, SUMMED, DONE = 0, MAX_GROUPS, 2 * MAX_GROUPS
 
 
 class Pulls:
     """What comm's pulls need of a group of ranks: ``rank``, ``world``, ``others`` (every rank but
-    this one), :meth:`arrivals` and :meth:`mine`; :class:`Peers` on GPUs, :class:`Gathered` on gloo."""
+    this one), :meth:`arrivals`, :meth:`mine` and (``pull_scatter``) :meth:`summed` and :meth:`sums`;
+    :class:`Peers` on GPUs, :class:`Gathered` on gloo."""
 
     rank: int
     world: int
@@ -60,6 +67,15 @@ class Pulls:
     def mine(self, g: int) -> None:
         """Before this rank's own rows of group ``g`` are read (on the stream that reads them, or one
         it waits for): wait until they are written. (Nothing to wait for on gloo.)"""
+
+    def summed(self, g: int) -> None:
+        """After this rank's share of group ``g`` is summed in its memory (on the stream that summed
+        it): say so to the other ranks. (Nothing to say on gloo.)"""
+
+    def sums(self, g: int, parts: list[torch.Tensor]) -> Iterator[tuple[int, torch.Tensor]]:
+        """(rank, its ``parts[rank]`` of group ``g``) for each other rank, as soon as it says it has
+        summed it there (the caller copies it)."""
+        raise NotImplementedError
 
     def _at(self, theirs: torch.Tensor, chunk: torch.Tensor) -> torch.Tensor:
         """Another rank's memory ``theirs`` (uint8) at the place ``chunk`` has in this rank's."""
@@ -79,19 +95,30 @@ class Gathered(Pulls):
         self.others = [r for r in range(self.world) if r != self.rank]
 
     def arrivals(self, g: int, chunk: torch.Tensor) -> Iterator[tuple[int, torch.Tensor]]:
+        every = self._every()
+        for r in self.others:
+            yield r, self._at(every[r], chunk)
+
+    def sums(self, g: int, parts: list[torch.Tensor]) -> Iterator[tuple[int, torch.Tensor]]:
+        every = self._every()
+        for r in self.others:
+            yield r, self._at(every[r], parts[r])
+
+    def _every(self) -> list[torch.Tensor]:
+        """Every rank's ``memory`` as it is now, in rank order."""
         mine = self.memory.view(torch.uint8)
         every = [torch.empty_like(mine) for _ in range(self.world)]
         dist.all_gather(every, mine, group=self.group)
-        for r in self.others:
-            yield r, self._at(every[r], chunk)
+        return every
 
 
 class Peers(Window, Pulls):
     """The memory of every rank of ``group`` (a :class:`comm.nccl.Window` whose regions every rank
-    maps): at its start the GEMM's counters and the flags (int32: ``counters`` [MAX_GROUPS], ``done``
-    [world], ``fresh`` [world]), then the GEMM's buffer, the same bytes for every call (calls of one
-    rank are stream-ordered, the ranks' by the flags). Grows as a window does (collectively, with a
-    host sync). A call sets :attr:`targets` (its groups' counter targets) before its groups."""
+    maps): at its start the GEMM's counters and the flags (int32: ``counters`` [MAX_GROUPS], ``summed``
+    [MAX_GROUPS], ``done`` [world], ``fresh`` [world]), then the GEMM's buffer, the same bytes for
+    every call (calls of one rank are stream-ordered, the ranks' by the flags). Grows as a window
+    does (collectively, with a host sync). A call sets :attr:`targets` (its groups' counter targets)
+    before its groups."""
 
     def __init__(self, group: dist.ProcessGroup, device: torch.device) -> None:
         super().__init__([], device)
@@ -103,6 +130,11 @@ class Peers(Window, Pulls):
         self.peers: list[torch.Tensor] = []  # every rank's current region (uint8), as mapped here
         self._handles: list = []  # (each region stays mapped while its handle lives)
         self.targets: tuple[int, ...] = ()  # the current call's counter target per group
+        # per other rank (as ``others``), the stream its pulls / its sums' copies go on, set per call
+        # (overlap._enqueue); empty: the current stream. Copies from several ranks on streams of their
+        # own run side by side on the copy engines, where one stream would run them one by one.
+        self.lanes: tuple = ()
+        self.sum_lanes: tuple = ()
         # recorded where the last claim zeroed the counters; external: a CUDA graph's GEMM waits for
         # the claim of an eager call before its replay, and an eager call's for the graph's claim
         self.claimed = torch.cuda.Event(external=True)
@@ -137,7 +169,7 @@ class Peers(Window, Pulls):
         return self.memory[: 4 * MAX_GROUPS].view(torch.int32)
 
     def _flag(self, rank: int, index: int) -> int:
-        """The address of int32 ``index`` (``COUNTERS``, ``DONE`` or ``fresh`` + ...) in rank ``rank``'s
+        """The address of int32 ``index`` (``COUNTERS``, ``SUMMED``, ``DONE`` or ``fresh`` + ...) in rank ``rank``'s
         memory, as mapped here."""
         return self.peers[rank].data_ptr() + 4 * index
 
@@ -153,13 +185,13 @@ class Peers(Window, Pulls):
     def claim(self) -> None:
         """After a call (once this rank has seen its own counters): wait until every other rank has
         copied the call's groups out of this rank's buffer (and so seen its counters), zero the
-        counters for the next call, record :attr:`claimed` (what the next GEMM waits for), then
+        counters (and ``summed`` flags) for the next call, record :attr:`claimed` (what the next GEMM waits for), then
         clear the flags and say so (before the other ranks' next ``done``, which follows their pulls of the ``fresh``
         counters)."""
         stream = torch.cuda.current_stream(self.device)
         for r in self.others:
             signal.wait_at(stream, self._flag(r, DONE + self.rank), 1)
-        enqueue.runtime_call("fo_zero", self._flag(self.rank, 0), 4 * MAX_GROUPS, stream.cuda_stream)
+        enqueue.runtime_call("fo_zero", self._flag(self.rank, COUNTERS), 4 * (DONE - COUNTERS), stream.cuda_stream)
         enqueue.record(self.claimed, stream)
         for r in self.others:
             self._write(r, DONE + self.rank, 0)
@@ -168,17 +200,43 @@ class Peers(Window, Pulls):
 
     def arrivals(self, g: int, chunk: torch.Tensor) -> Iterator[tuple[int, torch.Tensor]]:
         """(rank, its ``chunk`` of group ``g``) for each other rank, as soon as its counter says the
-        group is written (the caller copies it); before a call's first group, once every other rank
-        zeroed its counters for this call."""
-        stream = torch.cuda.current_stream(self.device)
-        for r in self.others:
+        group is written (the caller copies it, on the current stream: the rank's lane, :attr:`lanes`,
+        while it holds the pair); before a call's first group, once every other rank zeroed its
+        counters for this call."""
+        for stream, r in self._on_lanes(self.lanes):
             if g == 0:
                 self._take(r, self.fresh + self.rank)
             signal.wait_at(stream, self._flag(r, COUNTERS + g), self.targets[g])
             yield r, self._at(self.peers[r], chunk)
 
+    def _on_lanes(self, lanes: tuple) -> Iterator[tuple[torch.cuda.Stream, int]]:
+        """(stream, rank) for each other rank: its lane in ``lanes`` (empty: the current stream), the
+        current stream while the caller holds the pair."""
+        current = torch.cuda.current_stream(self.device)
+        for j, r in enumerate(self.others):
+            stream = lanes[j] if lanes else current
+            if stream is current:
+                yield stream, r
+                continue
+            torch.cuda.set_stream(stream)
+            try:
+                yield stream, r
+            finally:
+                torch.cuda.set_stream(current)
+
     def mine(self, g: int) -> None:
         signal.wait_at(torch.cuda.current_stream(self.device), self._flag(self.rank, COUNTERS + g), self.targets[g])
+
+    def summed(self, g: int) -> None:
+        self._write(self.rank, SUMMED + g, 1)
+
+    def sums(self, g: int, parts: list[torch.Tensor]) -> Iterator[tuple[int, torch.Tensor]]:
+        """As :class:`Pulls`, on the ranks' :attr:`sum_lanes` as :meth:`arrivals` on :attr:`lanes`;
+        ordered after the call's first :meth:`arrivals` (the ``fresh`` handshake: not the previous
+        call's flags) by the caller's streams."""
+        for stream, r in self._on_lanes(self.sum_lanes):
+            signal.wait_at(stream, self._flag(r, SUMMED + g), 1)
+            yield r, self._at(self.peers[r], parts[r])
 
     def mark(self, g: int) -> None:
         """Count group ``g`` as written (to its target), as the GEMM would (the tuner's measured pulls)."""
