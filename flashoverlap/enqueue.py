@@ -39,7 +39,7 @@ SIGNATURES = (
     "p" * 6 + "i" * 13 + "p",  # fo_run (a signal GEMM, csrc/launcher.cuh)
     "ppp" + "i" * 7 + "p",  # fo_restore
     "pppnip",  # fo_add
-    "p" * 9 + "inip",  # fo_sum
+    "p" * 10 + "inip",  # fo_sum
 )
 _INDEX = {sig: i for i, sig in enumerate(SIGNATURES)}
 _KINDS = {ctypes.c_void_p: "p", ctypes.c_uint: "u", ctypes.c_int: "i", ctypes.c_size_t: "n", ctypes.c_ulonglong: "n"}

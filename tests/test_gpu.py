@@ -427,8 +427,8 @@ def test_native_adds_equal_torch_s_bit_for_bit(dtype):
 def test_native_sums_round_once_as_float32_does(dtype):
     """comm.add_rows (csrc/runtime.cu fo_sum, the pulls' sums): the rows summed in float32 in their
     order, rounded once, as the CPU path does, bit for bit; in 16-byte vectors or element by element;
-    into one of the rows too; more rows than one pass takes (comm.MAX_SUM) in two."""
-    flat = torch.randn(10, 1 << 20, device="cuda").to(dtype)
+    into one of the rows and a second output too; more rows than one pass takes (comm.MAX_SUM) in two."""
+    flat = torch.randn(11, 1 << 20, device="cuda").to(dtype)  # (rows 9 and 10: the outputs)
     for rows, offset, n in [(2, 0, 1 << 20), (4, 0, 1000003), (8, 3, 12345), (3, 8, 7), (5, 1, 1), (4, 0, 0)]:
         parts = [flat[r, offset : offset + n] for r in range(rows)]
         out = flat[9, offset : offset + n].fill_(float("nan"))
@@ -440,8 +440,9 @@ def test_native_sums_round_once_as_float32_does(dtype):
         cpu = torch.empty(n, dtype=dtype)
         comm.add_rows([p.cpu() for p in parts], cpu)
         assert torch.equal(out, expected) and torch.equal(out.cpu(), cpu), (rows, offset, n)
-        comm.add_rows(parts, parts[-1])
-        assert torch.equal(parts[-1], expected), (rows, offset, n)
+        also = flat[10, offset : offset + n].fill_(float("nan"))
+        comm.add_rows(parts, parts[-1], also)
+        assert torch.equal(parts[-1], expected) and torch.equal(also, expected), (rows, offset, n)
     many = [flat[r, :4096] for r in range(9)]
     out = torch.empty(4096, device="cuda", dtype=dtype)
     comm.add_rows(many, out)

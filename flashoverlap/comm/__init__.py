@@ -630,17 +630,17 @@ def finish_group(
     ran at ~90 GB/s beside the GEMM and held up the pulls behind it, stop 29); the rows are then
     added in rank order as a ``local`` reduction's (:func:`add_rows`). A ``pull_scatter`` adds only its
     share (:func:`shares`) of every rank's partial sums, into its own buffer, where the other ranks
-    pull the sum from (:func:`gather_group`) once it says so (``peers.summed``), and copies it into
-    ``out``."""
+    pull the sum from (:func:`gather_group`) once it says so (``peers.summed``), and into ``out``."""
     if not finishes(ex, plan):
         return
     lo, hi = plan.bounds[g], plan.bounds[g + 1]
     if ex.reduction == "pull_scatter":
         bounds, me = shares(lo, hi, peers.world), peers.rank
         mine, into = buffer[bounds[me] : bounds[me + 1]], staging(recv, bounds, me, g)
-        add_rows([mine if r == me else into[r] for r in range(peers.world)], mine)
+        add_rows(
+            [mine if r == me else into[r] for r in range(peers.world)], mine, out.view(-1)[bounds[me] : bounds[me + 1]]
+        )
         peers.summed(g)
-        copy_2d(out.view(-1)[bounds[me] : bounds[me + 1]].view(1, -1), mine.view(1, -1))
         return
     if ex.reduction != "nccl":
         world = len(ex.recv)
@@ -730,28 +730,36 @@ def add(out: torch.Tensor, a: torch.Tensor, b: torch.Tensor) -> None:
     enqueue.opaque()
 
 
-def add_rows(rows: Sequence[torch.Tensor], out: torch.Tensor) -> None:
-    """``out`` = the sum of ``rows`` (each of ``out``'s shape; ``out`` may be one of them), summed in
-    float32 in their order and rounded once: the same sum on every rank that adds the same rows. On
-    CUDA one pass of csrc/runtime.cu's fo_sum (a native call a replay can enqueue) over up to
-    :data:`MAX_SUM` rows: each element read once per row and written once, where chained two-row adds
-    read and write the running sum again per row, on the few SMs a GEMM leaves."""
-    if len(rows) == 1:
-        copy_2d(out.view(1, -1), rows[0].view(1, -1))
+def add_rows(rows: Sequence[torch.Tensor], out: torch.Tensor, also: torch.Tensor | None = None) -> None:
+    """``out`` (and ``also``, where given) = the sum of ``rows`` (each of ``out``'s shape; ``out`` may
+    be one of them), summed in float32 in their order and rounded once: the same sum on every rank
+    that adds the same rows. On CUDA one pass of csrc/runtime.cu's fo_sum (a native call a replay
+    can enqueue) over up to :data:`MAX_SUM` rows: each element read once per row and written once
+    (to each output), where chained two-row adds read and write the running sum again per row, on
+    the few SMs a GEMM leaves; ``also`` saves a copy (beside a GEMM, a copy engine's copy within
+    one GPU ran at ~100 GB/s)."""
+    if len(rows) == 1 or len(rows) > MAX_SUM:  # (more ranks than one host's GPUs: the first rows' sum, then the rest)
+        if len(rows) == 1:
+            copy_2d(out.view(1, -1), rows[0].view(1, -1))
+        else:
+            add_rows(rows[:MAX_SUM], out)
+            add_rows([out, *rows[MAX_SUM:]], out)
+        if also is not None:
+            copy_2d(also.view(1, -1), out.view(1, -1))
         return
-    if len(rows) > MAX_SUM:  # (more ranks than one host's GPUs: the first rows' sum, then the rest)
-        add_rows(rows[:MAX_SUM], out)
-        add_rows([out, *rows[MAX_SUM:]], out)
-        return
-    if out.is_cuda and out.dtype in ADD_DTYPES and all(t.is_contiguous() for t in (out, *rows)):
+    outputs = (out,) if also is None else (out, also)
+    if out.is_cuda and out.dtype in ADD_DTYPES and all(t.is_contiguous() for t in (*outputs, *rows)):
         stream = torch.cuda.current_stream(out.device).cuda_stream
         inputs = [t.data_ptr() for t in rows] + [None] * (MAX_SUM - len(rows))
-        enqueue.runtime_call("fo_sum", out.data_ptr(), *inputs, len(rows), out.numel(), ADD_DTYPES[out.dtype], stream)
+        second = None if also is None else also.data_ptr()
+        dtype = ADD_DTYPES[out.dtype]
+        enqueue.runtime_call("fo_sum", out.data_ptr(), second, *inputs, len(rows), out.numel(), dtype, stream)
         return
     total = rows[0].float()
     for row in rows[1:]:
         total = total + row.float()
-    out.copy_(total)
+    for target in outputs:
+        target.copy_(total)
     enqueue.opaque()
 
 

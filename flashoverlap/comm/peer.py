@@ -131,8 +131,7 @@ class Peers(Window, Pulls):
         self._handles: list = []  # (each region stays mapped while its handle lives)
         self.targets: tuple[int, ...] = ()  # the current call's counter target per group
         # per other rank (as ``others``), the stream its pulls / its sums' copies go on, set per call
-        # (overlap._enqueue); empty: the current stream. Copies from several ranks on streams of their
-        # own run side by side on the copy engines, where one stream would run them one by one.
+        # (overlap._enqueue); empty: the current stream
         self.lanes: tuple = ()
         self.sum_lanes: tuple = ()
         # recorded where the last claim zeroed the counters; external: a CUDA graph's GEMM waits for

@@ -88,11 +88,13 @@ int add(void* out, void const* a, void const* b, size_t n, cudaStream_t stream) 
   return check_launch("add");
 }
 
-// out = the sum of `count` inputs (at most kMaxSum) over n elements, summed in fp32 and rounded
-// once: a group's partial sums of every rank in one pass (count + 1 accesses per element, where
-// chained two-input adds make 3 (count - 1)), on the few SMs a GEMM leaves, whose share of the
-// memory system is the limit. `out` may be one of the inputs (each element is read before it is
-// written). 16-byte vectors where every pointer is aligned, the rest element by element.
+// out (and out2 where not null) = the sum of `count` inputs (at most kMaxSum) over n elements,
+// summed in fp32 and rounded once: a group's partial sums of every rank in one pass (count + 1
+// accesses per element, where chained two-input adds make 3 (count - 1)), on the few SMs a GEMM
+// leaves, whose share of the memory system is the limit; out2 saves a copy where the sum goes to
+// two places (a pull_scatter's share: its buffer, which the other ranks copy, and the result).
+// `out` may be one of the inputs (each element is read before it is written). 16-byte vectors
+// where every pointer is aligned, the rest element by element.
 constexpr int kMaxSum = 8;
 template <typename T>
 struct SumInputs {
@@ -100,7 +102,7 @@ struct SumInputs {
 };
 
 template <typename T>
-__global__ void sum_elems(T* out, SumInputs<T> in, int count, int64_t n, bool vectors) {
+__global__ void sum_elems(T* out, T* out2, SumInputs<T> in, int count, int64_t n, bool vectors) {
   constexpr int kPer = 16 / sizeof(T);
   int64_t const stride = int64_t(gridDim.x) * blockDim.x;
   int64_t const first = int64_t(blockIdx.x) * blockDim.x + threadIdx.x;
@@ -118,18 +120,20 @@ __global__ void sum_elems(T* out, SumInputs<T> in, int count, int64_t n, bool ve
 #pragma unroll
     for (int k = 0; k < kPer; ++k) zs[k] = from_float<T>(acc[k]);
     reinterpret_cast<uint4*>(out)[v] = z;
+    if (out2 != nullptr) reinterpret_cast<uint4*>(out2)[v] = z;
   }
   for (int64_t e = whole * kPer + first; e < n; e += stride) {
     float acc = 0.f;
     for (int i = 0; i < count; ++i) acc += to_float(in.p[i][e]);
     out[e] = from_float<T>(acc);
+    if (out2 != nullptr) out2[e] = out[e];
   }
 }
 
 template <typename T>
-int sum(void* out, void const* const* inputs, int count, size_t n, cudaStream_t stream) {
+int sum(void* out, void* out2, void const* const* inputs, int count, size_t n, cudaStream_t stream) {
   SumInputs<T> in{};
-  uintptr_t bits = reinterpret_cast<uintptr_t>(out);
+  uintptr_t bits = reinterpret_cast<uintptr_t>(out) | reinterpret_cast<uintptr_t>(out2);
   for (int i = 0; i < count; ++i) {
     in.p[i] = static_cast<T const*>(inputs[i]);
     bits |= reinterpret_cast<uintptr_t>(inputs[i]);
@@ -138,7 +142,8 @@ int sum(void* out, void const* const* inputs, int count, size_t n, cudaStream_t 
   size_t const work = vectors ? (n + 16 / sizeof(T) - 1) / (16 / sizeof(T)) : n;
   unsigned const blocks = unsigned(std::min<size_t>((work + 255) / 256, 4096));
   if (blocks == 0) return 0;
-  sum_elems<T><<<blocks, 256, 0, stream>>>(static_cast<T*>(out), in, count, int64_t(n), vectors);
+  sum_elems<T><<<blocks, 256, 0, stream>>>(static_cast<T*>(out), static_cast<T*>(out2), in, count, int64_t(n),
+                                           vectors);
   return check_launch("sum");
 }
 
@@ -232,18 +237,20 @@ int fo_add(void* out, void const* a, void const* b, size_t n, int dtype, void* s
   return 1;
 }
 
-// out = in0 + ... + in{count-1} (count 1..8; the unused pointers null), n elements of `dtype` (as
-// fo_add): the sum of a group's partial sums (flashoverlap.comm.add_rows), one call a replay can enqueue.
-int fo_sum(void* out, void const* in0, void const* in1, void const* in2, void const* in3, void const* in4,
-           void const* in5, void const* in6, void const* in7, int count, size_t n, int dtype, void* stream) {
+// out (and out2 where not null) = in0 + ... + in{count-1} (count 1..8; the unused pointers null), n
+// elements of `dtype` (as fo_add): the sum of a group's partial sums (flashoverlap.comm.add_rows),
+// one call a replay can enqueue.
+int fo_sum(void* out, void* out2, void const* in0, void const* in1, void const* in2, void const* in3,
+           void const* in4, void const* in5, void const* in6, void const* in7, int count, size_t n, int dtype,
+           void* stream) {
   void const* inputs[kMaxSum] = {in0, in1, in2, in3, in4, in5, in6, in7};
   cudaStream_t const s = static_cast<cudaStream_t>(stream);
   if (count < 1 || count > kMaxSum) {
     std::snprintf(g_error, sizeof(g_error), "sum: %d inputs (1 to %d)", count, kMaxSum);
     return 1;
   }
-  if (dtype == 0) return sum<__nv_bfloat16>(out, inputs, count, n, s);
-  if (dtype == 1) return sum<__half>(out, inputs, count, n, s);
+  if (dtype == 0) return sum<__nv_bfloat16>(out, out2, inputs, count, n, s);
+  if (dtype == 1) return sum<__half>(out, out2, inputs, count, n, s);
   std::snprintf(g_error, sizeof(g_error), "sum: unknown dtype %d", dtype);
   return 1;
 }
@@ -294,7 +301,7 @@ int fo_replay(uint64_t const* ops, int64_t words, uint64_t const* values, int* s
   using P = void*;
   using U = unsigned;
   using N = size_t;
-  constexpr int kArgs[] = {2, 3, 3, 7, 6, 7, 6, 6, 0, 20, 11, 6, 13};  // per signature (checked by a CPU test)
+  constexpr int kArgs[] = {2, 3, 3, 7, 6, 7, 6, 6, 0, 20, 11, 6, 14};  // per signature (checked by a CPU test)
   constexpr int kSignatures = sizeof(kArgs) / sizeof(kArgs[0]);
   uint64_t a[20];
   int index = 0;
@@ -361,9 +368,9 @@ int fo_replay(uint64_t const* ops, int64_t words, uint64_t const* values, int* s
                                                                  P(a[5]));
         break;
       case 12:  // fo_sum
-        rc = reinterpret_cast<int (*)(P, P, P, P, P, P, P, P, P, int, N, int, P)>(fn)(
-            P(a[0]), P(a[1]), P(a[2]), P(a[3]), P(a[4]), P(a[5]), P(a[6]), P(a[7]), P(a[8]), int(a[9]), N(a[10]),
-            int(a[11]), P(a[12]));
+        rc = reinterpret_cast<int (*)(P, P, P, P, P, P, P, P, P, P, int, N, int, P)>(fn)(
+            P(a[0]), P(a[1]), P(a[2]), P(a[3]), P(a[4]), P(a[5]), P(a[6]), P(a[7]), P(a[8]), P(a[9]), int(a[10]),
+            N(a[11]), int(a[12]), P(a[13]));
         break;
     }
     if (rc != 0) {
