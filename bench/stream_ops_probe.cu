@@ -11,8 +11,8 @@
 //
 // A wait that never sees its value is released from the host after 0.5 s and the case reported
 // hung. Every kernel is launched once first: a kernel's first launch (lazy module loading) waits
-// for the device, which a pending stream wait may hold -- stop 32's first runs hung on that.
-// Results (2x H200): bench/results/h200x2/stop32/c4_probe.txt, c8_probe_remote.txt.
+// for the device, which a pending stream wait may hold -- the probe's first runs hung on that.
+// Results (2x H200): docs/experiments.md, "Pulls over peer memory".
 #include <cuda.h>
 #include <cuda_runtime.h>
 #include <unistd.h>

@@ -3,7 +3,7 @@
 Everything here is pure Python/numpy: the GPU kernel, the GPU runtime and the CPU reference
 executor all consume the same :class:`Plan`, so CPU tests prove the layout logic.
 
-Terms (see ../shared/DESIGN.md): a *tile* is one CTA output tile (tile_m x tile_n); a *wave* is
+Terms (see docs/design.md): a *tile* is one CTA output tile (tile_m x tile_n); a *wave* is
 the ``ctas`` tiles the persistent grid works on at once; a *group* is a run of consecutive
 waves whose output is communicated by one collective.
 

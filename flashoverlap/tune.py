@@ -1,6 +1,6 @@
 """Predictive tuning: a cost model of one overlapped call and the search for its group partition.
 
-The model (see ../shared/DESIGN.md, "Configs and tuning"):
+The model (see docs/design.md, "The tuner"):
 
 * the GEMM finishes wave ``w`` (1-based) at ``w * wave_ms`` (measured per GEMM instance and SM
   budget), so a group covering waves (i, j] is ready at ``j * wave_ms``;

@@ -1,0 +1,386 @@
+"""The benchmark's results: one tidy CSV per machine kind in bench/results/ (``h200x2.csv``: two
+H200s, ...), one row per variant, shape and run, and the plots and tables drawn from them.
+
+    python bench/results.py                      # redraw bench/results/plots/*.png from the CSVs
+    python bench/results.py table [--shapes]     # the current runs as markdown (a row per setup, or per shape)
+    python bench/results.py append run.csv [--note TEXT] [--run NAME]
+        # add a ``python -m flashoverlap.bench --csv run.csv`` output to its machine's CSV, with
+        # today's date and this checkout's commit
+
+Columns (:data:`FIELDS`): ``date`` and ``commit`` the run was recorded with; ``gpu`` (torch's
+device name), ``world`` (ranks), ``transport`` (``nvlink``, ``pcie``: NCCL through host memory,
+as with ``NCCL_P2P_DISABLE=1``), ``collective``, ``dtype``, ``shape`` (MxNxK); ``variant``, one of
+:data:`VARIANTS`; ``ms`` per call; ``speedup`` (the same run's ``sequential`` ms over ``ms``);
+``efficiency`` (``(sequential - ms) / min(gemm, collective)``: the share of the hideable time
+hidden); ``mode`` (``eager``, ``graphs``: each block of calls one CUDA-graph replay, ``tune`` /
+``tune-graphs``: the tuner's finalists); ``config`` (flashoverlap's config as the bench labels it, ``registry:{...}``
+for what a call without ``config=`` ran; ``chunks=N`` for the decomposition); ``run`` (rows of
+one invocation share it); ``note`` (empty where the commit's code and configs ran with their
+defaults, else what differed).
+
+The *current* runs of a setup (machine, world, transport, collective, mode) are those of the
+latest commit that measured the registry's picks (a call without ``config=``) with an empty note.
+"""
+
+from __future__ import annotations
+
+import argparse
+import csv
+import datetime
+import math
+import re
+import statistics
+import subprocess
+import sys
+from collections.abc import Iterable, Sequence
+from pathlib import Path
+
+HERE = Path(__file__).resolve().parent / "results"
+
+FIELDS = [
+    "date",
+    "commit",
+    "gpu",
+    "world",
+    "transport",
+    "collective",
+    "dtype",
+    "shape",
+    "variant",
+    "ms",
+    "speedup",
+    "efficiency",
+    "mode",
+    "config",
+    "run",
+    "note",
+]
+
+VARIANTS = {
+    "gemm": "torch.matmul alone (cuBLAS)",
+    "collective": "the torch collective alone, on the whole output",
+    "sequential": "torch.matmul, then the torch collective",
+    "decomposition": "the GEMM in column chunks, each chunk's collective on a second stream (best chunk count)",
+    "async-tp": "torch's fused_matmul_reduce_scatter (symmetric memory; reduce-scatter over NVLink)",
+    "flashoverlap": "the flashoverlap call",
+    "signal-gemm": "flashoverlap's GEMM alone, with the config's SM budget",
+    "model": "the tuner's predicted time of a finalist",
+    "brute-force": "the best partition the tuner's brute force measured",
+}
+
+TRANSPORT_NAMES = {"nvlink": "NVLink", "pcie": "P2P off", "net": "sockets"}
+COLORS = {"decomposition": "tab:blue", "async-tp": "tab:purple", "flashoverlap": "tab:orange", "ideal": "tab:green"}
+
+
+def machine(gpu: str, world: int | str) -> str:
+    """The results file's name for ``world`` GPUs named ``gpu``: ``NVIDIA H100 80GB HBM3``, 2 ->
+    ``h100x2``; ``NVIDIA GeForce RTX 4090``, 4 -> ``rtx4090x4``."""
+    words = [w for w in re.split(r"[\s_-]+", gpu.lower()) if w and w not in ("nvidia", "geforce", "tesla")]
+    name = ""
+    for word in words:
+        name += re.sub(r"[^a-z0-9]", "", word)
+        if re.search(r"\d", word):
+            break
+    return f"{name or 'gpu'}x{int(world)}"
+
+
+def _num(value) -> float:
+    try:
+        return float(value)
+    except (TypeError, ValueError):
+        return math.nan
+
+
+def _fmt(value: float, digits: int) -> str:
+    return "" if math.isnan(value) else f"{value:.{digits}f}"
+
+
+def tidy(bench_rows: Iterable[dict], date: str, commit: str, run: str, note: str = "") -> list[dict]:
+    """Rows of ``python -m flashoverlap.bench --csv`` (one per shape and flashoverlap config, the
+    baselines repeated on each) as tidy rows: the baselines once per shape, then each config's
+    call and its GEMM alone (once per config)."""
+    out: list[dict] = []
+    seen: set[tuple] = set()
+    for row in bench_rows:
+        shape = f"{row['m']}x{row['n']}x{row['k']}"
+        seq, gemm, coll = _num(row.get("t_seq_ms")), _num(row.get("t_gemm_ms")), _num(row.get("t_comm_ms"))
+        base = {
+            "date": date,
+            "commit": commit,
+            "gpu": row.get("gpu") or "",
+            "world": int(row["world"]),
+            "transport": row.get("transport") or "nvlink",
+            "collective": row.get("collective") or "all_reduce",
+            "dtype": row.get("dtype") or "bfloat16",
+            "shape": shape,
+            "mode": row.get("timing") or "eager",
+            "run": run,
+            "note": note,
+        }
+        config = row.get("config", "")
+        decomp = _num(row.get("t_decomp_ms"))
+        chunks = row.get("decomp_chunks") or ""
+        entries = [
+            ("gemm", "", gemm),
+            ("collective", "", coll),
+            ("sequential", "", seq),
+            ("decomposition", f"chunks={chunks}" if chunks else "", decomp),
+            ("async-tp", "", _num(row.get("t_asynctp_ms"))),
+            ("flashoverlap", config, _num(row.get("t_fo_ms"))),
+            ("signal-gemm", re.sub(r" nccl=\w+$", "", config), _num(row.get("t_kernel_ms"))),  # whatever the NCCL path
+        ]
+        for variant, label, ms in entries:
+            key = (shape, variant, label if variant in ("flashoverlap", "signal-gemm") else "")
+            if math.isnan(ms) or (key in seen and variant != "flashoverlap"):
+                continue
+            seen.add(key)
+            hides = variant in ("sequential", "decomposition", "async-tp", "flashoverlap")
+            out.append(
+                dict(
+                    base,
+                    variant=variant,
+                    config=label,
+                    ms=_fmt(ms, 4),
+                    speedup=_fmt(seq / ms, 4) if hides else "",
+                    efficiency=_fmt((seq - ms) / min(gemm, coll), 3) if hides else "",
+                )
+            )
+    return out
+
+
+def read(path: Path) -> list[dict]:
+    with open(path, newline="") as handle:
+        return list(csv.DictReader(handle))
+
+
+def add(rows: Sequence[dict], results: Path = HERE) -> list[Path]:
+    """Append tidy ``rows`` to their machines' CSVs in ``results`` (made with a header where new)."""
+    by_file: dict[Path, list[dict]] = {}
+    for row in rows:
+        by_file.setdefault(results / f"{machine(row['gpu'], row['world'])}.csv", []).append(row)
+    for path, group in by_file.items():
+        new = not path.exists()
+        with open(path, "a", newline="") as handle:
+            writer = csv.DictWriter(handle, fieldnames=FIELDS)
+            if new:
+                writer.writeheader()
+            writer.writerows(group)
+    return sorted(by_file)
+
+
+def load(results: Path = HERE) -> list[dict]:
+    """Every row of every machine's CSV in ``results``, in file order (oldest first)."""
+    rows = []
+    for path in sorted(results.glob("*.csv")):
+        rows += read(path)
+    return rows
+
+
+def setup(row: dict) -> tuple:
+    return (machine(row["gpu"], row["world"]), row["transport"], row["collective"], row["mode"])
+
+
+def current(rows: Sequence[dict]) -> dict[tuple, list[dict]]:
+    """Per setup (:func:`setup`), the rows of its current runs: the runs of the latest commit (in
+    file order) that measured the registry's picks with an empty note."""
+    latest: dict[tuple, str] = {}
+    for row in rows:
+        if row["variant"] == "flashoverlap" and row["config"].startswith("registry") and not row["note"]:
+            latest[setup(row)] = row["commit"]
+    runs: dict[tuple, set] = {}
+    for row in rows:
+        key = setup(row)
+        if latest.get(key) == row["commit"] and row["variant"] == "flashoverlap" and not row["note"]:
+            if row["config"].startswith("registry"):
+                runs.setdefault(key, set()).add(row["run"])
+    return {
+        key: [r for r in rows if setup(r) == key and r["commit"] == latest[key] and r["run"] in runs[key]]
+        for key in latest
+    }
+
+
+def per_shape(rows: Sequence[dict]) -> dict[str, dict[str, float]]:
+    """Per shape of one setup's current rows, the median over its runs of the speedup over
+    sequential of the registry's pick (``flashoverlap``), the decomposition, async-TP and the ideal
+    bound ``sequential / max(gemm, collective)``, and of the registry's overlap efficiency."""
+    samples: dict[str, dict[str, list[float]]] = {}
+    times: dict[tuple, dict[str, float]] = {}
+    for row in rows:
+        times.setdefault((row["shape"], row["run"]), {})[row["variant"]] = _num(row["ms"])
+        case = samples.setdefault(row["shape"], {})
+        if row["variant"] == "flashoverlap" and row["config"].startswith("registry"):
+            case.setdefault("flashoverlap", []).append(_num(row["speedup"]))
+            case.setdefault("efficiency", []).append(_num(row["efficiency"]))
+        elif row["variant"] in ("decomposition", "async-tp"):
+            case.setdefault(row["variant"], []).append(_num(row["speedup"]))
+    for (shape, _), t in times.items():
+        if {"sequential", "gemm", "collective"} <= t.keys():
+            samples[shape].setdefault("ideal", []).append(t["sequential"] / max(t["gemm"], t["collective"]))
+    return {
+        shape: {name: statistics.median(values) for name, values in case.items()}
+        for shape, case in sorted(samples.items(), key=lambda item: _volume(item[0]))
+    }
+
+
+def _volume(shape: str) -> tuple:
+    m, n, k = (int(v) for v in shape.split("x"))
+    return (m * n * k, m, n, k)
+
+
+def describe(key: tuple, rows: Sequence[dict]) -> str:
+    name, transport, collective, mode = key
+    runs = len({r["run"] for r in rows})
+    return (
+        f"{rows[0]['world']}x {_short_gpu(rows[0]['gpu'])}, {collective.replace('_', '-')}, "
+        f"{TRANSPORT_NAMES.get(transport, transport)}, {mode}: {rows[0]['date']} {rows[0]['commit']}, "
+        f"median of {runs} run{'s' * (runs > 1)}"
+    )
+
+
+def _short_gpu(gpu: str) -> str:
+    return machine(gpu, 1)[:-2].upper()
+
+
+def _mean(values: Iterable[float]) -> float:
+    values = [v for v in values if not math.isnan(v)]
+    return statistics.mean(values) if values else math.nan
+
+
+def table(rows: Sequence[dict], shapes: bool = False) -> str:
+    """The current runs as markdown: a row per setup (means over its shapes of the medians over its
+    runs), or with ``shapes`` a table per setup with a row per shape."""
+
+    def cell(value: float, digits: int = 3) -> str:
+        return "-" if math.isnan(value) else f"{value:.{digits}f}"
+
+    lines = []
+    groups = sorted(current(rows).items())
+    if not shapes:
+        lines += [
+            "| GPUs | transport | collective | mode | flashoverlap (worst) | efficiency | decomposition | async-TP "
+            "| ideal | >= decomposition | run |",
+            "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |",
+        ]
+    for key, group in groups:
+        cases = per_shape(group)
+        fo = [c.get("flashoverlap", math.nan) for c in cases.values()]
+        if shapes:
+            lines += [
+                "",
+                describe(key, group),
+                "",
+                "| shape | flashoverlap | efficiency | decomposition | async-TP | ideal |",
+                "| --- | --- | --- | --- | --- | --- |",
+            ]
+            for shape, c in cases.items():
+                lines.append(
+                    f"| {shape} | {cell(c.get('flashoverlap', math.nan))} | {cell(c.get('efficiency', math.nan), 2)} "
+                    f"| {cell(c.get('decomposition', math.nan))} | {cell(c.get('async-tp', math.nan))} "
+                    f"| {cell(c.get('ideal', math.nan))} |"
+                )
+            continue
+        wins = sum(c.get("flashoverlap", math.nan) >= c.get("decomposition", math.inf) for c in cases.values())
+        lines.append(
+            f"| {group[0]['world']}x {_short_gpu(group[0]['gpu'])} | {TRANSPORT_NAMES.get(key[1], key[1])} "
+            f"| {key[2].replace('_', '-')} | {key[3]} | {cell(_mean(fo))} ({cell(min(fo))}) "
+            f"| {cell(_mean(c.get('efficiency', math.nan) for c in cases.values()), 2)} "
+            f"| {cell(_mean(c.get('decomposition', math.nan) for c in cases.values()))} "
+            f"| {cell(_mean(c.get('async-tp', math.nan) for c in cases.values()))} "
+            f"| {cell(_mean(c.get('ideal', math.nan) for c in cases.values()))} | {wins}/{len(cases)} "
+            f"| {group[0]['date']} {group[0]['commit']} |"
+        )
+    return "\n".join(lines).strip()
+
+
+def _bars(ax, cases: dict[str, dict[str, float]], title: str) -> None:
+    methods = [m for m in COLORS if any(not math.isnan(c.get(m, math.nan)) for c in cases.values())]
+    width = 0.8 / max(1, len(methods))
+    for i, method in enumerate(methods):
+        xs = [x + (i - (len(methods) - 1) / 2) * width for x in range(len(cases))]
+        values = [c.get(method, math.nan) for c in cases.values()]
+        label = "flashoverlap (registry)" if method == "flashoverlap" else method
+        hatch = "//" if method == "ideal" else None
+        ax.bar(xs, values, width, label=label, color=COLORS[method], hatch=hatch, alpha=0.9)
+    ax.axhline(1.0, color="black", linewidth=0.8)
+    ax.set_xticks(range(len(cases)), list(cases), fontsize=7, rotation=30, ha="right")
+    ax.set_ylabel("speedup over sequential")
+    ax.set_title(title, fontsize=8)
+    ax.legend(fontsize=6, loc="lower right")
+
+
+def plot(rows: Sequence[dict], out: Path) -> list[Path]:
+    """A bar chart per setup of its current runs (``<machine>_<transport>_<collective>_<mode>.png``)
+    and ``summary.png``: the eager all-reduce setups side by side. Returns the files written."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    out.mkdir(parents=True, exist_ok=True)
+    written = []
+    groups = sorted(current(rows).items())
+    for key, group in groups:
+        fig, ax = plt.subplots(figsize=(min(12.0, 3.0 + 1.0 * len({r["shape"] for r in group})), 4.2))
+        _bars(ax, per_shape(group), describe(key, group))
+        fig.tight_layout()
+        path = out / ("_".join(key) + ".png")
+        fig.savefig(path, dpi=100)
+        plt.close(fig)
+        written.append(path)
+    summary = [(key, group) for key, group in groups if key[2] == "all_reduce" and key[3] == "eager"]
+    if summary:
+        cols = 2
+        rows_n = -(-len(summary) // cols)
+        fig, axes = plt.subplots(rows_n, cols, figsize=(12, 3.6 * rows_n), squeeze=False)
+        for ax, (key, group) in zip(axes.flat, summary):
+            _bars(ax, per_shape(group), describe(key, group))
+        for ax in list(axes.flat)[len(summary) :]:
+            ax.axis("off")
+        fig.tight_layout()
+        path = out / "summary.png"
+        fig.savefig(path, dpi=100)
+        plt.close(fig)
+        written.append(path)
+    return written
+
+
+def git_commit() -> str:
+    try:
+        out = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True, check=True)
+    except (OSError, subprocess.CalledProcessError):
+        return ""
+    return out.stdout.strip()
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python bench/results.py", description=__doc__.split("\n\n")[0])
+    parser.add_argument("--results", type=Path, default=HERE, help="the folder of the machines' CSVs")
+    sub = parser.add_subparsers(dest="command")
+    sub.add_parser("plot", help="redraw the plots (the default)")
+    show = sub.add_parser("table", help="print the current runs as markdown")
+    show.add_argument("--shapes", action="store_true", help="a table per setup with a row per shape")
+    more = sub.add_parser("append", help="append bench CSVs to their machines' CSVs")
+    more.add_argument("csv", nargs="+", type=Path, help="outputs of python -m flashoverlap.bench --csv")
+    more.add_argument("--date", default=datetime.date.today().isoformat())
+    more.add_argument("--commit", default=None, help="default: this checkout's HEAD")
+    more.add_argument("--run", help="default: the file's name without its extension")
+    more.add_argument("--note", default="", help="what differed from the commit's code, configs or defaults")
+    args = parser.parse_args(argv)
+    if args.command == "append":
+        commit = args.commit or git_commit()
+        for path in args.csv:
+            rows = tidy(read(path), args.date, commit, args.run or path.stem, args.note)
+            for written in add(rows, args.results):
+                print(f"{path} -> {written}")
+        return 0
+    rows = load(args.results)
+    if args.command == "table":
+        print(table(rows, args.shapes))
+        return 0
+    for path in plot(rows, args.results / "plots"):
+        print(path)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

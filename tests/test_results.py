@@ -1,0 +1,141 @@
+"""bench/results.py: bench CSVs as tidy rows, appended per machine, the current runs, tables and plots."""
+
+import csv
+import importlib.util
+import math
+from pathlib import Path
+
+import pytest
+
+from flashoverlap import bench
+
+ROOT = Path(__file__).resolve().parent.parent
+_spec = importlib.util.spec_from_file_location("bench_results", ROOT / "bench" / "results.py")
+results = importlib.util.module_from_spec(_spec)
+_spec.loader.exec_module(results)
+
+
+def bench_row(m, config, t_fo, t_seq=1.0, t_gemm=0.8, t_comm=0.3, asynctp=math.nan, world=2, **extra):
+    """A row as ``python -m flashoverlap.bench --csv`` writes it (bench_shape's keys, then main's)."""
+    row = {
+        "m": m,
+        "n": 8192,
+        "k": 8192,
+        "world": world,
+        "collective": "all_reduce",
+        "dtype": "bfloat16",
+        "config": config,
+        "waves": 8,
+        "groups": 3,
+        "t_gemm_ms": t_gemm,
+        "t_comm_ms": t_comm,
+        "t_seq_ms": t_seq,
+        "t_fo_ms": t_fo,
+        "t_kernel_ms": 0.82,
+        "t_decomp_ms": 1.1,
+        "decomp_chunks": 4,
+        "t_asynctp_ms": asynctp,
+        "speedup": t_seq / t_fo,
+        "decomp_speedup": t_seq / 1.1,
+        "asynctp_speedup": t_seq / asynctp,
+        "ideal_speedup": t_seq / max(t_gemm, t_comm),
+        "of_ideal": max(t_gemm, t_comm) / t_fo,
+        "efficiency": (t_seq - t_fo) / min(t_gemm, t_comm),
+        "kernel_vs_cublas": t_gemm / 0.82,
+        "rel_err": 0.0,
+        "gpu": "NVIDIA H200",
+        "transport": "nvlink",
+        "timing": "eager",
+    }
+    return dict(row, **extra)
+
+
+def test_machine_names_one_file_per_kind():
+    assert results.machine("NVIDIA H200", 2) == "h200x2"
+    assert results.machine("NVIDIA H100 80GB HBM3", "4") == "h100x4"
+    assert results.machine("NVIDIA GeForce RTX 4090", 2) == "rtx4090x2"
+    assert results.machine("NVIDIA A100-SXM4-80GB", 8) == "a100x8"
+
+
+def test_bench_rows_become_one_row_per_variant():
+    rows = [
+        bench_row(4096, 'registry:{"comm_sms": 4} nccl=direct', 0.9),
+        bench_row(4096, '{"comm_sms": 16} nccl=direct', 0.95),
+    ]
+    out = results.tidy(rows, "2026-01-02", "abc1234", "run1")
+    assert [r["variant"] for r in out] == [
+        "gemm",
+        "collective",
+        "sequential",
+        "decomposition",
+        "flashoverlap",
+        "signal-gemm",
+        "flashoverlap",
+        "signal-gemm",
+    ]  # the baselines once per shape, no async-TP where it was not measured
+    assert all(set(r) == set(results.FIELDS) for r in out)
+    fo = out[4]
+    assert fo["config"].startswith("registry:") and fo["ms"] == "0.9000" and fo["speedup"] == "1.1111"
+    assert fo["efficiency"] == "0.333"  # (1.0 - 0.9) / min(0.8, 0.3)
+    assert out[3]["config"] == "chunks=4" and out[2]["speedup"] == "1.0000" and out[0]["speedup"] == ""
+    assert {r["mode"] for r in out} == {"eager"} and {r["shape"] for r in out} == {"4096x8192x8192"}
+
+
+def write_bench(path: Path, rows: list[dict]) -> Path:
+    bench.write_csv(str(path), rows)
+    return path
+
+
+def test_appended_runs_and_which_are_current(tmp_path, capsys):
+    store = tmp_path / "results"
+    store.mkdir()
+    old = write_bench(tmp_path / "old.csv", [bench_row(m, "registry:{}", 0.9) for m in (1024, 4096)])
+    branch = write_bench(tmp_path / "branch.csv", [bench_row(m, "registry:{}", 0.5) for m in (1024, 4096)])
+    new = [
+        write_bench(tmp_path / f"new{i}.csv", [bench_row(m, "registry:{}", t) for m in (1024, 4096)])
+        for i, t in enumerate((0.8, 0.7))
+    ]
+    four = write_bench(tmp_path / "four.csv", [bench_row(4096, "registry:{}", 0.85, world=4)])
+    base = ["--results", str(store), "append"]
+    assert results.main([*base, str(old), "--commit", "c1", "--date", "2026-01-01"]) == 0
+    assert results.main([*base, str(branch), "--commit", "c2", "--date", "2026-01-02", "--note", "a branch"]) == 0
+    assert results.main([*base, *map(str, new), str(four), "--commit", "c2", "--date", "2026-01-02"]) == 0
+    assert sorted(p.name for p in store.glob("*.csv")) == ["h200x2.csv", "h200x4.csv"]
+    rows = results.load(store)
+    with open(store / "h200x2.csv", newline="") as handle:
+        assert csv.DictReader(handle).fieldnames == results.FIELDS
+    now = results.current(rows)
+    assert set(now) == {("h200x2", "nvlink", "all_reduce", "eager"), ("h200x4", "nvlink", "all_reduce", "eager")}
+    two = now["h200x2", "nvlink", "all_reduce", "eager"]
+    assert {r["run"] for r in two} == {"new0", "new1"}  # the latest commit's, without the noted branch
+    shapes = results.per_shape(two)
+    assert list(shapes) == ["1024x8192x8192", "4096x8192x8192"]
+    assert shapes["4096x8192x8192"]["flashoverlap"] == pytest.approx((1 / 0.8 + 1 / 0.7) / 2, abs=1e-4)  # a median
+    assert shapes["4096x8192x8192"]["ideal"] == pytest.approx(1.25)
+    capsys.readouterr()
+    assert results.main(["--results", str(store), "table"]) == 0
+    text = capsys.readouterr().out
+    assert "| 2x H200 | NVLink | all-reduce | eager | 1.339 (1.339) |" in text and "2026-01-02 c2" in text
+    assert results.main(["--results", str(store), "table", "--shapes"]) == 0
+    assert "median of 2 runs" in capsys.readouterr().out
+    pytest.importorskip("matplotlib")
+    assert results.main(["--results", str(store)]) == 0
+    drawn = sorted(p.name for p in (store / "plots").glob("*.png"))
+    assert drawn == ["h200x2_nvlink_all_reduce_eager.png", "h200x4_nvlink_all_reduce_eager.png", "summary.png"]
+
+
+def test_committed_results_are_tidy():
+    """The committed CSVs (what the README's and docs' numbers are read from) keep the columns and
+    variants the tools read, and every setup with the registry's picks has current runs."""
+    store = ROOT / "bench" / "results"
+    paths = sorted(store.glob("*.csv"))
+    assert paths, "bench/results holds a CSV per machine kind"
+    for path in paths:
+        with open(path, newline="") as handle:
+            reader = csv.DictReader(handle)
+            assert reader.fieldnames == results.FIELDS, path
+            for row in reader:
+                assert row["variant"] in results.VARIANTS and float(row["ms"]) > 0, (path, row)
+                assert results.machine(row["gpu"], row["world"]) == path.stem, (path, row)
+    now = results.current(results.load(store))
+    assert ("h200x2", "nvlink", "all_reduce", "eager") in now
