@@ -181,7 +181,7 @@ def gpu_worker(rank: int, world: int, store_path: str):
         config.num_key_value_heads = 8
         model = hf.tensor_parallel_from_config(config, device=device, head=True)
         ids = torch.randint(0, LLAMA["vocab_size"], (1, 4096), generator=torch.Generator().manual_seed(3))
-        check_model(model, ids.to(device), _Close(3e-2), config={})
+        check_model(model, ids.to(device), _Close(5e-2), config={})
         torch.cuda.synchronize()
     finally:
         dist.destroy_process_group()

@@ -112,10 +112,10 @@ def _check_shard(name: str, weight: torch.Tensor) -> None:
     if weight.device.type != "cuda":
         return  # the plain path takes any dtype and shape
     n, k = weight.shape
-    if weight.dtype not in (torch.bfloat16, torch.float16) or n % 8 or k % 8:
+    if weight.dtype not in (torch.bfloat16, torch.float16) or n % 8 or k % 8 or not weight.is_contiguous():
         raise ValueError(
-            f"{name}: a weight shard {tuple(weight.shape)} of {weight.dtype}; the overlapped call needs bf16 or fp16 "
-            "and both dimensions multiples of 8"
+            f"{name}: a weight shard {tuple(weight.shape)} of {weight.dtype}; the overlapped call needs bf16 or fp16, "
+            "both dimensions multiples of 8 and a contiguous shard"
         )
 
 
