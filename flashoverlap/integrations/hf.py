@@ -100,7 +100,7 @@ def row_parallel_linears(model: nn.Module) -> tuple[object, list[tuple[str, nn.L
         warnings.warn(
             f"left as transformers runs them: {len(experts)} MoE experts modules (e.g. {experts[0]}); their "
             "all-reduce follows a scatter-add of per-expert GEMMs, not one GEMM",
-            stacklevel=3,
+            stacklevel=4,  # (the caller of patch)
         )
     if not found:
         raise ValueError(f"no row-parallel nn.Linear in the tensor-parallel plan of {type(model).__name__}")
