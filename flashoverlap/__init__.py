@@ -1,8 +1,18 @@
 """flashoverlap: hide tensor-parallel communication behind the GEMM that produces it."""
 
 from .config import OverlapConfig
-from .overlap import gemm_all_reduce, gemm_all_to_all, gemm_reduce_scatter
+from .integrations.hf import patch
+from .overlap import gemm_all_reduce, gemm_all_to_all, gemm_reduce_scatter, with_gradients
 from .plan import Plan, make_plan
 
-__all__ = ["OverlapConfig", "Plan", "gemm_all_reduce", "gemm_all_to_all", "gemm_reduce_scatter", "make_plan"]
+__all__ = [
+    "OverlapConfig",
+    "Plan",
+    "gemm_all_reduce",
+    "gemm_all_to_all",
+    "gemm_reduce_scatter",
+    "make_plan",
+    "patch",
+    "with_gradients",
+]
 __version__ = "0.1.0"

@@ -1264,6 +1264,8 @@ _library.define(
 
 def _gemm_collective_op(a, weight, collective, group, config, weight_layout, *counts):
     pg = dist.distributed_c10d._resolve_process_group(group)
+    if a.device.type == "cpu":  # the plain path, as flashoverlap.nn's layers take there (a graph debugged on gloo)
+        return with_gradients(a, weight, collective, pg, _config_of(config), weight_layout, *counts)
     return _gemm_collective(a, weight, collective, pg, _config_of(config), weight_layout, *counts)
 
 
@@ -1272,7 +1274,7 @@ _library.impl("gemm_collective", _gemm_collective_op, "CompositeExplicitAutograd
 
 @torch.library.register_fake("flashoverlap::gemm_collective")
 def _(a, weight, collective, group, config, weight_layout, splits, output_splits, rows_per_rank=None):
-    m, n, _ = check_inputs(a, weight, weight_layout)
+    m, n, _ = check_inputs(a, weight, weight_layout, a.device.type)
     if collective == "reduce_scatter":
         rows = m // dist.distributed_c10d._resolve_process_group(group).size()
     elif output_splits is not None:
