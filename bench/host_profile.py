@@ -20,8 +20,11 @@ import torch.distributed as dist
 
 import flashoverlap
 from flashoverlap import comm
-from flashoverlap.config import OverlapConfig, for_collective
-from flashoverlap.overlap import budget_communicator, prepare, run_overlapped, sequential
+from flashoverlap.config import OverlapConfig
+from flashoverlap.decision import budget_communicator
+from flashoverlap.prepared import prepare
+from flashoverlap.rules import for_collective
+from flashoverlap.runtime import run_overlapped, sequential
 
 CALLS = 400
 

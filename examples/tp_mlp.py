@@ -21,8 +21,8 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
-from flashoverlap.bench import time_variants
 from flashoverlap.nn import ColumnParallelLinear, RowParallelLinear
+from flashoverlap.timing import time_variants
 
 
 class AllReduceGrad(torch.autograd.Function):

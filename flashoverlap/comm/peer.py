@@ -38,7 +38,7 @@ from collections.abc import Iterator
 import torch
 import torch.distributed as dist
 
-from .. import enqueue, signal
+from .. import enqueue, signal, state
 from .nccl import Window, carved_bytes, cuda_backend, group_fact
 
 MAX_GROUPS = 256  # counters per rank: the most groups a call may have
@@ -218,12 +218,10 @@ def _ask_every_rank(group: dist.ProcessGroup, device: torch.device) -> str | Non
     return None
 
 
-_peers: dict[tuple, Peers] = {}
-
-
 def peers(group: dist.ProcessGroup, device: torch.device) -> Peers:
-    """The :class:`Peers` of ``group`` on ``device``, made once (its memory on the first call that needs it)."""
-    key = (group, device.index)
-    if key not in _peers:
-        _peers[key] = Peers(group, device)
-    return _peers[key]
+    """The :class:`Peers` of ``group`` on ``device``, made once and kept in the group's state (its
+    memory on the first call that needs it)."""
+    made = state.of(group).peers
+    if device.index not in made:
+        made[device.index] = Peers(group, device)
+    return made[device.index]
