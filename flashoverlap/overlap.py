@@ -156,7 +156,7 @@ def _gemm_collective(
     tensors; others fail the checks below), inside a graph ``torch.compile`` traces the one operator
     ``flashoverlap::gemm_collective`` (no graph break, so ``fullgraph=True`` works; its group and
     config reach it as strings fixed when the graph is traced), else run here: a repeat of a call
-    decided before (:func:`repeat`) runs what it decided straight away. ``exchanged``: where given,
+    decided before (:func:`_call_key`) runs what it decided straight away. ``exchanged``: where given,
     the call's :class:`Exchange` is appended to it (for the gradients; not where traced)."""
     tensors = isinstance(a, torch.Tensor) and isinstance(weight, torch.Tensor)
     if tensors and torch.is_grad_enabled() and a.is_cuda and (a.requires_grad or weight.requires_grad):
@@ -168,7 +168,7 @@ def _gemm_collective(
         )
     key = None
     if tensors and splits is None and output_splits is None and rows_per_rank is None:
-        key = repeat(a, weight, collective, config, weight_layout)
+        key = _call_key(a, weight, collective, config, weight_layout)
         kept = state.kept(group) if key is not None else None
         if kept is not None and (known := kept.runners.get(key)) is not None:
             run, ex = known
@@ -183,7 +183,9 @@ def _gemm_collective(
     return chosen.run(a, weight)
 
 
-def repeat(a: torch.Tensor, weight: torch.Tensor, collective: str, config: object, weight_layout: str) -> tuple | None:
+def _call_key(
+    a: torch.Tensor, weight: torch.Tensor, collective: str, config: object, weight_layout: str
+) -> tuple | None:
     """What a call is known by once decided, cheap to make (every call makes it): everything its
     checks and its decision rest on (operand shapes, dtypes, devices; contiguous operands only), as
     long as its config is none or an :class:`OverlapConfig` (a dict or YAML path is resolved on every

@@ -83,7 +83,7 @@ def prepare(
     at (comm.rows_rotation); ``interleave``: segments it interleaves (comm.interleave);
     ``columns``: the ``cols`` groups' tile columns, shared by ranks whose M differ (:func:`shared_columns`)."""
     if cfg.layout == "auto":
-        raise ValueError("prepare() takes a config resolved for its collective (config.for_collective)")
+        raise ValueError("prepare() takes a config resolved for its collective (rules.for_collective)")
     key = (m, n, k, dtype, weight_layout, device.index, cfg, rotate, interleave, columns)
     if (found := state.plans.recent(key)) is not None:
         return found

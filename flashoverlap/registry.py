@@ -72,7 +72,7 @@ class Entry:
     shape: tuple[int, int, int]
     config: OverlapConfig
     source: str  # file and entry index, for messages
-    fallback: OverlapConfig | None = None  # for calls ``config`` cannot carry (config.takes_every_call)
+    fallback: OverlapConfig | None = None  # for calls ``config`` cannot carry (rules.takes_every_call)
     timing: str = "eager"  # TIMINGS
 
 

@@ -231,7 +231,7 @@ def without_pull(cfg: OverlapConfig) -> OverlapConfig:
 FEWEST_COMM_SMS = 4  # NCCL's CTAs beside an Ampere/Ada GEMM when a call without config= times fewer
 
 
-PULL_SMS = 4  # the most SMs a pull candidate leaves for its adds (the tuner's pick on 2x H100, stop 29)
+PULL_SMS = 4  # the most SMs a pull candidate leaves for its adds (the tuner's pick on 2x H100)
 
 
 @functools.lru_cache(maxsize=1024)  # every call of a timed shape asks (a replace() validates)
@@ -240,7 +240,7 @@ def pulled(cfg: OverlapConfig, collective: str, shape: tuple[int, int, int], tot
     ``cfg`` as a ``pull`` all-reduce (no window, the budget from the start, the default partition),
     leaving for the adds the SMs its GEMM spares at the whole grid's wave count, at most
     :data:`PULL_SMS` (4 on the suite's grids; 0: the adds wait for the GEMM's end). The tuner picked
-    pull with 4 SMs on every suite shape on 2x H100 (1.20x against 1.14x for stop 28's entries).
+    pull with 4 SMs on every suite shape on 2x H100 (1.20x against 1.14x for NCCL's best configs).
     None for another collective, a pull already, or a layout other than ``rows``."""
     if collective != "all_reduce" or cfg.reduction == "pull" or cfg.layout != "rows":
         return None

@@ -201,8 +201,8 @@ def _enqueue(
     )
 
     # A window's result is copied out group by group, where each group lands in one range, from
-    # the GEMM's end on: beside the last collectives instead of after them. (As each collective
-    # ended, the copies slowed the GEMM and NCCL beside it: 1.13x against 1.16x, stop 24.)
+    # the GEMM's end on: beside the last collectives instead of after them. (Copied as each
+    # collective ends, they slow the GEMM and NCCL beside it: 1.13x against 1.16x.)
     copy_out = window is not None and comm.landed(ex, plan, 0, out) is not None
     finishes = comm.finishes(ex, plan)
     finisher = side_stream(device, "finish") if finishes or copy_out else None
@@ -231,8 +231,8 @@ def _enqueue(
     last = len(prep.targets) - 1
     for g, target in enumerate(prep.targets):
         # The last collective, apart: on the caller's stream, ordered after the GEMM without a
-        # counter wait or another stream (on a stream of its own behind a counter wait, stop 24's
-        # traces showed c10d starting it 108-126 us after the GEMM's end).
+        # counter wait or another stream (on a stream of its own behind a counter wait, traces
+        # showed c10d starting it 108-126 us after the GEMM's end).
         issuer = caller if g == last and apart else stream
         on = tail_group if g == last and tail_group is not None else group
         with _On(issuer, caller):

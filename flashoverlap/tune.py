@@ -34,11 +34,11 @@ from .tune_model import CommModel, HostModel, Problem, choose, partitions, pick_
 # Per collective; reduce-scatter / all-to-all also try the row-band layout (equal splits), with
 # 4 SMs too: 128 CTAs make whole waves of the 1024-, 2048- and 4096-tile grids of the suite
 # (the kernel then runs at cuBLAS speed). All-reduce rings on 4 CTAs are too slow beside a GEMM as
-# long as the collective (0.82x) but keep up beside a longer one (1.05x, 4096x8192x28672, stop 21);
-# there a late budget did better still (1.06x; 1.09x on 8192x4096x14336, stop 22), and with NCCL's
-# symmetric kernels (faster per CTA over NVLink) also beside 4096x8192x8192 (1.11x against 1.09x).
-# Where the collective is most of the GEMM's length, symmetric kernels from the first wave on
-# (16384x8192x4096 on H100x2, 8 SMs: 1.24x against 1.08x for the best plain ring, stop 25).
+# long as the collective (0.82x) but keep up beside a longer one (1.05x, 4096x8192x28672); there a
+# late budget did better still (1.06x; 1.09x on 8192x4096x14336), and with NCCL's symmetric
+# kernels (faster per CTA over NVLink) also beside 4096x8192x8192 (1.11x against 1.09x). Where the
+# collective is most of the GEMM's length, symmetric kernels from the first wave on
+# (16384x8192x4096 on H100x2, 8 SMs: 1.24x against 1.08x for the best plain ring).
 DEFAULT_CANDIDATES = {
     "all_reduce": (
         {},
@@ -53,11 +53,11 @@ DEFAULT_CANDIDATES = {
         {"swizzle": 4},
         {"scheduler": "streamk"},
         # partial sums copied out of the other GPU's memory (comm.peer): no SM for the copies, a few
-        # for the adds (two H100s, 4096x8192x8192: 1.23x against 1.16x for the registry's, stop 29)
+        # for the adds (two H100s, 4096x8192x8192: 1.23x against 1.16x for NCCL's best config)
         {"reduction": "pull", "comm_sms": 4},
         {"reduction": "pull", "comm_sms": 0},
         # with a cluster of two along M: the GEMM itself faster (two H200s: chosen on 4 of the 7
-        # suite shapes, 1.232-1.244x against 1.214-1.225x without, stop 31)
+        # suite shapes, 1.232-1.244x against 1.214-1.225x without)
         {"reduction": "pull", "comm_sms": 4, "cluster_m": 2},
     ),
     "reduce_scatter": (
@@ -67,10 +67,10 @@ DEFAULT_CANDIDATES = {
         {"layout": "rows", "comm_sms": 4},
         {"layout": "rows", "comm_sms": 8},
         {"layout": "rows", "comm_sms": 24},
-        {"layout": "cols"},  # ({} is segments where they carry the call: overlap.for_call)
+        {"layout": "cols"},  # ({} is segments where they carry the call: rules.for_call)
         {"layout": "segments", "comm_sms": 4},
         # the own segment last: NCCL's late SMs carry only the other ranks' rows, in a window
-        # (all-to-all 8192x4096x7168 over NVLink: 1.11-1.13x against 1.08-1.10x, stop 22)
+        # (all-to-all 8192x4096x7168 over NVLink: 1.11-1.13x against 1.08-1.10x)
         {"layout": "rows", "late_budget": True, "symmetric": True},
     ),
 }
@@ -102,36 +102,66 @@ def tune_shape(
     timed as graph replays, the entry marked ``timing: graphs``. ``current``: the config the
     registry being written has for this call (:func:`incumbent`), measured beside the finalists
     (unless one of them), so that a re-tune replaces it only with what measures faster in the same
-    run (stop 30: the model ranked 8192^3's pull, 1.23x in the registry, below its finalists, and a
-    1.10x entry replaced it)."""
+    run (the model can rank the registry's entry below the finalists where it measures faster)."""
     m, n, k = shape
-    world = dist.get_world_size()
     a, w = operand_sets(m, n, k, dtype)
-    sets = len(a)
-    ex = comm.exchange(collective, m, world)
+    ex = comm.exchange(collective, m, dist.get_world_size())
+    candidates, cfgs, preps = _widened(candidates, ex, shape, dtype, a[0].device)
+    patterns = [comm.comm_pattern(collective, c.layout, c.reduction) for c in cfgs]
+    measured = (a, w, ex, dtype, rounds, graphs)
+    problems, sequential_ms = _problems(shape, collective, cfgs, patterns, preps, candidates[0], *measured)
+    choices = [(choose(p, sequential_ms, margin), j) for j, p in enumerate(problems) if p is not None]
+    if not choices:
+        raise RuntimeError(f"{m}x{n}x{k}: no candidate could be modelled (see the messages above)")
+    plain = candidates.index({}) if {} in candidates and problems[candidates.index({})] is not None else None
+    defaults = [prep.plan.partition for prep in preps]
+    finalists = pick_finalists(choices, problems, defaults, top, plain, patterns)
+    current = _runnable(current, ex, shape, dtype, a[0].device)
+    rows = _confirm(shape, collective, candidates, finalists, current, a, w, ex, rounds, graphs)
+    if brute_force:
+        brute_ms, brute_config = _brute_force(
+            shape, collective, candidates, preps, brute_force, a, w, rounds, ex, graphs
+        )
+        for r in rows:
+            r["brute_ms"] = brute_ms * r["seq_ms"]  # measured as a ratio to sequential: same scale
+            r["brute_config"] = brute_config
+    timing = "graphs" if graphs else "eager"
+    return measured_entry(collective, transport, DTYPES[dtype], shape, rows, margin, timing), rows
+
+
+def _widened(candidates, ex, shape, dtype, device) -> tuple[list[dict], list, list]:
+    """The candidates (config fields), their configs for the call and their plans, each persistent
+    one also with the widest SM budget at the same wave count: NCCL gets more SMs for free (16 -> 18
+    for the suite's grids on 132 SMs)."""
+    m, n, k = shape
     cfgs = [for_call(resolve(c), ex, shape) for c in candidates]
-    preps = [
-        prepare(m, n, k, dtype, "nk", a[0].device, cfg, interleave=comm.interleave(ex, cfg.layout)) for cfg in cfgs
-    ]
-    # each persistent candidate also with the widest SM budget at the same wave count: NCCL gets
-    # more SMs for free (16 -> 18 for the suite's grids on 132 SMs)
-    candidates, total = list(candidates), torch.cuda.get_device_properties(a[0].device).multi_processor_count
+    preps = [prepare(m, n, k, dtype, "nk", device, cfg, interleave=comm.interleave(ex, cfg.layout)) for cfg in cfgs]
+    candidates, total = list(candidates), torch.cuda.get_device_properties(device).multi_processor_count
     for candidate, cfg, prep in list(zip(candidates, cfgs, preps)):
         wider = {**candidate, "comm_sms": widest_budget(prep.plan, total)}
         if cfg.scheduler != "persistent" or wider["comm_sms"] <= cfg.comm_sms or wider in candidates:
             continue
         cfgs.append(for_call(resolve(wider), ex, shape))
         segments = comm.interleave(ex, cfgs[-1].layout)
-        preps.append(prepare(m, n, k, dtype, "nk", a[0].device, cfgs[-1], interleave=segments))
+        preps.append(prepare(m, n, k, dtype, "nk", device, cfgs[-1], interleave=segments))
         candidates.append(wider)
+    return candidates, cfgs, preps
+
+
+def _problems(shape, collective, cfgs, patterns, preps, first, a, w, ex, dtype, rounds, graphs) -> tuple[list, float]:
+    """Each candidate's call as the cost model sees it (None where a model of its communication
+    could not be fitted), from its GEMM's time per wave and its communication's time by size as
+    measured here, and the sequential call's predicted time; ``first``: the candidate whose calls
+    time the host (not for calls replayed as CUDA graphs)."""
+    m, n, k = shape
+    sets, world = len(a), dist.get_world_size()
     _progress(f"{m}x{n}x{k}: GEMM per wave for {len(cfgs)} candidates")
     variants = {"gemm": lambda i: a[i % sets] @ w[i % sets].t()}
     variants.update({f"kernel{j}": kernel_alone(p, a, w) for j, p in enumerate(preps)})
     times = time_variants(variants, rounds, 4, 3)
     _progress(f"{m}x{n}x{k}: {collective} time by size (measured once per run)")
-    patterns = [comm.comm_pattern(collective, c.layout, c.reduction) for c in cfgs]
     # in a fixed order: every rank must measure the same collectives in the same order (a set's
-    # order of strings differs between processes, and deadlocked the first run of this)
+    # order of strings differs between processes, and deadlocked the tuner)
     kinds = [(collective, False)] + [(p, c.symmetric) for c, p in zip(cfgs, patterns)]
     # the last group runs on the full communicator, in the window too where symmetric; a model that
     # cannot be fitted drops its candidates (the times are the ranks' maximum: all drop the same)
@@ -145,11 +175,10 @@ def tune_shape(
     if graphs:
         host = HostModel()
     else:
-        host = host_model(collective, a, w, candidates[0], preps[0].plan.num_waves)
+        host = host_model(collective, a, w, first, preps[0].plan.num_waves)
         _progress(f"{m}x{n}x{k}: host {host.base_ms:.3f} ms per call + {host.per_group_ms:.3f} ms per group")
     elem = torch.finfo(dtype).bits // 8
-    choices, problems = [], []
-    sequential_ms = times["gemm"] + tails[collective, False].time_ms(m * n * elem)  # predicted
+    problems = []
     for j, (cfg, prep, pattern) in enumerate(zip(cfgs, preps, patterns)):
         per_wave_ms = times[f"kernel{j}"] / prep.plan.num_waves
         ranks = world if collective != "all_reduce" else 1
@@ -170,12 +199,30 @@ def tune_shape(
         )
         if pattern == "all_gather" or pattern == "pull" and collective != "all_to_all":  # the partial sums added
             problems[-1] = with_local_adds(problems[-1], local_model("all_gather", dtype, rounds), cfg.comm_sms)
-        choices.append((choose(problems[-1], sequential_ms, margin), j))
-    if not choices:
-        raise RuntimeError(f"{m}x{n}x{k}: no candidate could be modelled (see the messages above)")
-    plain = candidates.index({}) if {} in candidates and problems[candidates.index({})] is not None else None
-    defaults = [prep.plan.partition for prep in preps]
-    finalists = pick_finalists(choices, problems, defaults, top, plain, patterns)
+    sequential_ms = times["gemm"] + tails[collective, False].time_ms(m * n * elem)
+    return problems, sequential_ms
+
+
+def _runnable(current: dict | None, ex, shape, dtype, device) -> dict | None:
+    """The registry's config for the call where this version can run it (not a partition of another
+    wave count, say), else None."""
+    if current is None:
+        return None
+    m, n, k = shape
+    try:
+        held = for_call(resolve(current), ex, shape)
+        prepare(m, n, k, dtype, "nk", device, held, interleave=comm.interleave(ex, held.layout))
+    except (TypeError, ValueError) as exc:
+        _progress(f"{m}x{n}x{k}: the registry's entry is left out: {exc}")
+        return None
+    return current
+
+
+def _confirm(shape, collective, candidates, finalists, current, a, w, ex, rounds, graphs) -> list[dict]:
+    """The summary rows of the finalists (and of ``current``, the registry's config, unless among
+    them) measured against sequential, as the bench measures."""
+    m, n, k = shape
+    sets = len(a)
     overlapped = getattr(overlap, f"gemm_{collective}")
     variants = {"seq": lambda i: sequential(a[i % sets], w[i % sets], "nk", ex, None)}
     tuned = [{**candidates[j], "partition": list(choice.partition)} for choice, j in finalists]
@@ -183,18 +230,11 @@ def tune_shape(
         variants[f"fo{f}"] = lambda i, config=config: overlapped(a[i % sets], w[i % sets], config=config)
     if current in tuned:
         current = None
-    elif current is not None:
-        try:  # an entry this version cannot run (a partition of another wave count, say): not measured
-            held = for_call(resolve(current), ex, shape)
-            prepare(m, n, k, dtype, "nk", a[0].device, held, interleave=comm.interleave(ex, held.layout))
-        except (TypeError, ValueError) as exc:
-            _progress(f"{m}x{n}x{k}: the registry's entry is left out: {exc}")
-            current = None
     if current is not None:
         variants["current"] = lambda i: overlapped(a[i % sets], w[i % sets], config=current)
     what = "best predicted overall and of each kind, defaults" + (", the registry's" if current is not None else "")
     _progress(f"{m}x{n}x{k}: measuring {len(finalists)} finalists ({what}) against sequential")
-    measured = time_variants(variants, 2 * rounds, 8, 3, graphs=graphs)  # what gets written: as the bench measures
+    measured = time_variants(variants, 2 * rounds, 8, 3, graphs=graphs)
     rows = [
         {
             "shape": f"{m}x{n}x{k}",
@@ -217,15 +257,7 @@ def tune_shape(
                 "seq_ms": measured["seq"],
             }
         )
-    if brute_force:
-        brute_ms, brute_config = _brute_force(
-            shape, collective, candidates, preps, brute_force, a, w, rounds, ex, graphs
-        )
-        for r in rows:
-            r["brute_ms"] = brute_ms * r["seq_ms"]  # measured as a ratio to sequential: same scale
-            r["brute_config"] = brute_config
-    timing = "graphs" if graphs else "eager"
-    return measured_entry(collective, transport, DTYPES[dtype], shape, rows, margin, timing), rows
+    return rows
 
 
 def measured_entry(
@@ -233,7 +265,7 @@ def measured_entry(
 ) -> dict:
     """The registry entry for one shape's measured finalists (summary rows of :func:`tune_shape`):
     :func:`config_to_write`'s config, and next to one that cannot carry every call (``rows`` or ``segments``
-    reduce-scatter / all-to-all, symmetric all-to-all: config.takes_every_call) the best of the
+    reduce-scatter / all-to-all, symmetric all-to-all: rules.takes_every_call) the best of the
     finalists that can as ``fallback``, for the calls it cannot carry."""
 
     def every_call(config: dict) -> bool:
@@ -286,8 +318,7 @@ def _brute_force(shape, collective, candidates, preps, max_groups, a, w, rounds,
     return best
 
 
-def main(argv: Sequence[str] | None = None) -> int:
-
+def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="python -m flashoverlap.tune",
         description="Tune configs (GEMM instance, comm_sms, group partition) per shape and write them to a "
@@ -330,24 +361,13 @@ def main(argv: Sequence[str] | None = None) -> int:
         help="also measure every partition of up to GROUPS groups per candidate and report how the "
         "tuned pick compares (slow; to validate the model)",
     )
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = build_parser()
     args = parser.parse_args(argv)
-    if args.brute_force < 0:
-        parser.error("--brute-force takes a number of groups >= 1 (0: off)")
-    if args.top < 1:
-        parser.error(f"--top takes a number of finalists >= 1, got {args.top}")
-    shapes = list(args.shapes or []) + (bench.load_shapes(args.shapes_file) if args.shapes_file else [])
-    if not shapes:
-        parser.error("give --shapes and/or --shapes-file")
-    candidates = args.candidates or list(DEFAULT_CANDIDATES[args.collective])
-    if args.transport != "nvlink":  # P2P disabled: calls run without windows nor pulls (decision.decide)
-        candidates = [c for c in candidates if not c.get("symmetric") and c.get("reduction") != "pull"] or parser.error(
-            "symmetric windows and pulls need peer access: with P2P disabled some candidate must use neither"
-        )
-    for candidate in candidates:  # before any process group or GPU work
-        try:
-            resolutions(resolve(candidate), args.collective)
-        except ValueError as exc:
-            parser.error(f"candidate {json.dumps(candidate)}: {exc}")
+    shapes, candidates = _checked(args, parser)
     if "RANK" not in os.environ:
         print("run under torchrun, e.g. torchrun --nproc-per-node 2 -m flashoverlap.tune ...", file=sys.stderr)
         return 2
@@ -357,45 +377,19 @@ def main(argv: Sequence[str] | None = None) -> int:
     if world < 2:  # (its collectives move nothing: no time by size to model)
         parser.error("tuning needs two or more ranks (torchrun --nproc-per-node 2 or more): one communicates nothing")
     try:  # what --output holds already: a file for other GPUs is refused before anything runs
-        existing = [read_entries(args.output, gpu, world)]
+        existing = read_entries(args.output, gpu, world)
     except ValueError as exc:
         parser.error(str(exc))
     torch.cuda.set_device(local_rank)
     dist.init_process_group("nccl", device_id=torch.device("cuda", local_rank))
     try:
+        device = torch.device("cuda", local_rank)
+        no_pulls = comm.peer.unavailable(dist.group.WORLD, device)  # (alike on every rank)
         pulls = [c for c in candidates if c.get("reduction") == "pull"]
-        no_pulls = comm.peer.unavailable(dist.group.WORLD, torch.device("cuda", local_rank))  # (alike on every rank)
         if pulls and no_pulls:
             _progress(f"{len(pulls)} pull candidate(s) dropped: {no_pulls}")
             candidates = [c for c in candidates if c not in pulls] or parser.error("no candidate left")
-        dtype = getattr(torch, args.dtype)
-        dist.broadcast_object_list(existing, src=0)  # every rank measures rank 0's entries (the one it writes)
-        timing = "graphs" if args.graphs else "eager"
-        entries, rows = [], []
-        for i, shape in enumerate(shapes):
-            _progress(f"shape {i + 1}/{len(shapes)}")
-            current = incumbent(existing[0], args.collective, args.transport, args.dtype, shape, timing)
-            if current is not None and current.get("reduction") == "pull" and no_pulls:
-                current = None  # (a pull config raises where the ranks cannot pull)
-            found, summary = tune_shape(
-                shape,
-                args.collective,
-                candidates,
-                dtype,
-                args.transport,
-                args.rounds,
-                args.top,
-                args.margin,
-                args.brute_force,
-                args.graphs,
-                current,
-            )
-            entries.append(found)
-            rows += summary
-            if dist.get_rank() == 0:  # after every shape, so a run cut short keeps what it found
-                write_registry(args.output, gpu, world, entries)
-                if args.csv:
-                    bench.write_csv(args.csv, [dict(r, transport=args.transport) for r in rows])
+        entries, rows = _tune_shapes(args, shapes, candidates, existing, no_pulls, gpu, world)
         if dist.get_rank() == 0:
             print(format_summary(rows))
             errors = [abs(r["predicted_ms"] / r["measured_ms"] - 1) for r in rows if r["predicted_ms"] is not None]
@@ -408,6 +402,64 @@ def main(argv: Sequence[str] | None = None) -> int:
             model.cache_clear()
         dist.destroy_process_group()
     return 0
+
+
+def _checked(args: argparse.Namespace, parser: argparse.ArgumentParser) -> tuple[list, list[dict]]:
+    """The shapes and candidates to tune, checked before any process group or GPU work."""
+    if args.brute_force < 0:
+        parser.error("--brute-force takes a number of groups >= 1 (0: off)")
+    if args.top < 1:
+        parser.error(f"--top takes a number of finalists >= 1, got {args.top}")
+    shapes = list(args.shapes or []) + (bench.load_shapes(args.shapes_file) if args.shapes_file else [])
+    if not shapes:
+        parser.error("give --shapes and/or --shapes-file")
+    candidates = args.candidates or list(DEFAULT_CANDIDATES[args.collective])
+    if args.transport != "nvlink":  # P2P disabled: calls run without windows nor pulls (decision.decide)
+        candidates = [c for c in candidates if not c.get("symmetric") and c.get("reduction") != "pull"] or parser.error(
+            "symmetric windows and pulls need peer access: with P2P disabled some candidate must use neither"
+        )
+    for candidate in candidates:
+        try:
+            resolutions(resolve(candidate), args.collective)
+        except ValueError as exc:
+            parser.error(f"candidate {json.dumps(candidate)}: {exc}")
+    return shapes, candidates
+
+
+def _tune_shapes(args, shapes, candidates, existing, no_pulls, gpu, world) -> tuple[list[dict], list[dict]]:
+    """Every shape tuned, the registry file (and CSV) written after each (a run cut short keeps what
+    it found): (entries, summary rows). Every rank measures rank 0's ``existing`` entries (the file it
+    writes)."""
+    existing = [existing]
+    dist.broadcast_object_list(existing, src=0)
+    dtype = getattr(torch, args.dtype)
+    timing = "graphs" if args.graphs else "eager"
+    entries, rows = [], []
+    for i, shape in enumerate(shapes):
+        _progress(f"shape {i + 1}/{len(shapes)}")
+        current = incumbent(existing[0], args.collective, args.transport, args.dtype, shape, timing)
+        if current is not None and current.get("reduction") == "pull" and no_pulls:
+            current = None  # (a pull config raises where the ranks cannot pull)
+        found, summary = tune_shape(
+            shape,
+            args.collective,
+            candidates,
+            dtype,
+            args.transport,
+            args.rounds,
+            args.top,
+            args.margin,
+            args.brute_force,
+            args.graphs,
+            current,
+        )
+        entries.append(found)
+        rows += summary
+        if dist.get_rank() == 0:
+            write_registry(args.output, gpu, world, entries)
+            if args.csv:
+                bench.write_csv(args.csv, [dict(r, transport=args.transport) for r in rows])
+    return entries, rows
 
 
 def format_summary(rows: list[dict]) -> str:

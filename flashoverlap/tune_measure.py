@@ -60,7 +60,7 @@ def fit_sizes(label: str, make, rounds: int) -> CommModel:
 @functools.cache
 def comm_model(pattern: str, comm_sms: int, dtype, rounds: int, symmetric: bool = False) -> CommModel:
     """Time by size of a collective (or ``exchange`` / ``all_gather`` / ``pull``, see
-    :func:`comm.comm_pattern`) on the whole world: on the communicator an overlapped call uses while
+    rules.comm_pattern) on the whole world: on the communicator an overlapped call uses while
     its GEMM runs, NCCL held to ``comm_sms`` SMs (0 without ``symmetric``: the default communicator,
     as for the last group), buffers in a symmetric window where ``symmetric`` (all-to-all and
     all-gather then on the copy engines, as the runtime does); ``pull``: the other ranks' partial
@@ -115,8 +115,8 @@ def _pulls(dtype):
     that size, with the waits that order them (comm._pull, comm.peer.Peers.arrivals), in memory of its
     own, each time claimed, counted (as the GEMM would) and released as a call does (Peers.claim /
     mark / copied): without that a rank ran a measurement ahead, set a flag the other had not cleared
-    yet (one signal lost), and the other waited for it forever (the tuner's hangs on 2x H100 in stop
-    30, 2x H200 in stop 31)."""
+    yet (one signal lost), and the other waited for it forever (the tuner hung so on 2x H100 and
+    2x H200)."""
 
     device, elem = torch.device("cuda", torch.cuda.current_device()), torch.finfo(dtype).bits // 8
 

@@ -100,7 +100,7 @@ class Problem:
     all-reduce's adds where the GEMM leaves them no SM); start_wave: collectives start after this
     wave at the earliest (a late SM budget's first waves leave NCCL no SM: plan.late_after);
     tail_apart: the last group's collective starts as the GEMM ends, beside the others' backlog
-    (comm.tail_apart), not behind it.
+    (rules.tail_apart), not behind it.
     """
 
     wave_bytes: tuple[float, ...]
@@ -237,11 +237,11 @@ def pick_finalists(
 ) -> list[tuple[Choice, int]]:
     """What the tuner measures, as (choice, candidate index): the ``top`` best predicted of
     ``choices`` and, where ``kinds`` names each candidate's way of communicating (its
-    comm.comm_pattern), the best predicted of every kind not among them (the model errs by kind:
-    stop 30 left every pull out of 8192^3's four finalists on 2x H100, though pull measured fastest
-    there in stop 29); then, as a hedge against the model's partitions, each of their candidates with its
-    default partition (``defaults``; stop 25: for all-to-all ``rows`` late in a window the model's
-    ``[8]`` measured 0.93x where the default partition gave 1.08x), and the built-in defaults'
+    rules.comm_pattern), the best predicted of every kind not among them (the model errs by kind:
+    it left every pull out of 8192^3's four finalists on 2x H100, where pull measured fastest); then,
+    as a hedge against the model's partitions, each of their candidates with its default partition
+    (``defaults``: for all-to-all ``rows`` late in a window the model's ``[8]`` measured 0.93x where
+    the default partition gave 1.08x), and the built-in defaults'
     candidate ``plain`` with its default partition: nothing written may lose to a call without
     config. Each (partition, candidate) once."""
     ranked = sorted(choices, key=lambda cj: cj[0].overlap_ms)
@@ -263,7 +263,7 @@ def wave_bytes(plan, elem_bytes: int, world: int = 1, own: bool = False) -> tupl
     """Bytes of communication each wave of ``plan`` feeds: its output bytes, except in the ``rows``
     layout of reduce-scatter / all-to-all on ``world`` > 1 ranks (comm.rows_rotation): the bytes
     this rank sends to one rank while receiving as many from another (the other ranks' segments;
-    see :func:`comm.comm_pattern`), its own segment, computed last, staying here; ``own``: the bytes
+    see rules.comm_pattern), its own segment, computed last, staying here; ``own``: the bytes
     of that segment instead. ``plan``: unrotated (the plan of the last rank, whose own segment
     is the last)."""
     mt, nt = np.divmod(np.arange(plan.num_tiles), plan.tiles_n)

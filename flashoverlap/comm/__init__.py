@@ -38,7 +38,7 @@ MAX_PITCH = 2**31 - 1  # bytes between rows cudaMemcpy2DAsync takes (cudaDevAttr
 ADD_DTYPES = {torch.bfloat16: 0, torch.float16: 1}  # csrc/runtime.cu fo_add's dtype codes
 # how an overlapped call's per-group collectives reach NCCL (FLASHOVERLAP_NCCL), the default first:
 # its C API (:class:`comm.nccl.Direct`: ~25 against ~80-100 us of host time per collective through
-# c10d on the H100 host, stop 26; the same GPU time, stop 27) or c10d
+# c10d on the H100 host, for the same GPU time) or c10d
 NCCL_PATHS = ("direct", "c10d")
 
 
@@ -541,7 +541,7 @@ def finish_group(
     rank sent into that rank's segment of ``out``. Nothing for any other call (:func:`finishes`).
     ``peers``: where a ``pull``'s rows came from (comm.peer), whose own row of ``recv`` stays empty:
     ``buffer`` holds this rank's partial sums (copying them next to the others' on the copy engines
-    ran at ~90 GB/s beside the GEMM and held up the pulls behind it, stop 29); the rows are then
+    ran at ~90 GB/s beside the GEMM and held up the pulls behind it); the rows are then
     added in rank order as a ``local`` reduction's (:func:`add_rows`)."""
     if not finishes(ex, plan):
         return
@@ -624,7 +624,7 @@ def add(out: torch.Tensor, a: torch.Tensor, b: torch.Tensor) -> None:
 def add_rows(rows: Sequence[torch.Tensor], out: torch.Tensor) -> None:
     """``out`` = the sum of ``rows`` (each of ``out``'s shape), added one by one in their order: the
     same sum on every rank, rounded at each add as NCCL's ring does (one rounding for two rows), and
-    native calls a replay can enqueue (torch.sum over 4 ranks' rows was not: stop 33)."""
+    native calls a replay can enqueue (torch.sum over more than two ranks' rows is not)."""
     if len(rows) == 1:
         copy_2d(out.view(1, -1), rows[0].view(1, -1))
     for r in range(1, len(rows)):

@@ -4,14 +4,14 @@ memories on the copy engines, no NCCL.
 Beside a GEMM on every SM, NCCL's kernels take SMs from it (the budget), and NCCL's copy-engine
 all-gather hardly moves: 64 MB in 8 chunks beside a 4096x8192x8192 GEMM took 1.15-1.18 ms for both
 against 0.79 for the GEMM alone on two H100s, while plain copies out of the other GPU's memory ran
-beside it at no cost to it (0.80 ms for both, 0.21 alone; bench/symmetric_probe.py, stop 29). So
+beside it at no cost to it (0.80 ms for both, 0.21 alone; bench/symmetric_probe.py). So
 the GEMM writes its groups into memory every rank maps (torch symmetric memory: CUDA IPC over
 NVLink or PCIe P2P), each rank copies the other ranks' partial sums of a group into its own
 memory once they say the group is there, and adds them to its own (comm.finish_group) on the SMs
 the GEMM leaves (``comm_sms``) or as it retires; a reduce-scatter / all-to-all copies its own
 segment's rows only (comm._pull_segment). Ordered by stream memory operations (no SM, no host):
 each rank writes its own memory and waits on the others' (a wait on another GPU's memory over
-NVLink answered in ~5 us on 2x H200, one on the GPU's own memory in ~9: stop 32's probe), so in
+NVLink answered in ~5 us on 2x H200, one on the GPU's own memory in ~9), so in
 rank r's memory:
 
 - ``counters[g]``: the GEMM's group counters (its kernel bumps them as for any call); every other
@@ -24,9 +24,9 @@ rank r's memory:
 
 At first every region is as a claim leaves it (counters zero, ``fresh`` set, ``done`` clear).
 
-Before (stop 31) the GEMM's counters were local: each rank waited on its own, wrote a ready flag into
-the others' memory, which waited on it and cleared it before copying: ~16-22 us from a group's last
-tile to its copy, where one wait on the other's counter takes ~5.
+The other ranks wait on this rank's own counters rather than on a ready flag it would write once
+its own wait on them ends: such a relay (a wait, a write into the other's memory, a wait and a
+clear there) takes ~16-22 us from a group's last tile to its copy, one wait on the other's counter ~5.
 """
 
 from __future__ import annotations
