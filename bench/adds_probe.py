@@ -10,9 +10,10 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-from flashoverlap import overlap, signal
-from flashoverlap.bench import operand_sets, time_variants
-from flashoverlap.config import OverlapConfig, for_collective
+from flashoverlap import prepared, signal
+from flashoverlap.config import OverlapConfig
+from flashoverlap.rules import for_collective
+from flashoverlap.timing import operand_sets, time_variants
 
 SHAPES = [(4096, 8192, 8192), (8192, 8192, 8192), (8192, 4096, 14336)]
 BUDGETS = (0, 2, 4, 8)
@@ -29,7 +30,7 @@ def shape_variants(m: int, n: int, k: int) -> dict:
         "adds alone": lambda i: torch.add(parts[0], parts[1], out=out),
     }
     for comm_sms in BUDGETS:
-        prep = overlap.prepare(
+        prep = prepared.prepare(
             m, n, k, torch.bfloat16, "nk", a[0].device, for_collective(OverlapConfig(comm_sms=comm_sms), "all_reduce")
         )
         buf = torch.empty(prep.plan.numel, dtype=torch.bfloat16, device="cuda")

@@ -19,9 +19,12 @@ import torch
 import torch.distributed as dist
 
 import flashoverlap
-from flashoverlap import comm
-from flashoverlap.config import OverlapConfig, for_collective
-from flashoverlap.overlap import budget_communicator, prepare, run_overlapped, sequential
+from flashoverlap import comm, state
+from flashoverlap.config import OverlapConfig
+from flashoverlap.decision import budget_communicator
+from flashoverlap.prepared import prepare
+from flashoverlap.rules import for_collective
+from flashoverlap.runtime import run_overlapped, sequential
 
 CALLS = 400
 
@@ -50,11 +53,13 @@ def main() -> None:
     ex = comm.exchange(name, m, dist.get_world_size())
     call = getattr(flashoverlap, f"gemm_{name}")
     c = a @ w.t()
+    plain = OverlapConfig(sequential=True)
     cases = {
         "matmul": lambda: a @ w.t(),
         name: lambda: comm.collective(ex, c, None),
+        "torch": lambda: comm.collective(ex, a @ w.t(), None),  # matmul + torch.distributed's collective
         "sequential": lambda: sequential(a, w, "nk", ex, None),
-        "fallback": lambda: call(a, w, config={"sequential": True}),
+        "fallback": lambda: call(a, w, config=plain),  # decided once, then its runner
         "registry": lambda: call(a, w),
         "overlapped": lambda: call(a, w, config=config),
         "direct": lambda: call(a, w, config=config),  # FLASHOVERLAP_NCCL=direct
@@ -72,8 +77,11 @@ def main() -> None:
         cases["overlapped"] = cases["direct"] = cases["python"] = one_rank
         print(f"one rank: {prep.plan.num_groups} groups, {cfg}", flush=True)
 
-    def path(case: str) -> None:  # the environment of ``case``
-        os.environ["FLASHOVERLAP_NCCL"] = "direct" if case in ("direct", "python") else "c10d"
+    def path(case: str) -> None:  # the environment of ``case`` (the NCCL path is read as a call is decided)
+        nccl = "direct" if case in ("direct", "python") else "c10d"
+        if os.environ.get("FLASHOVERLAP_NCCL") != nccl:
+            os.environ["FLASHOVERLAP_NCCL"] = nccl
+            state.forget_decisions()
         os.environ["FLASHOVERLAP_REPLAY"] = "0" if case == "python" else "1"
 
     for case, fn in cases.items():

@@ -34,9 +34,11 @@ import torch
 import torch.distributed as dist
 
 from flashoverlap import comm, jit
-from flashoverlap.bench import kernel_alone, parse_shape, time_variants
-from flashoverlap.config import OverlapConfig, for_collective
-from flashoverlap.overlap import prepare
+from flashoverlap.bench import parse_shape
+from flashoverlap.config import OverlapConfig
+from flashoverlap.prepared import prepare
+from flashoverlap.rules import for_collective
+from flashoverlap.timing import kernel_alone, time_variants
 
 CHUNKS = 8
 

@@ -8,8 +8,8 @@ from __future__ import annotations
 import torch
 
 from flashoverlap import OverlapConfig, signal
-from flashoverlap.config import for_collective
-from flashoverlap.overlap import prepare
+from flashoverlap.prepared import prepare
+from flashoverlap.rules import for_collective
 
 
 def main(m: int = 8192, n: int = 8192, k: int = 8192, rounds: int = 3) -> None:

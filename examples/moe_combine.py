@@ -21,7 +21,7 @@ import torch
 import torch.distributed as dist
 
 import flashoverlap
-from flashoverlap.bench import time_variants
+from flashoverlap.timing import time_variants
 
 
 def main() -> None:

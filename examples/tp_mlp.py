@@ -21,8 +21,8 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
-from flashoverlap.bench import time_variants
 from flashoverlap.nn import ColumnParallelLinear, RowParallelLinear
+from flashoverlap.timing import time_variants
 
 
 class AllReduceGrad(torch.autograd.Function):
@@ -104,7 +104,7 @@ def main() -> None:
 
             want, got = step(plain).float(), step(overlapped).float()  # the output, or the input's gradient
             err = ((got - want).norm() / want.norm()).item()
-            # the two take turns, CUDA events, median over rounds, max over ranks (flashoverlap.bench)
+            # the two take turns, CUDA events, median over rounds, max over ranks (flashoverlap.timing)
             variants = {"plain": lambda i: step(plain), "fo": lambda i: step(overlapped)}
             times = time_variants(variants, args.iters, 1, 3)
             t_plain, t_fo = times["plain"], times["fo"]

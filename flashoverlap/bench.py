@@ -25,7 +25,6 @@ import csv
 import json
 import math
 import os
-import random
 import statistics
 import sys
 import time
@@ -35,8 +34,14 @@ import torch
 import torch.distributed as dist
 import yaml
 
-from . import comm, signal
+from . import comm, state
 from .comm import COLLECTIVES, NCCL_PATHS
+from .config import OverlapConfig, resolve
+from .decision import decide
+from .prepared import prepare
+from .rules import for_call
+from .runtime import sequential
+from .timing import kernel_alone, operand_sets, time_variants
 
 TRANSPORTS = {
     "nvlink": {},
@@ -131,145 +136,9 @@ def load_shapes(path: str) -> list[tuple[int, int, int]]:
     return shapes
 
 
-def median_ms(samples: Sequence[float]) -> float:
-    return statistics.median(samples)
-
-
 def overlap_efficiency(t_seq: float, t_ovl: float, t_gemm: float, t_comm: float) -> float:
     """Share of the hideable time (the shorter of GEMM and communication) actually hidden."""
     return (t_seq - t_ovl) / min(t_gemm, t_comm)
-
-
-def input_sets(m: int, n: int, k: int, dtype: torch.dtype, l2_bytes: int) -> int:
-    """How many operand sets to rotate through so that consecutive iterations miss in L2."""
-    per_set = (m * k + n * k) * torch.finfo(dtype).bits // 8
-    return max(2, math.ceil(3 * l2_bytes / per_set))
-
-
-def operand_sets(m: int, n: int, k: int, dtype: torch.dtype) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
-    """Random operand sets (a [m, k], weight [n, k]) to rotate through, larger than L2 together."""
-    props = torch.cuda.get_device_properties(torch.cuda.current_device())
-    sets = input_sets(m, n, k, dtype, props.L2_cache_size)
-    gen = torch.Generator(device="cuda").manual_seed(1234 + dist.get_rank())
-    a = [torch.randn(m, k, device="cuda", generator=gen).to(dtype) for _ in range(sets)]
-    w = [(torch.randn(n, k, device="cuda", generator=gen) / math.sqrt(k)).to(dtype) for _ in range(sets)]
-    return a, w
-
-
-def kernel_alone(prep, a: Sequence[torch.Tensor], w: Sequence[torch.Tensor]) -> Callable[[int], None]:
-    """A timing variant: the signal GEMM of ``prep`` alone (no waits, no collectives) on operand
-    set ``i % len(a)``, into a scratch buffer, counters reset after each call."""
-    buf = torch.empty(prep.plan.numel, dtype=a[0].dtype, device=a[0].device)
-
-    def run(i: int) -> None:
-        stream = torch.cuda.current_stream()
-        prep.launch(a[i % len(a)], w[i % len(w)], buf, stream)
-        signal.reset(prep.counters, stream)
-
-    return run
-
-
-def time_variants(
-    variants: dict[str, Callable[[int], object]],
-    rounds: int,
-    block: int,
-    warmup: int,
-    group: dist.ProcessGroup | None = None,
-    graphs: bool = False,
-) -> dict[str, float]:
-    """Steady-state ms per call for each variant (median over rounds, max over the ranks of ``group``).
-
-    Each round times ``block`` calls of one variant back to back between two CUDA events, the
-    host free to run ahead as in a model's forward pass (launch overhead counts only where it
-    stalls the GPU); variants take turns round by round so drift hits all of them alike, in
-    :func:`balanced_orders` (``rounds`` rounded up to whole cycles of them): every variant follows
-    every other equally often. (In one fixed order identical work measured up to 5 % apart; in
-    ten shuffled ones the later of two identical variants measured 1-3 % faster in every run on
-    two H100s, stop 27: a block inherits the GPU's state from the one before it.) Every rank must
-    pass the same variants in the same order: checked first, so that a divergence is an error on
-    every rank instead of a hang.
-    ``graphs``: each variant's block is captured once (after the warm-up) as one CUDA graph and a
-    round replays it: GPU time alone, as in a model captured in CUDA graphs. A variant that cannot
-    be captured on some rank is NaN on every rank.
-    """
-
-    if graphs and warmup < 1:
-        raise ValueError("timing CUDA graphs needs a warm-up call of every variant before capture")
-    torch.cuda.synchronize()
-    comm.agree(group, "time_variants: " + ", ".join(variants), torch.device("cuda", torch.cuda.current_device()))
-    for i in range(warmup):
-        for fn in variants.values():
-            fn(i)
-    torch.cuda.synchronize()
-    if graphs:  # a variant some rank could not capture is dropped on every rank
-        runs = {name: _captured(name, fn, block) for name, fn in variants.items()}
-        missing = torch.tensor([run is None for run in runs.values()], dtype=torch.float64, device="cuda")
-        dist.all_reduce(missing, op=dist.ReduceOp.MAX, group=group)
-        runs = {name: run for (name, run), gone in zip(runs.items(), missing.tolist()) if not gone}
-    else:
-        runs = {name: _eager(fn, block) for name, fn in variants.items()}
-    dist.barrier(group=group)
-    events = []
-    names = random.Random(0).sample(list(runs), len(runs))  # their places in the design, alike on every rank
-    orders = balanced_orders(len(names))
-    for r in range(-(-rounds // len(orders)) * len(orders)):
-        for name in (names[v] for v in orders[r % len(orders)]):
-            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            start.record()
-            runs[name](r)
-            end.record()
-            events.append((name, start, end))
-    torch.cuda.synchronize()
-    samples: dict[str, list[float]] = {name: [] for name in runs}
-    for name, start, end in events:
-        samples[name].append(start.elapsed_time(end) / block)
-    medians = torch.tensor(
-        [median_ms(samples[name]) if name in samples else math.nan for name in variants],
-        dtype=torch.float64,
-        device="cuda",
-    )
-    dist.all_reduce(medians, op=dist.ReduceOp.MAX, group=group)
-    return dict(zip(variants, medians.tolist()))
-
-
-def balanced_orders(n: int) -> list[list[int]]:
-    """Orders of ``n`` variants (a Williams design) in which each comes first equally often and
-    directly after every other equally often: ``n`` orders for even ``n``, ``2n`` for odd (the
-    first ``n`` reversed too), so that what a timed block inherits from the one before it (the
-    clocks a power-hungry GEMM leaves, say) falls on every variant alike."""
-    base, low, high = [0], 1, n - 1
-    while low <= high:  # 0, 1, n-1, 2, n-2, ...
-        base.append(low)
-        low += 1
-        if low <= high:
-            base.append(high)
-            high -= 1
-    orders = [[(v + shift) % n for v in base] for shift in range(n)]
-    return orders if n % 2 == 0 or n == 1 else orders + [order[::-1] for order in orders]
-
-
-def _eager(fn: Callable[[int], object], block: int) -> Callable[[int], None]:
-    """Round ``r`` of a variant: ``block`` calls on operand sets rotated from ``r * block``."""
-
-    def run(r: int) -> None:
-        for i in range(block):
-            fn(r * block + i)
-
-    return run
-
-
-def _captured(name: str, fn: Callable[[int], object], block: int) -> Callable[[int], None] | None:
-    """A round of a variant as one replay of its block of calls captured in a CUDA graph (operand
-    sets 0 .. block - 1, the same every round), or None where it cannot be captured."""
-    graph = torch.cuda.CUDAGraph()
-    try:
-        with torch.cuda.graph(graph):
-            for i in range(block):
-                fn(i)
-    except Exception as exc:  # report it, time the rest (every rank drops the variant)
-        print(f"{name}: not captured in a CUDA graph: {type(exc).__name__}: {exc}", file=sys.stderr)
-        return None
-    return lambda r: graph.replay()
 
 
 def decomposed(a, w, ex, chunks: int, stream: torch.cuda.Stream) -> torch.Tensor:
@@ -327,9 +196,6 @@ def bench_shape(
 ) -> list[dict]:
     import flashoverlap
 
-    from .config import OverlapConfig, resolve
-    from .overlap import decide, for_call, prepare, sequential
-
     m, n, k = shape
     world = dist.get_world_size()
     a, w = operand_sets(m, n, k, dtype)
@@ -360,7 +226,9 @@ def bench_shape(
         # "registry" variants call without config=, as a user would (the lookup is part of the call)
 
         def call(i, cfg=cfgs[j], path=path):
-            os.environ["FLASHOVERLAP_NCCL"] = path  # read per call (comm.direct)
+            if os.environ.get("FLASHOVERLAP_NCCL") != path:  # read as a call is decided (comm.direct)
+                os.environ["FLASHOVERLAP_NCCL"] = path
+                state.forget_decisions()
             return overlapped(a[i % sets], w[i % sets], config=cfg)
 
         variants[f"fo{j}{path}"] = call
@@ -422,7 +290,8 @@ def config_label(given: dict | None, cfg, collective: str) -> str:
     """The CSV/table name of a variant: its JSON, or the registry's pick as ``registry:{...}``."""
     if given is not None:
         return json.dumps(given, sort_keys=True)
-    from .config import OverlapConfig, differences, for_collective
+    from .config import OverlapConfig, differences
+    from .rules import for_collective
 
     picked = differences(cfg, for_collective(OverlapConfig(), collective))
     return "registry:" + json.dumps(

@@ -7,7 +7,6 @@ one. Validation names the source, the key and the allowed values.
 from __future__ import annotations
 
 import dataclasses
-import functools
 import os
 from collections.abc import Mapping
 from dataclasses import dataclass
@@ -15,10 +14,14 @@ from typing import Any
 
 import yaml
 
-from .comm import EQUAL_SEGMENTS, PULL_LAYOUTS, PULLS, REDUCTIONS
-from .gemm.generator import EPILOGUES, FAMILIES, GemmSpec, validate_instance
+from .gemm.generator import EPILOGUES, FAMILIES, validate_instance
 from .plan import LAYOUTS, SWIZZLES
 
+# "local" and "pull" gather every rank's partial sums, then add; "pull_scatter" pulls and adds one
+# share of every group per rank, then pulls the other shares' sums (a reduce-scatter and an
+# all-gather per group by copies: 2 (w - 1) / w of a group per rank, as a ring, where "pull" moves w - 1)
+REDUCTIONS = ("nccl", "local", "pull", "pull_scatter")
+PULLS = ("pull", "pull_scatter")  # the reductions that copy out of the other ranks' memory (comm.peer)
 ROW_MAJOR = ("rows", "segments")  # layouts whose buffer is row-major tile rows (the TMA epilogue's)
 
 
@@ -45,7 +48,7 @@ class OverlapConfig:
       any collective), ``segments`` (reduce-scatter / all-to-all with equal segments: each group
       the same rows of every rank's segment, stored segment after segment at full width, one
       ordinary collective per group), or ``auto``: ``rows`` for all-reduce; for the others
-      ``segments`` where they carry the call, else ``cols`` (:func:`resolutions`, overlap.for_call).
+      ``segments`` where they carry the call, else ``cols`` (rules.resolutions, rules.for_call).
     epilogue: ``tma`` (bulk tensor stores overlapped with the next tile; ``rows`` / ``segments``),
       ``direct`` (register stores into any slot), or ``auto``: ``tma`` for ``rows``, else ``direct``.
     sequential: run the plain GEMM then the collective (where overlap cannot pay).
@@ -65,7 +68,7 @@ class OverlapConfig:
       peer access only (NVLink or PCIe P2P), layout ``rows``, no NCCL window (``symmetric``).
       Reduce-scatter / all-to-all (layout ``segments``) pull too: each rank copies only its own
       segment's rows of every other rank's group, and adds them (reduce-scatter) or has its result
-      rows (all-to-all); opt-in (not among the tuner's defaults). Or ``pull_scatter`` (all-reduce,
+      rows (all-to-all). Or ``pull_scatter`` (all-reduce,
       layout ``rows``): as ``pull``, but each rank copies and adds only its 1 / w share of each
       group, and then copies the other ranks' summed shares: a reduce-scatter and an all-gather
       per group by copies, 2 (w - 1) / w of a group per rank as NCCL's ring (``pull``: w - 1) and
@@ -133,7 +136,7 @@ def _problems(cfg: OverlapConfig) -> list[str]:
         return problems
     # a config must make an instance of its kernel family (either family for "auto")
     families = list(FAMILIES) if cfg.kernel == "auto" else [cfg.kernel]
-    reasons = {f: _family_problems(cfg, f, cfg.epilogue) for f in families}
+    reasons = {f: family_problems(cfg, f, cfg.epilogue) for f in families}
     if all(reasons.values()):
         problems += reasons[families[0]] if len(families) == 1 else reasons["sm90"] + reasons["sm80"]
     if cfg.swizzle not in SWIZZLES:
@@ -173,118 +176,9 @@ def _problems(cfg: OverlapConfig) -> list[str]:
     return problems
 
 
-@functools.lru_cache(maxsize=256)  # once per config: replace() re-validates, every call would pay it
-def for_collective(cfg: OverlapConfig, collective: str) -> OverlapConfig:
-    """``cfg`` with an ``auto`` layout resolved for ``collective`` as a call that ``segments`` cannot
-    carry resolves it (``cols``; overlap.for_call picks for a known call); raises where the config
-    cannot run it."""
-    layout = cfg.layout if cfg.layout != "auto" else ("rows" if collective == "all_reduce" else "cols")
-    if collective != "all_reduce" and layout == "tiles":
-        raise ValueError(
-            f"{collective} needs layout 'cols', 'rows' or 'segments' (groups that split into per-rank row segments), "
-            f"got layout {layout!r}"
-        )
-    if collective == "all_reduce" and layout == "segments":
-        raise ValueError(
-            "layout 'segments' splits rows into per-rank segments (reduce_scatter, all_to_all); "
-            "all_reduce takes 'rows', 'tiles' or 'cols'"
-        )
-    if (collective != "all_reduce" and layout == "rows" or layout == "segments") and cfg.scheduler != "persistent":
-        raise ValueError(
-            f"{collective} in layout {layout!r} rotates or interleaves the persistent schedule's rows; "
-            f"scheduler {cfg.scheduler!r} cannot: use scheduler 'persistent' or layout 'cols'"
-        )
-    if cfg.epilogue == "tma" and layout not in ROW_MAJOR:
-        raise ValueError(
-            f"epilogue 'tma' stores whole rows of a row-major buffer: layout 'rows' or 'segments', "
-            f"got layout {layout!r}"
-        )
-    if cfg.reduction in ("local", "pull_scatter") and collective != "all_reduce":
-        raise ValueError(
-            f"reduction {cfg.reduction!r} is for all_reduce (partial sums gathered, then added), not {collective}"
-        )
-    if cfg.reduction in PULLS and PULL_LAYOUTS[collective] != layout:
-        raise ValueError(
-            f"reduction {cfg.reduction!r} runs all_reduce in layout 'rows', reduce_scatter and all_to_all in layout "
-            f"'segments', not {collective} in layout {layout!r}"
-        )
-    return dataclasses.replace(cfg, layout=layout)
-
-
-@functools.lru_cache(maxsize=256)  # every call asks (a replace() validates)
-def resolutions(cfg: OverlapConfig, collective: str) -> tuple[OverlapConfig, ...]:
-    """What ``cfg`` may run for ``collective``, best first, each valid (:func:`for_collective`): an
-    ``auto`` layout of a reduce-scatter / all-to-all is ``segments`` where that layout carries the
-    call (overlap.for_call decides, knowing the call), else ``cols``, of those two the ones that
-    can run the config (``epilogue: tma`` stores rows: ``segments`` alone; a stream-K schedule
-    cannot interleave: ``cols`` alone); any other config, one. Raises where none can."""
-    if cfg.layout != "auto" or collective == "all_reduce":
-        return (for_collective(cfg, collective),)
-    valid, problems = [], []
-    for layout in ("segments", "cols"):
-        try:
-            valid.append(for_collective(dataclasses.replace(cfg, layout=layout), collective))
-        except ValueError as exc:
-            problems.append(f"as {layout!r}: {exc}")
-    if not valid:
-        neither = "; ".join(problems)
-        raise ValueError(f"layout 'auto' runs {collective} in layout 'segments' or 'cols', neither takes it: {neither}")
-    return tuple(valid)
-
-
-def takes_every_call(cfg: OverlapConfig, collective: str) -> bool:
-    """Whether ``cfg`` runs every call of ``collective`` (as a registry entry's ``fallback`` must):
-    the ``rows`` / ``segments`` layouts of reduce-scatter / all-to-all need equal segments of whole
-    tile rows, and symmetric windows equal all-to-all splits."""
-    if collective == "all_reduce":
-        return True
-    layout = resolutions(cfg, collective)[-1].layout  # (what a call the first cannot carry gets)
-    return layout not in EQUAL_SEGMENTS and not (cfg.symmetric and collective == "all_to_all")
-
-
-@functools.lru_cache(maxsize=256)  # once per config and GPU kind: every call resolves its config
-def for_device(cfg: OverlapConfig, capability: tuple[int, int]) -> tuple[OverlapConfig, str]:
-    """``cfg`` with kernel family, tile_k and epilogue resolved for a GPU of compute ``capability``,
-    and the arch to compile for; raises ``ValueError`` where no kernel of the config runs there."""
-    arch = f"sm_{capability[0]}{capability[1]}"
-    family = cfg.kernel if cfg.kernel != "auto" else ("sm90" if capability == (9, 0) else "sm80")
-    if family == "sm90":
-        if capability != (9, 0):
-            raise ValueError(f"the sm90 kernels need a Hopper GPU (sm_90), this one is {arch}: use kernel 'sm80'")
-        arch = "sm_90a"
-    elif arch not in FAMILIES["sm80"]["archs"]:
-        raise ValueError(f"no flashoverlap kernels for {arch}; supported: {list(FAMILIES['sm80']['archs'])}")
-    epilogue = cfg.epilogue
-    if epilogue == "auto":
-        epilogue = "tma" if family == "sm90" and cfg.layout in ROW_MAJOR else "direct"
-    problems = _family_problems(cfg, family, epilogue)
-    if problems:
-        raise ValueError(f"config {cfg} cannot run on {arch}: " + "; ".join(problems))
-    return dataclasses.replace(cfg, kernel=family, tile_k=_instance(cfg, family)[2], epilogue=epilogue), arch
-
-
-def kernel_spec(
-    cfg: OverlapConfig, dtype: str, weight_layout: str, capability: tuple[int, int]
-) -> tuple[OverlapConfig, GemmSpec]:
-    """``cfg`` resolved for the device (:func:`for_device`) and the GEMM instance it runs there."""
-    cfg, arch = for_device(cfg, capability)
-    spec = GemmSpec(
-        dtype=dtype,
-        weight_layout=weight_layout,
-        tile_m=cfg.tile_m,
-        tile_n=cfg.tile_n,
-        tile_k=cfg.tile_k,
-        cluster_m=cfg.cluster_m,
-        scheduler=cfg.scheduler,
-        epilogue=cfg.epilogue,
-        arch=arch,
-    )
-    return cfg, spec
-
-
-def _family_problems(cfg: OverlapConfig, family: str, epilogue: str) -> list[str]:
+def family_problems(cfg: OverlapConfig, family: str, epilogue: str) -> list[str]:
     """Reasons ``cfg`` with ``epilogue`` makes no kernel of ``family`` (empty when it does)."""
-    problems = validate_instance(*_instance(cfg, family), family=family)
+    problems = validate_instance(*gemm_instance(cfg, family), family=family)
     if family == "sm80" and epilogue == "tma":
         problems.append("epilogue 'tma' is a Hopper (sm90) kernel's; the sm80 kernels write through CUTLASS 2.x's")
     if family == "sm80" and cfg.late_budget:  # two resident CTAs per SM: those that stop free no whole SM
@@ -292,16 +186,16 @@ def _family_problems(cfg: OverlapConfig, family: str, epilogue: str) -> list[str
     return problems
 
 
+def gemm_instance(cfg: OverlapConfig, family: str) -> tuple[int, int, int, int, str]:
+    tile_k = cfg.tile_k if cfg.tile_k is not None else FAMILIES[family]["tile_k"][0]
+    return cfg.tile_m, cfg.tile_n, tile_k, cfg.cluster_m, cfg.scheduler
+
+
 def differences(cfg: OverlapConfig, base: OverlapConfig) -> dict[str, Any]:
     """``cfg``'s fields whose values differ from ``base``'s (a config named by what it changes)."""
     return {
         f.name: getattr(cfg, f.name) for f in dataclasses.fields(cfg) if getattr(cfg, f.name) != getattr(base, f.name)
     }
-
-
-def _instance(cfg: OverlapConfig, family: str) -> tuple[int, int, int, int, str]:
-    tile_k = cfg.tile_k if cfg.tile_k is not None else FAMILIES[family]["tile_k"][0]
-    return cfg.tile_m, cfg.tile_n, tile_k, cfg.cluster_m, cfg.scheduler
 
 
 def cli_config(text: str) -> dict[str, Any]:

@@ -3,13 +3,13 @@
 A call enqueues some twenty operations: the GEMM, a counter wait and a collective per group, event
 records and waits between its streams, copies out of a window, the counter reset. Issued from
 Python each costs microseconds (ctypes, torch's wrappers): a 3-group call took ~670 us of host
-time on the H100 host against ~290 us of GPU time (stop 27), so short GEMMs could not overlap
+time on the H100 host against ~290 us of GPU time, so short GEMMs could not overlap
 unless replayed as CUDA graphs. So a call of a kind seen before runs from Python once more while a
 :class:`Tape` notes each native call it makes (:func:`note`), and later calls of that kind replay
 the notes in one native call (:class:`Program`) with what changes per call substituted: the
 operands and the buffers allocated per call (the caller's stream is part of the kind). (The first call of a kind sets up
 what the second notes: events, windows, communicators.) Only calls whose every step is such a
-native call are recorded (overlap.run_overlapped decides); a step that is not marks the tape
+native call are recorded (runtime.run_overlapped decides); a step that is not marks the tape
 unusable (:func:`opaque`).
 """
 

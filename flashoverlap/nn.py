@@ -40,7 +40,8 @@ from torch import nn
 
 from .comm import gathered_rows
 from .config import OverlapConfig
-from .overlap import check_inputs, with_gradients, world_size
+from .inputs import check_inputs, world_size
+from .overlap import with_gradients
 
 
 def _collective(sequence_parallel: bool) -> str:

@@ -334,68 +334,15 @@ def make_plan(
     (``partition`` then unused): ranks whose M differ plan their groups on the same columns, so
     that every group's all-to-all exchanges blocks of one width.
     """
-    for name, value in (
-        ("m", m),
-        ("n", n),
-        ("tile_m", tile_m),
-        ("tile_n", tile_n),
-        ("cluster_m", cluster_m),
-        ("ctas", ctas),
-    ):
-        if not isinstance(value, (int, np.integer)) or value < 1:
-            raise ValueError(f"{name} must be a positive integer, got {value!r}")
-    if layout not in LAYOUTS:
-        raise ValueError(f"layout must be one of {LAYOUTS}, got {layout!r}")
-    if swizzle not in SWIZZLES:
-        raise ValueError(f"swizzle must be one of {SWIZZLES}, got {swizzle!r}")
-
+    _check_grid(m, n, tile_m, tile_n, cluster_m, ctas, layout, swizzle)
     tiles_m, tiles_n = math.ceil(m / tile_m), math.ceil(n / tile_n)
-    if rotate:
-        unit = rotation_rows(m, n, tile_m, tile_n, cluster_m, swizzle) // tile_m
-        if layout != "rows" or stream_k_tiles or m % (unit * tile_m):
-            raise ValueError(
-                f"a rotated schedule needs the 'rows' layout, no stream-K tiles and M a multiple of "
-                f"{unit * tile_m} rows (got layout {layout!r}, M={m})"
-            )
-        if not isinstance(rotate, (int, np.integer)) or not 0 <= rotate < tiles_m or rotate % unit:
-            raise ValueError(f"rotate must be a multiple of {unit} tile rows in [0, {tiles_m}), got {rotate!r}")
-    if not isinstance(interleave, (int, np.integer)) or interleave < 1:
-        raise ValueError(f"interleave must be a positive integer (segments), got {interleave!r}")
-    if interleave > 1 and layout != "segments" or layout == "segments" and stream_k_tiles:
-        raise ValueError("an interleaved schedule is the 'segments' layout's, without stream-K tiles")
-    if layout == "segments":
-        unit = rotation_rows(m, n, tile_m, tile_n, cluster_m, swizzle)
-        if m % (unit * interleave):
-            raise ValueError(
-                f"layout 'segments' splits M into {interleave} equal segments of whole {unit}-row units "
-                f"(tile rows x cluster x swizzle panel): M must be a multiple of {unit * interleave}, got {m}"
-            )
+    _check_walk(m, n, tile_m, tile_n, cluster_m, swizzle, tiles_m, layout, stream_k_tiles, rotate, interleave)
     order_padded = schedule_order(
         tiles_m, tiles_n, cluster_m, along_m=layout == "cols", swizzle=swizzle, rotate=rotate, interleave=interleave
     )
-    if not isinstance(stream_k_tiles, (int, np.integer)) or not 0 <= stream_k_tiles <= len(order_padded):
-        raise ValueError(f"stream_k_tiles must be in [0, {len(order_padded)}], got {stream_k_tiles!r}")
-    if stream_k_tiles and swizzle > 1:
-        raise ValueError("stream-K schedules are planned without swizzle")
-    if not isinstance(keep, (int, np.integer)) or keep < 0 or keep and stream_k_tiles:
-        raise ValueError(f"keep must be an integer >= 0 (CTAs), without stream-K tiles, got {keep!r}")
-    keep = int(keep) if keep < ctas else 0
-    after = late_after(len(order_padded), ctas, keep) if keep else 0
+    keep, after = _late_budget(len(order_padded), ctas, stream_k_tiles, swizzle, keep)
     num_waves = wave_count(m, n, tile_m, tile_n, cluster_m, ctas, stream_k_tiles, swizzle)
-    if column_groups is not None:
-        column_groups = np.asarray(column_groups, dtype=np.int64)
-        steps = np.diff(column_groups)
-        if layout != "cols" or partition is not None:
-            raise ValueError("column_groups are the 'cols' layout's, given instead of a partition")
-        if column_groups.shape != (tiles_n,) or column_groups[0] != 0 or ((steps != 0) & (steps != 1)).any():
-            raise ValueError(
-                f"column_groups must give each of the {tiles_n} tile columns its group: 0 first, then "
-                f"the same or the next, got {column_groups.tolist()}"
-            )
-        partition = ()  # none requested: the groups are the columns'
-    partition = tuple(default_partition(num_waves, after) if partition is None else partition)
-    if any(not isinstance(w, (int, np.integer)) or w < 1 for w in partition):
-        raise ValueError(f"group sizes must be positive integers (waves), got {list(partition)}")
+    partition, column_groups = _partition(partition, column_groups, layout, tiles_n, num_waves, after)
     if column_groups is None and sum(partition) != num_waves:
         raise ValueError(
             f"group sizes {list(partition)} sum to {sum(partition)} waves, but a {m}x{n} output in "
@@ -453,6 +400,84 @@ def make_plan(
         bounds=tuple(int(b) for b in bounds),
         tiles_per_group=tuple(int(t) for t in tiles_per_group),
     )
+
+
+def _check_grid(m, n, tile_m, tile_n, cluster_m, ctas, layout, swizzle) -> None:
+    """Raise where the problem, its tiles and grid, layout or swizzle are no plan's."""
+    for name, value in (
+        ("m", m),
+        ("n", n),
+        ("tile_m", tile_m),
+        ("tile_n", tile_n),
+        ("cluster_m", cluster_m),
+        ("ctas", ctas),
+    ):
+        if not isinstance(value, (int, np.integer)) or value < 1:
+            raise ValueError(f"{name} must be a positive integer, got {value!r}")
+    if layout not in LAYOUTS:
+        raise ValueError(f"layout must be one of {LAYOUTS}, got {layout!r}")
+    if swizzle not in SWIZZLES:
+        raise ValueError(f"swizzle must be one of {SWIZZLES}, got {swizzle!r}")
+
+
+def _check_walk(m, n, tile_m, tile_n, cluster_m, swizzle, tiles_m, layout, stream_k_tiles, rotate, interleave) -> None:
+    """Raise where the schedule cannot start at ``rotate`` tile rows or interleave ``interleave``
+    segments: the ``rows`` / ``segments`` layouts' walks, of whole :func:`rotation_rows` units."""
+    if rotate:
+        unit = rotation_rows(m, n, tile_m, tile_n, cluster_m, swizzle) // tile_m
+        if layout != "rows" or stream_k_tiles or m % (unit * tile_m):
+            raise ValueError(
+                f"a rotated schedule needs the 'rows' layout, no stream-K tiles and M a multiple of "
+                f"{unit * tile_m} rows (got layout {layout!r}, M={m})"
+            )
+        if not isinstance(rotate, (int, np.integer)) or not 0 <= rotate < tiles_m or rotate % unit:
+            raise ValueError(f"rotate must be a multiple of {unit} tile rows in [0, {tiles_m}), got {rotate!r}")
+    if not isinstance(interleave, (int, np.integer)) or interleave < 1:
+        raise ValueError(f"interleave must be a positive integer (segments), got {interleave!r}")
+    if interleave > 1 and layout != "segments" or layout == "segments" and stream_k_tiles:
+        raise ValueError("an interleaved schedule is the 'segments' layout's, without stream-K tiles")
+    if layout == "segments":
+        unit = rotation_rows(m, n, tile_m, tile_n, cluster_m, swizzle)
+        if m % (unit * interleave):
+            raise ValueError(
+                f"layout 'segments' splits M into {interleave} equal segments of whole {unit}-row units "
+                f"(tile rows x cluster x swizzle panel): M must be a multiple of {unit * interleave}, got {m}"
+            )
+
+
+def _late_budget(tiles: int, ctas: int, stream_k_tiles, swizzle: int, keep) -> tuple[int, int]:
+    """(keep, after) of a schedule of ``tiles`` (padded) tiles on ``ctas`` CTAs: the CTAs that go on
+    after the first ``after`` waves (0: all of them throughout), the stream-K tiles checked."""
+    if not isinstance(stream_k_tiles, (int, np.integer)) or not 0 <= stream_k_tiles <= tiles:
+        raise ValueError(f"stream_k_tiles must be in [0, {tiles}], got {stream_k_tiles!r}")
+    if stream_k_tiles and swizzle > 1:
+        raise ValueError("stream-K schedules are planned without swizzle")
+    if not isinstance(keep, (int, np.integer)) or keep < 0 or keep and stream_k_tiles:
+        raise ValueError(f"keep must be an integer >= 0 (CTAs), without stream-K tiles, got {keep!r}")
+    keep = int(keep) if keep < ctas else 0
+    return keep, late_after(tiles, ctas, keep) if keep else 0
+
+
+def _partition(
+    partition, column_groups, layout: str, tiles_n: int, num_waves: int, after: int
+) -> tuple[tuple[int, ...], np.ndarray | None]:
+    """The waves per group (the default partition where None) and the ``cols`` layout's group of
+    each tile column where given (then the groups are the columns', no partition), checked."""
+    if column_groups is not None:
+        column_groups = np.asarray(column_groups, dtype=np.int64)
+        steps = np.diff(column_groups)
+        if layout != "cols" or partition is not None:
+            raise ValueError("column_groups are the 'cols' layout's, given instead of a partition")
+        if column_groups.shape != (tiles_n,) or column_groups[0] != 0 or ((steps != 0) & (steps != 1)).any():
+            raise ValueError(
+                f"column_groups must give each of the {tiles_n} tile columns its group: 0 first, then "
+                f"the same or the next, got {column_groups.tolist()}"
+            )
+        partition = ()  # none requested: the groups are the columns'
+    partition = tuple(default_partition(num_waves, after) if partition is None else partition)
+    if any(not isinstance(w, (int, np.integer)) or w < 1 for w in partition):
+        raise ValueError(f"group sizes must be positive integers (waves), got {list(partition)}")
+    return partition, column_groups
 
 
 def _rows_layout(n, tile_m, tile_n, cluster_m, mt, nt, wave, group_of_wave):

@@ -27,9 +27,10 @@ from typing import Any
 import yaml
 
 from . import jit, registry
-from .config import OverlapConfig, cli_config, kernel_spec, resolutions, resolve
+from .config import OverlapConfig, cli_config, resolve
 from .gemm import GemmSpec, generate
 from .gemm.generator import DTYPES, WEIGHT_LAYOUTS
+from .rules import kernel_spec, resolutions
 
 GPU_ARCHS = {"sm_80": (8, 0), "sm_86": (8, 6), "sm_89": (8, 9), "sm_90": (9, 0)}
 CALL_KEYS = {"collective": "all_reduce", "dtype": "bfloat16", "weight_layout": "nk"}

@@ -17,7 +17,7 @@ import torch
 import torch.distributed as dist
 
 from . import comm
-from .overlap import check_inputs
+from .inputs import check_inputs
 from .plan import Plan, slot_view
 
 

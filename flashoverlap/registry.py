@@ -21,8 +21,8 @@ where they come before ``eager`` ones of the same shape. A call with ``config=No
 of its GPU, world size, collective, transport and dtype whose shape is nearest (log-distance over
 M, N, K); a ``partition`` (waves per group) is kept only for the exact shape. An entry of another
 shape is a hint: a call takes it, or the same with NCCL's SMs taken differently
-(overlap.alternative), or the sequential path, whichever its first timing finds fastest
-(overlap.trial); so does a call with no matching entry, from the built-in defaults.
+(rules.alternative), or the sequential path, whichever its first timing finds fastest
+(decision.trial); so does a call with no matching entry, from the built-in defaults.
 
 Files are read from ``FLASHOVERLAP_CONFIG_DIRS`` (``os.pathsep``-separated directories, searched
 first) and the repository's ``configs/`` directory.
@@ -41,8 +41,9 @@ from typing import Any, NamedTuple
 
 import yaml
 
-from .comm import COLLECTIVES
-from .config import OverlapConfig, resolutions, takes_every_call
+from . import state
+from .config import OverlapConfig
+from .rules import COLLECTIVES, resolutions, takes_every_call
 
 TRANSPORTS = ("nvlink", "pcie", "net")
 DTYPES = ("bfloat16", "float16")
@@ -71,7 +72,7 @@ class Entry:
     shape: tuple[int, int, int]
     config: OverlapConfig
     source: str  # file and entry index, for messages
-    fallback: OverlapConfig | None = None  # for calls ``config`` cannot carry (config.takes_every_call)
+    fallback: OverlapConfig | None = None  # for calls ``config`` cannot carry (rules.takes_every_call)
     timing: str = "eager"  # TIMINGS
 
 
@@ -204,15 +205,13 @@ def nearest(
     )
 
 
-generation = 0  # how many times reload() ran: what was decided from older files is stale
-
-
 def reload() -> None:
-    """Forget the files read so far, for a process that edits them while it runs."""
-    global generation
+    """Forget the files read so far and every call's decision, for a process that edits them, or
+    the environment its decisions rest on (``FLASHOVERLAP_*``, ``NCCL_P2P_DISABLE``), while it runs:
+    a decision reads both when made."""
     _entries_in.cache_clear()
     _lookup.cache_clear()
-    generation += 1
+    state.forget_decisions()
 
 
 def lookup(
@@ -226,7 +225,7 @@ def lookup(
     timing: str = "eager",
 ) -> Found | None:
     """The tuned config for a call (see the module doc), or None; ``fallback``: the entry's config
-    for calls its config cannot carry instead (None where it has none; overlap.carries);
+    for calls its config cannot carry instead (None where it has none; rules.carries);
     ``timing``: how the calls run (:func:`timing`)."""
     spec = os.environ.get("FLASHOVERLAP_CONFIG_DIRS", "")
     return _lookup(spec, gpu, world, collective, transport, dtype, tuple(shape), fallback, timing)
@@ -278,3 +277,65 @@ def _peer_access() -> bool:
     import torch
 
     return torch.cuda.device_count() < 2 or torch.cuda.can_device_access_peer(0, 1)
+
+
+# --- writing registry files (python -m flashoverlap.tune) ------------------------------------
+
+
+def entry(
+    collective: str, transport: str, dtype: str, shape, config: dict, measured: dict, timing: str = "eager"
+) -> dict:
+    """One registry entry (flashoverlap.registry) as written to YAML (``timing`` only where not eager)."""
+    return {
+        "collective": collective,
+        "transport": transport,
+        "dtype": dtype,
+        "shape": [int(v) for v in shape],
+        "config": config,
+        "measured": measured,
+        **({"timing": timing} if timing != "eager" else {}),
+    }
+
+
+def _key(e: dict) -> tuple:
+    """What a registry entry is for: one call (collective, transport, dtype, shape) timed one way."""
+    return (e["collective"], e["transport"], e["dtype"], tuple(e["shape"]), e.get("timing", "eager"))
+
+
+def incumbent(existing: list[dict], collective: str, transport: str, dtype: str, shape, timing: str) -> dict | None:
+    """The config of the entry in ``existing`` a re-tune of this call would replace, None where there
+    is none or it runs sequentially (the tuner measures sequential anyway)."""
+    want = (collective, transport, dtype, tuple(int(v) for v in shape), timing)
+    found = next((e["config"] for e in existing if _key(e) == want), None)
+    return None if found is None or found.get("sequential") else found
+
+
+def merge(existing: list[dict], new: list[dict]) -> list[dict]:
+    """``existing`` entries with those ``new`` re-tunes replaced; sorted by collective, transport, shape
+    (an entry timed as CUDA graphs beside the eager one of its shape)."""
+    fresh = {_key(e): e for e in new}
+    kept = [e for e in existing if _key(e) not in fresh]
+    return sorted(kept + list(fresh.values()), key=_key)
+
+
+def read_entries(path: str, gpu: str, world: int) -> list[dict]:
+    """The entries of the registry file at ``path`` (none where it does not exist yet); a file for
+    another GPU or world size is an error."""
+    target = Path(path)
+    if not target.exists():
+        return []
+    data = yaml.safe_load(target.read_text()) or {}
+    if (data.get("gpu"), data.get("world")) != (gpu, world):
+        raise ValueError(f"{path} holds configs for {data.get('gpu')!r} x{data.get('world')}, not {gpu!r} x{world}")
+    return data.get("entries", [])
+
+
+def write_registry(path: str, gpu: str, world: int, entries: list[dict]) -> None:
+    """Write (or update) the registry file at ``path``; the result is validated by loading it."""
+    target = Path(path)
+    existing = read_entries(path, gpu, world)
+    text = yaml.safe_dump({"gpu": gpu, "world": world, "entries": merge(existing, entries)}, sort_keys=False)
+    parse(yaml.safe_load(text), str(path))  # never write a file the runtime would reject
+    tmp = target.with_suffix(".tmp")
+    tmp.write_text("# written by python -m flashoverlap.tune\n" + text)
+    os.replace(tmp, target)

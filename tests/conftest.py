@@ -30,11 +30,30 @@ def pytest_collection_modifyitems(config, items):
 
 
 @pytest.fixture(autouse=True)
-def fresh_decisions(monkeypatch):
+def fresh_decisions():
     """Each test decides its calls afresh: tests replace what a kept decision rests on (the
     registry, the trial, the plans) without what a process would change to make it stale."""
-    from collections import OrderedDict
+    from flashoverlap import state
 
-    from flashoverlap import overlap
+    state.forget_decisions()
 
-    monkeypatch.setattr(overlap, "_decided", OrderedDict())
+
+@pytest.fixture(scope="module")
+def one_rank_group(tmp_path_factory):
+    """A gloo group of this process alone, for the module's tests."""
+    import torch.distributed as dist
+
+    store = dist.FileStore(str(tmp_path_factory.mktemp("store") / "store"), 1)
+    dist.init_process_group("gloo", store=store, rank=0, world_size=1)
+    yield
+    dist.destroy_process_group()
+
+
+@pytest.fixture
+def fresh_state(monkeypatch):
+    """No group state kept from other tests (decisions, trials, agreements, logged lines), and
+    none left behind."""
+    from flashoverlap import state
+
+    monkeypatch.setattr(state, "_states", {})
+    monkeypatch.setattr(state, "_owners", {})

@@ -10,8 +10,16 @@ import pytest
 import torch
 import torch.multiprocessing as mp
 
-from flashoverlap.config import OverlapConfig, for_collective, for_device
+import flashoverlap
+from flashoverlap.config import OverlapConfig
 from flashoverlap.plan import scheduled_tiles, wave_count
+from flashoverlap.rules import for_collective, for_device
+
+ENTRY_POINTS = [flashoverlap.gemm_all_reduce, flashoverlap.gemm_reduce_scatter, flashoverlap.gemm_all_to_all]
+
+
+def bf16(*shape) -> torch.Tensor:
+    return torch.randn(*shape).to(torch.bfloat16)
 
 
 def rel_err(out, ref) -> float:

@@ -28,8 +28,8 @@ import torch
 import torch.distributed as dist
 
 import flashoverlap
-from flashoverlap import OverlapConfig, comm, overlap
-from flashoverlap.overlap import sequential
+from flashoverlap import OverlapConfig, comm, state
+from flashoverlap.runtime import sequential
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from helpers import runs_on_this_gpu  # noqa: E402  (tests/helpers.py; this file runs as a script)
@@ -80,20 +80,21 @@ def settled_allocated(groups: list) -> int:
     its last collective's tensors (torch's work tracking), so a one-element all-reduce on every
     group (the overlap's own communicators too) replaces them first; blocks freed while another
     stream used them (record_stream) return at the allocator's next malloc, which the flush makes."""
-    for group in [*groups, *comm._budget_groups.values()]:
+    private = [c for group in groups for c in state.of(group).communicators.values()]
+    for group in [*groups, *private]:
         dist.all_reduce(torch.zeros(1, device="cuda"), group=group)
     torch.cuda.synchronize()
     time.sleep(1)
     torch.empty(1, device="cuda")
     plans = sum(  # as the allocator counts them: in blocks of 512 bytes
         -(-t.numel() * t.element_size() // 512) * 512
-        for p in overlap._prepared.values()
+        for p in state.plans.values()
         for t in (p.slots, p.counters, p.workspace, p.report)
         if t is not None
     )
     print(
-        f"[rank {dist.get_rank()}] allocated {torch.cuda.memory_allocated()} B, {len(overlap._prepared)} plans "
-        f"{plans} B; {len(comm._budget_groups)} budget communicators",
+        f"[rank {dist.get_rank()}] allocated {torch.cuda.memory_allocated()} B, {len(state.plans)} plans "
+        f"{plans} B; {len(private)} budget communicators",
         flush=True,
     )
     return torch.cuda.memory_allocated() - plans
@@ -211,7 +212,7 @@ def main() -> int:
         print(
             f"stress: {args.calls} calls ({world} ranks, {len(set(pool))} shapes, 3 collectives, 2 groups) in "
             f"{elapsed:.1f} s; max rel err {worst:.2e}; GPU memory allocated outside the plans after "
-            f"{warm_calls} calls {mem_warm} B, at the end {mem_end} B; {len(overlap._prepared)} plans cached",
+            f"{warm_calls} calls {mem_warm} B, at the end {mem_end} B; {len(state.plans)} plans cached",
             flush=True,
         )
     dist.destroy_process_group()

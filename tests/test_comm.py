@@ -11,7 +11,7 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from flashoverlap.comm import agree, check_layout, exchange, rows_rotation
+from flashoverlap.comm import agree, exchange, rows_rotation
 
 
 def worker(rank: int, world: int, store_path: str):
@@ -150,27 +150,6 @@ def test_exchange_rejects_bad_splits(args, kwargs, message):
         exchange(*args, **kwargs)
 
 
-def test_rows_layout_takes_equal_segments_of_whole_rotation_steps_only():
-    check_layout(exchange("all_to_all", 12, 3), "rows", 4)
-    check_layout(exchange("reduce_scatter", 12, 3), "rows", 2)
-    check_layout(exchange("all_reduce", 12, 5), "rows", 128)  # not rotated
-    uneven = exchange("all_to_all", 10, 2, splits=[3, 7], output_splits=[3, 4])
-    check_layout(uneven, "cols", 1)
-    with pytest.raises(ValueError, match=r"multiple of 1 rows .* got \[3, 7\] rows sent and \[3, 4\] received"):
-        check_layout(uneven, "rows", 1)
-    unequal_in = exchange("all_to_all", 10, 2, output_splits=[5, 6])
-    with pytest.raises(ValueError, match=r"\[5, 5\] rows sent and \[5, 6\] received"):
-        check_layout(unequal_in, "rows", 1)
-    # the segments layout needs the same: equal segments of whole units
-    check_layout(exchange("reduce_scatter", 12, 3), "segments", 4)
-    with pytest.raises(ValueError, match=r"layout 'segments' runs all_to_all .* multiple of 1 rows"):
-        check_layout(uneven, "segments", 1)
-    with pytest.raises(ValueError, match=r"layout 'segments' runs reduce_scatter .* multiple of 8 rows"):
-        check_layout(exchange("reduce_scatter", 12, 3), "segments", 8)
-    with pytest.raises(ValueError, match="multiple of 8 rows"):
-        check_layout(exchange("reduce_scatter", 24, 2), "rows", 8)  # segments of 12 rows
-
-
 def test_rows_rotation_starts_at_the_next_ranks_segment():
     ex = exchange("reduce_scatter", 12, 3)
     assert [rows_rotation(ex, "rows", r) for r in range(3)] == [4, 8, 0]
@@ -200,8 +179,9 @@ def test_partial_sums_add_up_whatever_the_world_size(world):
 def test_where_each_layout_leaves_its_result():
     """Which calls need a step per group after the collective (comm.finish_group) and which find
     their result in the buffers' out (copied out of a symmetric window)."""
-    from flashoverlap.comm import finishes, interleave, lands_in_out, tail_apart
+    from flashoverlap.comm import finishes, interleave, lands_in_out
     from flashoverlap.plan import make_plan
+    from flashoverlap.rules import tail_apart
 
     def plan(layout, segments=1):
         return make_plan(1024, 256, tile_m=128, tile_n=128, cluster_m=1, ctas=4, layout=layout, interleave=segments)
@@ -239,8 +219,9 @@ def test_a_pull_all_reduce_gathers_into_its_own_buffers():
     """``pull``: every rank's partial sums gathered as ``local`` does, but the GEMM writes a buffer
     of its own (given: memory the ranks map), never the result, which the adds write while the
     other ranks still read the buffer."""
-    from flashoverlap.comm import buffers, comm_pattern
+    from flashoverlap.comm import buffers
     from flashoverlap.plan import make_plan
+    from flashoverlap.rules import comm_pattern
 
     plan = make_plan(1024, 256, tile_m=128, tile_n=128, cluster_m=1, ctas=4, layout="rows")
     assert plan.in_place

@@ -5,7 +5,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from flashoverlap import comm
+from flashoverlap import comm, state
 from flashoverlap.comm import nccl
 
 
@@ -93,9 +93,15 @@ def test_a_failed_call_raises_with_nccl_s_reason_and_closes_the_group(direct):
     assert lib.calls[-1][0] == "ncclGroupEnd"
 
 
+def private_communicator(monkeypatch) -> object:
+    """A communicator flashoverlap made over a group's ranks (comm.budget_group), kept in its state."""
+    private = object()
+    monkeypatch.setattr(state, "_owners", {private: state.GroupState("world")})
+    return private
+
+
 def test_direct_only_wraps_flashoverlap_s_own_communicators(monkeypatch):
-    user, private = object(), object()
-    monkeypatch.setattr(comm, "_budget_groups", {("world", 16, False): private})
+    user, private = object(), private_communicator(monkeypatch)
     monkeypatch.setattr(comm, "Direct", lambda group, device: ("direct", group))
     monkeypatch.setattr(comm, "unavailable", lambda: None)
     monkeypatch.setenv("FLASHOVERLAP_NCCL", "c10d")
@@ -106,8 +112,7 @@ def test_direct_only_wraps_flashoverlap_s_own_communicators(monkeypatch):
 
 
 def test_nccl_path_falls_back_to_c10d_by_default_and_refuses_what_it_cannot_do(monkeypatch):
-    private = object()
-    monkeypatch.setattr(comm, "_budget_groups", {("world", 16, False): private})
+    private = private_communicator(monkeypatch)
     monkeypatch.setattr(comm, "Direct", lambda group, device: ("direct", group))
     monkeypatch.setattr(comm, "unavailable", lambda: "no libnccl.so")
     monkeypatch.delenv("FLASHOVERLAP_NCCL", raising=False)

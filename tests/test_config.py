@@ -1,6 +1,7 @@
 import pytest
 
-from flashoverlap.config import OverlapConfig, for_collective, for_device, resolutions, resolve
+from flashoverlap.config import OverlapConfig, resolve
+from flashoverlap.rules import for_collective, for_device
 
 
 def test_defaults_are_valid_and_mappings_resolve():
@@ -20,64 +21,7 @@ def test_dict_configs_are_validated_once_but_never_mistaken_for_an_equal_value_o
         resolve({"partition": [1, 2], "tile": {"m": 128}})  # unhashable value: validated as given
 
 
-HOPPER, ADA, AMPERE, BLACKWELL = (9, 0), (8, 9), (8, 0), (12, 0)
-
-
-def test_auto_layout_epilogue_kernel_and_tile_k_follow_collective_and_device():
-    def resolved(collective, capability=HOPPER, **fields):
-        cfg, arch = for_device(for_collective(OverlapConfig(**fields), collective), capability)
-        return cfg.layout, cfg.epilogue, cfg.kernel, cfg.tile_k, arch
-
-    assert resolved("all_reduce") == ("rows", "tma", "sm90", 64, "sm_90a")
-    assert resolved("all_reduce", layout="tiles") == ("tiles", "direct", "sm90", 64, "sm_90a")
-    assert resolved("all_reduce", layout="cols") == ("cols", "direct", "sm90", 64, "sm_90a")
-    assert resolved("all_reduce", epilogue="direct") == ("rows", "direct", "sm90", 64, "sm_90a")
-    assert resolved("reduce_scatter") == ("cols", "direct", "sm90", 64, "sm_90a")
-    assert resolved("all_to_all") == ("cols", "direct", "sm90", 64, "sm_90a")
-    # Ampere / Ada get the sm80 kernels, which Hopper can be told to use too
-    assert resolved("all_reduce", ADA) == ("rows", "direct", "sm80", 32, "sm_89")
-    assert resolved("reduce_scatter", AMPERE) == ("cols", "direct", "sm80", 32, "sm_80")
-    assert resolved("all_reduce", HOPPER, kernel="sm80") == ("rows", "direct", "sm80", 32, "sm_90")
-    # reduce-scatter / all-to-all take row bands too (the fast raster, in-place TMA stores)
-    assert resolved("reduce_scatter", layout="rows") == ("rows", "tma", "sm90", 64, "sm_90a")
-    # ... and segments: the same rows of every rank's segment per group (TMA stores, rows remapped)
-    assert resolved("all_to_all", layout="segments") == ("segments", "tma", "sm90", 64, "sm_90a")
-    assert resolved("reduce_scatter", AMPERE, layout="segments") == ("segments", "direct", "sm80", 32, "sm_80")
-    with pytest.raises(ValueError, match="reduce_scatter needs layout 'cols', 'rows' or 'segments'.*got .*'tiles'"):
-        for_collective(OverlapConfig(layout="tiles"), "reduce_scatter")
-    with pytest.raises(ValueError, match="layout 'segments' splits rows into per-rank segments"):
-        for_collective(OverlapConfig(layout="segments"), "all_reduce")
-    for layout in ("rows", "segments"):
-        with pytest.raises(ValueError, match=f"all_to_all in layout '{layout}' rotates or interleaves the persistent"):
-            for_collective(OverlapConfig(layout=layout, scheduler="streamk"), "all_to_all")
-    assert for_collective(OverlapConfig(scheduler="streamk"), "all_reduce").layout == "rows"  # not rotated
-    with pytest.raises(ValueError, match="epilogue 'tma' stores whole rows .* got layout 'cols'"):
-        for_collective(OverlapConfig(epilogue="tma"), "all_to_all")
-    with pytest.raises(ValueError, match="reduction 'local' is for all_reduce"):
-        for_collective(OverlapConfig(reduction="local"), "reduce_scatter")
-    with pytest.raises(
-        ValueError, match="reduction 'pull' runs all_reduce in layout 'rows', reduce_scatter and all_to"
-    ):
-        for_collective(OverlapConfig(reduction="pull", layout="rows"), "all_to_all")
-    with pytest.raises(ValueError, match="not reduce_scatter in layout 'rows'"):
-        for_collective(OverlapConfig(reduction="pull", layout="rows"), "reduce_scatter")
-    assert for_collective(OverlapConfig(reduction="pull", layout="segments"), "all_to_all").layout == "segments"
-    assert for_collective(OverlapConfig(reduction="pull"), "all_reduce").layout == "rows"
-    assert for_collective(OverlapConfig(reduction="pull", layout="segments"), "reduce_scatter").layout == "segments"
-    assert [c.layout for c in resolutions(OverlapConfig(reduction="pull"), "reduce_scatter")] == ["segments"]
-    with pytest.raises(ValueError, match="the sm90 kernels need a Hopper GPU"):
-        for_device(OverlapConfig(kernel="sm90", layout="rows"), ADA)
-    with pytest.raises(ValueError, match=r"no flashoverlap kernels for sm_120"):
-        for_device(OverlapConfig(layout="rows"), BLACKWELL)
-    # valid for one family, not the other: rejected where it would run
-    with pytest.raises(ValueError, match=r"cannot run on sm_90a: tile_m 64 not in \(128, 256\)"):
-        for_device(OverlapConfig(tile_m=64, layout="rows"), HOPPER)
-    with pytest.raises(ValueError, match=r"cannot run on sm_86: scheduler 'streamk' not in"):
-        for_device(OverlapConfig(scheduler="streamk", layout="rows"), (8, 6))
-    # a late budget is the Hopper kernels': on an Ampere GPU no family takes it
-    assert for_device(OverlapConfig(late_budget=True, layout="rows"), HOPPER)[0].kernel == "sm90"
-    with pytest.raises(ValueError, match="late_budget is for the Hopper"):
-        for_device(OverlapConfig(late_budget=True, layout="rows"), (8, 0))
+ADA = (8, 9)
 
 
 @pytest.mark.parametrize(

@@ -43,7 +43,7 @@ def test_pointers_are_noted_relative_to_the_per_call_value_they_lie_in():
 
 
 def test_a_pointer_prefers_the_value_it_starts():
-    view = enqueue.Tape([(0x1000, 0x100), (0x1040, 0x10)])  # (a call's extents never overlap: overlap._disjoint)
+    view = enqueue.Tape([(0x1000, 0x100), (0x1040, 0x10)])  # (a call's extents never overlap: runtime._disjoint)
     view.add("pnp", 1, (0x1040, 0x1040, 0x1000), str)
     assert view.words[2:] == [2, 0, 0, 0x1040, 1, 0]
     with pytest.raises(ValueError, match="3 arguments for signature 'pp'"):

@@ -9,13 +9,13 @@ import pytest
 import torch
 import torch.distributed as dist
 
-import flashoverlap
-from flashoverlap import OverlapConfig, comm, enqueue, overlap, signal
+from flashoverlap import OverlapConfig, comm, decision, enqueue, signal, state
 from flashoverlap.comm import restore
-from flashoverlap.config import for_collective
-from flashoverlap.overlap import prepare, run_overlapped
+from flashoverlap.prepared import prepare
+from flashoverlap.rules import alternative, for_collective, pulled
+from flashoverlap.runtime import run_overlapped
 
-from .helpers import no_host_sync, rel_err, runs_on_this_gpu
+from .helpers import ENTRY_POINTS, no_host_sync, rel_err, runs_on_this_gpu
 
 pytestmark = pytest.mark.gpu
 
@@ -192,7 +192,7 @@ def test_pipeline_on_one_gpu(nccl_one_rank, monkeypatch, mode, symmetric, nccl, 
     through c10d or NCCL's C API (comm.direct); ``reduction`` local: all-gathered, then added; pull:
     the same by copies out of the ranks' memory (comm.peer: no NCCL, so native on either path).
     Four calls on new operands: through NCCL's C API the third and fourth are replayed natively
-    (every step of every layout is a native call on one rank; overlap.replay_key)."""
+    (every step of every layout is a native call on one rank; runtime.replay_key)."""
     replays = []
     replay = enqueue.Program.replay
     monkeypatch.setattr(enqueue.Program, "replay", lambda self, values: replays.append(1) or replay(self, values))
@@ -253,7 +253,7 @@ def test_column_parallel_linear_on_one_gpu(nccl_one_rank, sequence_parallel):
 
 
 def test_an_untuned_call_is_timed_once_against_sequential(nccl_one_rank, capfd):
-    """overlap.trial on a group of one rank: real timing of the defaults, the same with its SM
+    """decision.trial on a group of one rank: real timing of the defaults, the same with its SM
     budget late, as a pull all-reduce, and the plain path, decided once per plans and communicators,
     the inputs and counters left as they were."""
     m, n, k = 2048, 4096, 1024
@@ -262,22 +262,23 @@ def test_an_untuned_call_is_timed_once_against_sequential(nccl_one_rank, capfd):
     cfg = for_collective(OverlapConfig(), "all_reduce")
     prep = prepare(m, n, k, torch.bfloat16, "nk", a.device, cfg)
     total = prep.sm_count + cfg.comm_sms
-    late = overlap.alternative(cfg, (m, n, k), total, torch.cuda.get_device_capability())
-    pull = overlap.pulled(cfg, "all_reduce", (m, n, k), total)
+    late = alternative(cfg, (m, n, k), total, torch.cuda.get_device_capability())
+    pull = pulled(cfg, "all_reduce", (m, n, k), total)
     assert late is not None and late.late_budget and pull.reduction == "pull"
     cfgs = [cfg, late, pull]
     preps = [prep, *(prepare(m, n, k, torch.bfloat16, "nk", a.device, c) for c in cfgs[1:])]
     exes = [comm.exchange("all_reduce", m, 1, reduction=c.reduction) for c in cfgs]
-    budgets = [overlap.budget_communicator(c, "all_reduce", dist.group.WORLD, a.device) for c in cfgs]
+    budgets = [decision.budget_communicator(c, "all_reduce", dist.group.WORLD, a.device) for c in cfgs]
     tails = [dist.group.WORLD, dist.group.WORLD, None]
-    overlap._trials.clear()
+    trials = state.of(None).trials
+    trials.clear()
     args = (cfgs, preps, budgets, a, w, "nk", exes, tails, dist.group.WORLD, m)
-    pick = overlap.trial(*args)
-    assert pick in (0, 1, 2, None) and list(overlap._trials.values()) == [pick]
+    pick = decision.trial(*args)
+    assert pick in (0, 1, 2, None) and list(trials.values()) == [pick]
     assert "no tuned config" in capfd.readouterr().err
-    key = next(iter(overlap._trials))
-    overlap._trials[key] = other = 1 if pick is None else None
-    assert overlap.trial(*args) is other  # kept: not timed again
+    key = next(iter(trials))
+    trials[key] = other = 1 if pick is None else None
+    assert decision.trial(*args) is other  # kept: not timed again
     torch.cuda.synchronize()
     for prep in preps:
         assert prep.counters.tolist() == [0] * prep.plan.num_groups
@@ -450,14 +451,11 @@ def test_native_sums_round_once_as_float32_does(dtype):
 
 
 def test_plan_cache_is_bounded(monkeypatch):
-    monkeypatch.setattr(overlap, "MAX_PREPARED", 2)
+    monkeypatch.setattr(state.plans, "limit", 2)
     cfg = for_collective(OverlapConfig(), "all_reduce")
     preps = [prepare(256 * i, 512, 64, torch.bfloat16, "nk", torch.device("cuda", 0), cfg) for i in (1, 2, 3)]
-    assert len(overlap._prepared) <= 2
+    assert len(state.plans) <= 2
     assert prepare(256 * 3, 512, 64, torch.bfloat16, "nk", torch.device("cuda", 0), cfg) is preps[-1]
-
-
-ENTRY_POINTS = [flashoverlap.gemm_all_reduce, flashoverlap.gemm_reduce_scatter, flashoverlap.gemm_all_to_all]
 
 
 @pytest.mark.parametrize("fn", ENTRY_POINTS)

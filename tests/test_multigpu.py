@@ -13,7 +13,8 @@ import torch.distributed as dist
 import flashoverlap
 from flashoverlap import OverlapConfig, comm, signal
 from flashoverlap.config import resolve
-from flashoverlap.overlap import rotation_unit, sequential
+from flashoverlap.rules import rotation_unit
+from flashoverlap.runtime import sequential
 
 from .helpers import (
     check_column_parallel,
@@ -304,7 +305,7 @@ def graphs_worker(rank, world, store_path):
     """FLASHOVERLAP_TIMING=graphs: an untuned call's first use times its candidates as captured
     graphs (NCCL inside them); its answer then runs eagerly and in the caller's own capture, as
     does a pull (its memory claimed across eager calls and replays)."""
-    from flashoverlap import overlap
+    from flashoverlap import state
 
     os.environ["FLASHOVERLAP_TIMING"] = "graphs"
     init_rank(rank, world, store_path)
@@ -316,7 +317,7 @@ def graphs_worker(rank, world, store_path):
             expected += ar.float() @ wr.float().t()
         a, w = operands(11, rank, m, n, k)
         out = flashoverlap.gemm_all_reduce(a, w)
-        assert [key[0] for key in overlap._trials] == [True], "timed as CUDA graphs"
+        assert [key[0] for key in state.of(None).trials] == [True], "timed as CUDA graphs"
         assert rel_err(out, expected) < 1e-2
 
         def replayed(config) -> None:

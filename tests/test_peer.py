@@ -8,7 +8,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from flashoverlap import OverlapConfig, comm, overlap
+from flashoverlap import OverlapConfig, comm, rules
 from flashoverlap.comm import peer
 
 
@@ -58,10 +58,10 @@ def test_every_rank_s_view_decides_alike(monkeypatch, views, why):
 
 def test_a_tuned_pull_falls_back_where_it_cannot_run():
     """A registry entry (or the nearest one) that pulls becomes NCCL's all-reduce with its other
-    choices kept; a config given by the caller raises instead (overlap._decide)."""
+    choices kept; a config given by the caller raises instead (decision._start)."""
     cfg = OverlapConfig(reduction="pull", comm_sms=4, partition=(1, 2, 1))
-    assert overlap.without_pull(cfg) == OverlapConfig(comm_sms=4, partition=(1, 2, 1))
-    assert comm.comm_pattern("all_reduce", "rows", overlap.without_pull(cfg).reduction) == "all_reduce"
+    assert rules.without_pull(cfg) == OverlapConfig(comm_sms=4, partition=(1, 2, 1))
+    assert comm.comm_pattern("all_reduce", "rows", rules.without_pull(cfg).reduction) == "all_reduce"
 
 
 class _Memory:
@@ -84,7 +84,7 @@ class _Stream(SimpleNamespace):
 
 def _streams(peers: list, calls: int, targets: tuple[int, ...], scatter: bool = False) -> list[list]:
     """Every rank's calls, as ops on its streams, recorded from :class:`peer.Peers`' methods as
-    overlap._enqueue orders them: comm (after the caller's previous work, each group's pulls --
+    runtime._enqueue orders them: comm (after the caller's previous work, each group's pulls --
     from each other rank on a lane of its own where there are several, joined back -- and, but for
     the last group, the wait for this rank's own rows; then ``copied`` and the next call's claim);
     gemm (the caller's: after the previous call's work and the claim's ``claimed`` event, each

@@ -216,7 +216,7 @@ def test_cols_layout_groups_are_column_blocks_with_contiguous_row_segments():
 
 
 def test_cols_plans_of_another_m_take_the_given_column_groups():
-    """Ranks whose M differ plan their own tiles on the same columns (overlap.shared_columns): same
+    """Ranks whose M differ plan their own tiles on the same columns (prepared.shared_columns): same
     groups of columns, each group's block [M, width] of this plan, every tile once."""
     for plan in random_plans(60):
         if plan.layout != "cols":

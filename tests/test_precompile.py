@@ -24,7 +24,7 @@ def test_items_name_the_kernels_the_runtime_would_build(capsys):
         '{"tile_n": 256}',  # the default again: built once
         '{"sequential": true}',  # nothing to build
     )
-    assert names == [  # an auto layout of a reduce-scatter: segments or cols, by call (overlap.for_call)
+    assert names == [  # an auto layout of a reduce-scatter: segments or cols, by call (rules.for_call)
         "fo_gemm_float16_kn_128x256x64_c1x1_persistent_tma_sm_90a",
         "fo_gemm_float16_kn_128x256x64_c1x1_persistent_direct_sm_90a",
         "fo_gemm_bfloat16_nk_128x128x32_c1x1_persistent_direct_sm_90",

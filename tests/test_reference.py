@@ -10,9 +10,9 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 from flashoverlap import comm
-from flashoverlap.overlap import sequential
 from flashoverlap.plan import make_plan, wave_count
 from flashoverlap.reference import run_plan
+from flashoverlap.runtime import sequential
 
 from .helpers import random_partition, random_plan_args
 
@@ -200,7 +200,7 @@ def test_rows_layout_on_a_subgroup():
 
 def ragged_worker(rank: int, world: int, store_path: str):
     """All-to-all whose ranks have different M (MoE experts): each rank plans its own M on the tile
-    columns of the largest M's plan (overlap.shared_columns), the counts exchanged."""
+    columns of the largest M's plan (prepared.shared_columns), the counts exchanged."""
     dist.init_process_group("gloo", store=dist.FileStore(store_path, world), rank=rank, world_size=world)
     try:
         for index in range(8):

@@ -128,7 +128,7 @@ def test_lookup_searches_user_dirs_first_and_keeps_partitions_only_for_the_exact
         exact = registry.lookup("NVIDIA H200", 2, "all_reduce", "nvlink", "bfloat16", (4096, 8192, 8192))
         assert exact == (OverlapConfig(comm_sms=8, partition=(1, 2, 2, 2, 1, 1)), True)
         near = registry.lookup("NVIDIA H200", 2, "all_reduce", "nvlink", "bfloat16", (4096, 8192, 9000))
-        assert near == (OverlapConfig(comm_sms=8), False)  # a hint: timed on first use (overlap.trial)
+        assert near == (OverlapConfig(comm_sms=8), False)  # a hint: timed on first use (decision.trial)
         # not in the user's file: the repository's registry answers
         rs = registry.lookup("NVIDIA H200", 2, "reduce_scatter", "pcie", "bfloat16", (16384, 8192, 4096))
         assert rs is not None and rs.exact and not rs.config.sequential
@@ -186,20 +186,20 @@ def test_an_entry_is_not_used_for_unequal_all_to_all_splits_it_cannot_carry(tmp_
     symmetric windows cannot carry, gets the defaults (or the entry's fallback) instead of an error."""
     import torch
 
-    from flashoverlap import overlap
-    from flashoverlap.overlap import tuned_config
+    from flashoverlap import decision
+    from flashoverlap.decision import tuned_config
 
     a2a = {**ENTRY, "collective": "all_to_all", "config": config}
     write(tmp_path, {"gpu": "NVIDIA H200", "world": 2, "entries": [a2a]})
     monkeypatch.setenv("FLASHOVERLAP_CONFIG_DIRS", str(tmp_path))
-    monkeypatch.setattr(overlap, "_device_name", lambda index: "NVIDIA H200")
+    monkeypatch.setattr(decision, "_device_name", lambda index: "NVIDIA H200")
     monkeypatch.setattr(registry, "transport", lambda: "nvlink")
     a = torch.empty(4096, 8192, dtype=torch.bfloat16)
     shape = (4096, 8192, 8192)
     even = exchange("all_to_all", 4096, 2)
     assert tuned_config(a, 2, even, shape) == (OverlapConfig(**config), True)
     uneven = exchange("all_to_all", 4096, 2, splits=[1000, 3096], output_splits=[1000, 1000])
-    assert tuned_config(a, 2, uneven, shape) is None  # the defaults, timed on first use (overlap.trial)
+    assert tuned_config(a, 2, uneven, shape) is None  # the defaults, timed on first use (decision.trial)
     # with the fallback the tuner measured for such calls
     write(tmp_path, {"gpu": "NVIDIA H200", "world": 2, "entries": [{**a2a, "fallback": {"sequential": True}}]})
     registry.reload()
@@ -211,3 +211,32 @@ def test_an_entry_is_not_used_for_unequal_all_to_all_splits_it_cannot_carry(tmp_
         OverlapConfig(sequential=True) if rows else OverlapConfig(**config),
         True,
     )
+
+
+def test_registry_writing_merges_and_validates(tmp_path):
+
+    path = tmp_path / "tuned.yaml"
+    tuned = {"comm_sms": 8, "partition": [3, 6]}
+    first = [registry.entry("all_reduce", "nvlink", "bfloat16", (4096, 8192, 8192), tuned, {})]
+    registry.write_registry(str(path), "NVIDIA H200", 2, first)
+    again = [
+        registry.entry("all_reduce", "nvlink", "bfloat16", (4096, 8192, 8192), {"sequential": True}, {"speedup": 0.97}),
+        registry.entry("all_reduce", "nvlink", "bfloat16", (1024, 8192, 8192), {}, {"speedup": 1.05}),
+    ]
+    registry.write_registry(str(path), "NVIDIA H200", 2, again)
+    loaded = registry.load([path])
+    assert [(e.shape, e.config.sequential) for e in loaded] == [((1024, 8192, 8192), False), ((4096, 8192, 8192), True)]
+    with pytest.raises(ValueError, match="holds configs for 'NVIDIA H200' x2"):
+        registry.write_registry(str(path), "NVIDIA H100", 2, again)
+    bad = [registry.entry("reduce_scatter", "nvlink", "bfloat16", (8, 8, 8), {"layout": "tiles"}, {})]
+    with pytest.raises(ValueError, match="needs layout 'cols'"):
+        registry.write_registry(str(path), "NVIDIA H200", 2, bad)
+    assert len(registry.load([path])) == 2  # the rejected write left the file as it was
+    # an entry timed as CUDA graphs sits beside the eager one of its shape, and is replaced by its own kind
+    graphs = registry.entry("all_reduce", "nvlink", "bfloat16", (4096, 8192, 8192), {"symmetric": True}, {}, "graphs")
+    registry.write_registry(str(path), "NVIDIA H200", 2, [graphs])
+    registry.write_registry(str(path), "NVIDIA H200", 2, [{**graphs, "config": {"comm_sms": 8}}])
+    loaded = registry.load([path])
+    assert [(e.shape[0], e.timing) for e in loaded] == [(1024, "eager"), (4096, "eager"), (4096, "graphs")]
+    assert loaded[1].config.sequential and loaded[2].config == OverlapConfig(comm_sms=8)
+    assert "timing" not in again[0]  # eager entries are written as before

@@ -12,7 +12,8 @@ import torch.distributed as dist
 
 import flashoverlap
 from flashoverlap import OverlapConfig, comm
-from flashoverlap.overlap import rotation_unit, sequential
+from flashoverlap.rules import rotation_unit
+from flashoverlap.runtime import sequential
 
 from .helpers import check_column_parallel, check_gradients, rel_err, runs_on_this_gpu, spawn_ranks
 

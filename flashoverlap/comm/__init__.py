@@ -18,47 +18,32 @@ from dataclasses import dataclass, replace
 import torch
 import torch.distributed as dist
 
-from .. import enqueue
+from .. import enqueue, state
 from ..plan import Plan, slot_view
-from . import peer
+from ..rules import COLLECTIVES as COLLECTIVES
+from ..rules import COPY_ENGINE as COPY_ENGINE
+from ..rules import EQUAL_SEGMENTS as EQUAL_SEGMENTS
+from ..rules import PULL_LAYOUTS as PULL_LAYOUTS
+from ..rules import PULLS as PULLS
+from ..rules import REDUCTIONS as REDUCTIONS
+from ..rules import TAKES
+from ..rules import check_layout as check_layout
+from ..rules import comm_pattern as comm_pattern
+from ..rules import rows_carry as rows_carry
+from ..rules import tail_apart as tail_apart
 from .nccl import CTA_POLICY_ZERO, Direct, cuda_backend, group_fact, unavailable
 from .peer import Peers as Peers
 from .peer import Pulls
 
-COLLECTIVES = ("all_reduce", "reduce_scatter", "all_to_all")
-# "local" and "pull" gather every rank's partial sums, then add; "pull_scatter" pulls and adds one
-# share of every group per rank, then pulls the other shares' sums (a reduce-scatter and an
-# all-gather per group by copies: 2 (w - 1) / w of a group per rank, as a ring, where "pull" moves w - 1)
-REDUCTIONS = ("nccl", "local", "pull", "pull_scatter")
-PULLS = ("pull", "pull_scatter")  # the reductions that copy out of the other ranks' memory (comm.peer)
-# what each collective takes: a pull reduce-scatter / all-to-all copies this rank's rows of every
-# rank's group out of its memory (the ``segments`` layout: config.for_collective), which is already
-# a reduce-scatter's share: no pull_scatter there
-TAKES = {"all_reduce": REDUCTIONS, "reduce_scatter": ("nccl", "pull"), "all_to_all": ("nccl", "pull")}
-PULL_LAYOUTS = {"all_reduce": "rows", "reduce_scatter": "segments", "all_to_all": "segments"}  # where pulls land
 MAX_SUM = 8  # the most rows csrc/runtime.cu fo_sum adds in one pass
 VECTOR = 8  # elements a share of a group is made of (16-byte vectors of bf16 / fp16: fo_sum's loads, the copies)
 SLACK = 2  # vectors per rank and group that a pull_scatter's staging has beyond the groups' length (comm.staging)
-# layouts whose reduce-scatter / all-to-all need equal segments of whole units (rows_carry)
-EQUAL_SEGMENTS = ("rows", "segments")
 MAX_PITCH = 2**31 - 1  # bytes between rows cudaMemcpy2DAsync takes (cudaDevAttrMaxPitch on current GPUs)
 ADD_DTYPES = {torch.bfloat16: 0, torch.float16: 1}  # csrc/runtime.cu fo_add's dtype codes
-COPY_ENGINE = ("all_to_all", "all_gather")  # comm_patterns NCCL runs on copy engines (windows, CTA policy ZERO)
 # how an overlapped call's per-group collectives reach NCCL (FLASHOVERLAP_NCCL), the default first:
 # its C API (:class:`comm.nccl.Direct`: ~25 against ~80-100 us of host time per collective through
-# c10d on the H100 host, stop 26; the same GPU time, stop 27) or c10d
+# c10d on the H100 host, for the same GPU time) or c10d
 NCCL_PATHS = ("direct", "c10d")
-
-_budget_groups: dict[tuple, dist.ProcessGroup] = {}
-_direct: dict[tuple, Direct] = {}
-
-
-def forget_groups() -> None:
-    """Drop the communicators, groups and mapped memory kept per process group here (see
-    overlap._forget)."""
-    _budget_groups.clear()
-    _direct.clear()
-    peer._peers.clear()
 
 
 # torch 2.13 renamed these two (the old names warn there); older torch has only the old names.
@@ -108,8 +93,8 @@ def budget_group(group: dist.ProcessGroup, comm_sms: int, copy_engine: bool = Fa
     """
     if (comm_sms == 0 and not copy_engine) or cuda_backend(group) != "nccl":
         return group
-    key = (group, comm_sms, copy_engine)
-    if key not in _budget_groups:
+    key, owned = (comm_sms, copy_engine), state.of(group).communicators
+    if key not in owned:
         options = dist.ProcessGroupNCCL.Options()
         options.config.cga_cluster_size = 1
         if comm_sms:
@@ -120,24 +105,17 @@ def budget_group(group: dist.ProcessGroup, comm_sms: int, copy_engine: bool = Fa
                 raise RuntimeError(f"copy-engine collectives need NCCLConfig.cta_policy (torch {torch.__version__})")
             options.config.cta_policy = CTA_POLICY_ZERO
         _own_group(key, group, options)
-    return _budget_groups[key]
+    return owned[key]
 
 
-def _own_group(key: tuple, group: dist.ProcessGroup, options: dist.ProcessGroupNCCL.Options | None = None) -> None:
-    """A private NCCL communicator over ``group``'s ranks, kept under ``key`` (every member rank
-    creates it, in the same order)."""
+def _own_group(
+    key: tuple | str, group: dist.ProcessGroup, options: dist.ProcessGroupNCCL.Options | None = None
+) -> None:
+    """A private NCCL communicator over ``group``'s ranks, kept in its state under ``key`` (every
+    member rank creates it, in the same order)."""
     ranks = dist.get_process_group_ranks(group)
-    _budget_groups[key] = dist.new_group(ranks, backend="nccl", pg_options=options, use_local_synchronization=True)
-
-
-def comm_pattern(collective: str, layout: str, reduction: str = "nccl") -> str:
-    """What a call's groups communicate: the collective itself, ``exchange`` (the ``rows`` layout of
-    reduce-scatter / all-to-all: grouped send to rank + k / receive from rank - k) or
-    ``all_gather`` (a ``local`` all-reduce), ``pull`` (the same by copies out of the other ranks'
-    memory: comm.peer), ``pull_scatter`` (its shares pulled and added, the sums pulled)."""
-    if reduction != "nccl":
-        return "all_gather" if reduction == "local" else reduction
-    return "exchange" if layout == "rows" and collective != "all_reduce" else collective
+    made = dist.new_group(ranks, backend="nccl", pg_options=options, use_local_synchronization=True)
+    state.of(group).own(key, made)
 
 
 def process_group(group: dist.ProcessGroup | Direct | None) -> dist.ProcessGroup:
@@ -175,11 +153,12 @@ def direct(group: dist.ProcessGroup, device: torch.device) -> dist.ProcessGroup 
     (:class:`comm.nccl.Direct`), else the group itself (c10d). Only private communicators: NCCL
     calls on our stream beside c10d's on its own stream could meet on one communicator in
     different orders on different ranks. Created once per (group, device), by every member rank."""
-    if group not in _budget_groups.values() or not uses_direct():
+    owner = state.made(group)
+    if owner is None or not uses_direct():
         return group
-    if (group, device) not in _direct:
-        _direct[group, device] = Direct(group, device)
-    return _direct[group, device]
+    if (group, device) not in owner.direct:
+        owner.direct[group, device] = Direct(group, device)
+    return owner.direct[group, device]
 
 
 def tail_group(group: dist.ProcessGroup, device: torch.device) -> dist.ProcessGroup | Direct:
@@ -190,10 +169,10 @@ def tail_group(group: dist.ProcessGroup, device: torch.device) -> dist.ProcessGr
     member rank, on first use."""
     if cuda_backend(group) != "nccl" or not uses_direct():
         return group
-    key = (group, "tail")
-    if key not in _budget_groups:
-        _own_group(key, group)
-    return direct(_budget_groups[key], device)
+    owned = state.of(group).communicators
+    if "tail" not in owned:
+        _own_group("tail", group)
+    return direct(owned["tail"], device)
 
 
 @dataclass(frozen=True)
@@ -365,26 +344,6 @@ def adjoint(
     return collective(back, grad, group)
 
 
-def rows_carry(ex: Exchange, unit: int) -> bool:
-    """Whether the ``rows`` or ``segments`` layout can carry ``ex``: an all-reduce, or equal row
-    segments to and from every rank, each a whole number of ``unit`` rows (plan.rotation_rows: the
-    tile rows their schedules walk as one, rotated or interleaved)."""
-    if ex.collective == "all_reduce":
-        return True
-    return ex.even and ex.send[0] % unit == 0
-
-
-def check_layout(ex: Exchange, layout: str, unit: int) -> None:
-    """Raise where ``layout`` cannot carry ``ex`` (before anything is launched); ``unit``: see
-    :func:`rows_carry`."""
-    if layout in EQUAL_SEGMENTS and not rows_carry(ex, unit):
-        raise ValueError(
-            f"layout {layout!r} runs {ex.collective} with equal row segments to and from every rank, each a "
-            f"multiple of {unit} rows (the tile rows its schedule walks as one), got {list(ex.send)} rows sent "
-            f"and {list(ex.recv)} received: use layout 'cols'"
-        )
-
-
 def interleave(ex: Exchange, layout: str) -> int:
     """Segments the schedule interleaves (plan.make_plan): one per rank in the ``segments``
     layout, else 1."""
@@ -400,14 +359,6 @@ def rows_rotation(ex: Exchange, layout: str, rank: int) -> int:
     if ex.collective == "all_reduce" or layout != "rows":
         return 0
     return (rank + 1) % len(ex.send) * ex.send[0]
-
-
-def tail_apart(collective: str, layout: str, reduction: str = "nccl") -> bool:
-    """Whether a call's last group may communicate beside the earlier groups' collectives, on the
-    caller's stream behind the GEMM (overlap.run_overlapped): all but the ``rows`` layout's
-    exchange, whose last group's own-segment step reads what the earlier groups received, and
-    pulls (no NCCL communicator to take the last group; their copies are ordered by flags, comm.peer)."""
-    return comm_pattern(collective, layout, reduction) not in ("exchange", *PULLS)
 
 
 def buffers(
@@ -627,7 +578,7 @@ def finish_group(
     rank sent into that rank's segment of ``out``. Nothing for any other call (:func:`finishes`).
     ``peers``: where a ``pull``'s rows came from (comm.peer), whose own row of ``recv`` stays empty:
     ``buffer`` holds this rank's partial sums (copying them next to the others' on the copy engines
-    ran at ~90 GB/s beside the GEMM and held up the pulls behind it, stop 29); the rows are then
+    ran at ~90 GB/s beside the GEMM and held up the pulls behind it); the rows are then
     added in rank order as a ``local`` reduction's (:func:`add_rows`). A ``pull_scatter`` adds only its
     share (:func:`shares`) of every rank's partial sums, into its own buffer, where the other ranks
     pull the sum from (:func:`gather_group`) once it says so (``peers.summed``), and into ``out``."""

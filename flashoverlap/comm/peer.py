@@ -4,7 +4,7 @@ memories on the copy engines, no NCCL.
 Beside a GEMM on every SM, NCCL's kernels take SMs from it (the budget), and NCCL's copy-engine
 all-gather hardly moves: 64 MB in 8 chunks beside a 4096x8192x8192 GEMM took 1.15-1.18 ms for both
 against 0.79 for the GEMM alone on two H100s, while plain copies out of the other GPU's memory ran
-beside it at no cost to it (0.80 ms for both, 0.21 alone; bench/symmetric_probe.py, stop 29). So
+beside it at no cost to it (0.80 ms for both, 0.21 alone; bench/symmetric_probe.py). So
 the GEMM writes its groups into memory every rank maps (torch symmetric memory: CUDA IPC over
 NVLink or PCIe P2P), each rank copies the other ranks' partial sums of a group into its own
 memory once they say the group is there, and adds them to its own (comm.finish_group) on the SMs
@@ -15,7 +15,7 @@ of their memory (an all-gather): 2 (w - 1) / w of a group per rank, where copyin
 group is w - 1 (the same on two ranks, 3 against 1.5 on four), and 1 / w of the adds. Ordered by
 stream memory operations (no SM, no host):
 each rank writes its own memory and waits on the others' (a wait on another GPU's memory over
-NVLink answered in ~5 us on 2x H200, one on the GPU's own memory in ~9: stop 32's probe), so in
+NVLink answered in ~5 us on 2x H200, one on the GPU's own memory in ~9), so in
 rank r's memory:
 
 - ``counters[g]``: the GEMM's group counters (its kernel bumps them as for any call); every other
@@ -30,8 +30,9 @@ rank r's memory:
 
 At first every region is as a claim leaves it (counters zero, ``fresh`` set, ``done`` clear).
 
-Waiting on the other rank's counter where it lies (~5 us from a group's last tile to its copy) beats
-a ready flag each rank writes after waiting on its own counter (16-22 us: a second hop).
+The other ranks wait on this rank's own counters rather than on a ready flag it would write once
+its own wait on them ends: such a relay (a wait, a write into the other's memory, a wait and a
+clear there) takes ~16-22 us from a group's last tile to its copy, one wait on the other's counter ~5.
 """
 
 from __future__ import annotations
@@ -43,7 +44,7 @@ from collections.abc import Iterator
 import torch
 import torch.distributed as dist
 
-from .. import enqueue, signal
+from .. import enqueue, signal, state
 from .nccl import Window, carved_bytes, cuda_backend, group_fact
 
 MAX_GROUPS = 256  # counters per rank: the most groups a call may have
@@ -275,12 +276,10 @@ def _ask_every_rank(group: dist.ProcessGroup, device: torch.device) -> str | Non
     return None
 
 
-_peers: dict[tuple, Peers] = {}
-
-
 def peers(group: dist.ProcessGroup, device: torch.device) -> Peers:
-    """The :class:`Peers` of ``group`` on ``device``, made once (its memory on the first call that needs it)."""
-    key = (group, device.index)
-    if key not in _peers:
-        _peers[key] = Peers(group, device)
-    return _peers[key]
+    """The :class:`Peers` of ``group`` on ``device``, made once and kept in the group's state (its
+    memory on the first call that needs it)."""
+    made = state.of(group).peers
+    if device.index not in made:
+        made[device.index] = Peers(group, device)
+    return made[device.index]

@@ -1,0 +1,530 @@
+"""Which path a call takes, and with which config: the plain GEMM and collective, or overlapped.
+
+A call with ``config`` runs it (refused before anything is launched where it cannot). One
+without takes the registry's entry for its very shape (flashoverlap.registry); one that is not
+tuned for its shape (the built-in defaults, or the nearest tuned shape's config) is timed on its
+first use against the plain call (:func:`trial`). A group of one rank, a call where a rank has no
+rows and a GEMM of one group (one wave without ``config``: nothing to overlap) run plain before
+any of that. What a kind of call decided is kept in its group's state (flashoverlap.state) until
+:func:`flashoverlap.registry.reload`: the registry files and the environment a decision rests on
+are read when it is made.
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+import os
+import sys
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass
+from typing import NamedTuple
+
+import torch
+import torch.distributed as dist
+
+from . import comm, registry, runtime, signal, state, timing
+from .comm import Exchange
+from .comm.nccl import group_fact
+from .config import OverlapConfig, differences, resolve
+from .inputs import DTYPES, check_inputs, world_size
+from .prepared import Prepared, prepare, shared_columns
+from .rules import (
+    alternative,
+    carries,
+    check_layout,
+    for_call,
+    for_device,
+    one_wave,
+    pulled,
+    resolutions,
+    rotation_unit,
+    takes_every_call,
+    without_pull,
+    without_window,
+)
+
+_DEFAULTS = OverlapConfig()  # frozen: built once (each construction validates)
+Communicator = dist.ProcessGroup | comm.Direct | comm.Peers
+
+
+@dataclass(frozen=True, eq=False)
+class Decision:
+    """What a call runs (:func:`decide`): its exchange, and ``run(a, weight)``: the plain GEMM and
+    collective where ``config`` is None, else the overlapped call with its plan and communicators
+    (runtime.run_overlapped)."""
+
+    ex: Exchange
+    run: Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
+    config: OverlapConfig | None = None
+    prep: Prepared | None = None
+    budget: Communicator | None = None
+    tail: dist.ProcessGroup | comm.Direct | None = None
+
+
+def decide(
+    a: torch.Tensor,
+    weight: torch.Tensor,
+    collective: str,
+    group: dist.ProcessGroup | None = None,
+    config: OverlapConfig | dict | str | os.PathLike | None = None,
+    weight_layout: str = "nk",
+    splits: Sequence[int] | None = None,
+    output_splits: Sequence[int] | None = None,
+    rows_per_rank: Sequence[int] | None = None,
+    exchanged: list[Exchange] | None = None,
+) -> Decision:
+    """Which path a call takes and with which config (every check first; a call without
+    ``config=`` that is not tuned for its very shape is timed on first use, :func:`trial`).
+    ``exchanged``: the call's :class:`Exchange` is appended to it. Kept in the group's state for
+    the next call like it (same arguments, operand shapes, dtype and device; not one whose counts
+    are exchanged): a repeated call pays the input checks and one lookup, not the decision."""
+    world = world_size(group)
+    given = resolve(config) if config is not None else None
+    explicit = resolutions(given, collective)[0] if given is not None else None  # its layout resolved below
+    m, n, k = check_inputs(a, weight, weight_layout)
+    key, kept = None, state.of(group).decisions
+    if splits is None and output_splits is None and rows_per_rank is None:  # (else exchanged per call)
+        key = (collective, given, weight_layout, m, n, k, a.dtype, a.device.index)
+        if (known := kept.recent(key)) is not None:
+            if exchanged is not None:
+                exchanged.append(known.ex)
+            return known
+    args = (splits, output_splits, rows_per_rank, exchanged)
+    decision = _decide(a, weight, collective, group, given, explicit, weight_layout, world, (m, n, k), *args)
+    if key is not None and not capturing(a):  # (a capture skips the trial)
+        kept.keep(key, decision)
+    return decision
+
+
+def capturing(a: torch.Tensor) -> bool:
+    """Whether a CUDA graph is being captured on ``a``'s device: what a call decides then is not
+    kept (it skips the trial)."""
+    return a.is_cuda and torch.cuda.is_current_stream_capturing()
+
+
+class Start(NamedTuple):
+    """The config a call starts from (:func:`_start`), and what it rests on."""
+
+    config: OverlapConfig
+    source: str  # where it came from, for FLASHOVERLAP_LOG
+    timed: bool  # not tuned for the call's very shape: its first use is timed (:func:`trial`)
+    untuned: bool  # no registry entry at all (for the trial's message)
+
+
+def _decide(
+    a: torch.Tensor,
+    weight: torch.Tensor,
+    collective: str,
+    group: dist.ProcessGroup | None,
+    given: OverlapConfig | None,
+    explicit: OverlapConfig | None,
+    weight_layout: str,
+    world: int,
+    mnk: tuple[int, int, int],
+    splits: Sequence[int] | None,
+    output_splits: Sequence[int] | None,
+    rows_per_rank: Sequence[int] | None,
+    exchanged: list[Exchange] | None,
+) -> Decision:
+    """:func:`decide`, its arguments checked (``given``: the config resolved, ``explicit``: its first
+    resolution for the collective, ``mnk``: the GEMM's shape): the exchange, the config the call
+    starts from, its plans and the candidates timed beside it, their communicators, the pick."""
+    m, n, k = mnk
+    if explicit is not None and world > 1 and not explicit.sequential:  # no kernel here: fail before communicating
+        for_device(explicit, torch.cuda.get_device_capability(a.device))
+    ex = comm.exchange(collective, m, world, splits, output_splits, group, a.device, rows_per_rank=rows_per_rank)
+    if exchanged is not None:
+        exchanged.append(ex)
+    # before any lookup: the same model run without tensor parallelism pays nothing more; so does a
+    # call where this rank, or any rank known to, has no rows
+    if world == 1 or m == 0 or ex.ragged and 0 in ex.sources:
+        _say(ex, (m, n, k), a.dtype, group, "sequential: one rank" if world == 1 else "sequential: a rank has no rows")
+        return Decision(ex, runtime.plain(ex, group, weight_layout, world))
+    # what every rank decides alike rests on: where the ranks' M differ (known where the counts were
+    # exchanged), the largest, whose GEMM sets the pace
+    shape = (max(ex.sources) if ex.ragged else m, n, k)
+
+    def plain(why: str) -> Decision:
+        _say(ex, shape, a.dtype, group, f"sequential: {why}")
+        return Decision(ex, runtime.plain(ex, group, weight_layout, world))
+
+    full = group if group is not None else dist.group.WORLD
+    start = _start(a, collective, group, full, given, explicit, world, ex, shape)
+    cfg, source = start.config, start.source
+    # a GEMM of one wave without config= (decode-sized M, which varies a lot): nothing to overlap, and
+    # found before planning
+    if cfg.sequential:
+        return plain(f"{source} says sequential")
+    if explicit is None and one_wave(cfg, shape[0], n, a.device):
+        return plain("one wave of tiles, nothing to overlap")
+    if ex.ragged and not takes_every_call(cfg, collective):
+        raise ValueError(
+            f"the ranks pass different M ({list(ex.sources)} rows): their groups are whole tile columns "
+            f"(layout 'cols', no symmetric windows), got layout {cfg.layout!r}"
+            + (", symmetric: true" if cfg.symmetric else "")
+        )
+    with torch.cuda.device(a.device):  # the kernels launch on the current device
+        ex, planned = _planning(a, weight_layout, group, cfg, ex, world, mnk, shape)
+        preps = [planned(cfg)]
+        if explicit is None and preps[0].plan.num_groups == 1:  # nothing to overlap: it would only add host time
+            return plain(f"{source} make one group, nothing to overlap")
+        candidates, preps = _candidates(cfg, preps, planned, start.timed, collective, shape, full, a.device)
+        exes = [ex if c.reduction == ex.reduction else comm.with_reduction(ex, c.reduction, world) for c in candidates]
+        for c, prep, e in zip(candidates, preps, exes):
+            call = (collective, "ragged" if ex.ragged else m, n, k, a.dtype, weight_layout, a.device.index, c)
+            check_agreement(prep, collective, full, e, call)
+        budgets = [budget_communicator(c, collective, full, a.device) for c in candidates]
+        tail = comm.tail_group(full, a.device) if any(c.reduction not in comm.PULLS for c in candidates) else None
+        tails = [None if c.reduction in comm.PULLS else tail for c in candidates]  # (pulls: no NCCL)
+        pick = 0
+        if start.timed:
+            pick = trial(
+                candidates, preps, budgets, a, weight, weight_layout, exes, tails, full, shape[0], start.untuned
+            )
+            if pick is None:
+                return plain(f"{source} lost to it when timed")
+        cfg, prep, ex = candidates[pick], preps[pick], exes[pick]
+        groups = prep.plan.num_groups  # the message is built only where printed: every call passes here
+        _say(
+            ex,
+            shape,
+            a.dtype,
+            group,
+            lambda: f"overlapped, {source} {differences(cfg, _DEFAULTS)}: {groups} group{'s' * (groups > 1)}",
+        )
+        return _overlapped(ex, cfg, prep, budgets[pick], tails[pick])
+
+
+def _overlapped(
+    ex: Exchange, cfg: OverlapConfig, prep: Prepared, budget: Communicator, tail: dist.ProcessGroup | comm.Direct | None
+) -> Decision:
+    """The decision to run ``prep`` overlapped with these communicators."""
+
+    def run(a: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+        return runtime.run_overlapped(prep, a, weight, ex, budget, tail_group=tail)
+
+    return Decision(ex, run, cfg, prep, budget, tail)
+
+
+def _start(
+    a: torch.Tensor,
+    collective: str,
+    group: dist.ProcessGroup | None,
+    full: dist.ProcessGroup,
+    given: OverlapConfig | None,
+    explicit: OverlapConfig | None,
+    world: int,
+    ex: Exchange,
+    shape: tuple[int, int, int],
+) -> Start:
+    """The config a call starts from: the one given, else the registry's (a hint where tuned for
+    another shape), else the defaults; resolved for the call, without what its ranks cannot run
+    (a window without NVLink, pulls without peer access)."""
+    backend = comm.cuda_backend(group)
+    p2p = backend == "nccl"  # gloo carries CUDA tensors in collectives, not point to point
+    if explicit is not None and not p2p and comm.comm_pattern(collective, explicit.layout) == "exchange":
+        raise ValueError(
+            f"layout 'rows' sends {collective} groups point to point, which a {backend} group cannot do with "
+            "CUDA tensors: use an NCCL group, or layout 'segments' or 'cols'"
+        )
+    found = None if explicit is not None else tuned_config(a, world, ex, shape, p2p)
+    # an entry for another shape is a hint (its waves, and so its choice, differ): timed like the
+    # defaults, which replace a hint of sequential
+    timed = explicit is None and not (found is not None and found.exact)
+    hint = found.config if found is not None and not (timed and found.config.sequential) else None
+    cfg = for_call(given or hint or _DEFAULTS, ex, shape)
+    if cfg.symmetric and registry.transport() != "nvlink":
+        # NCCL maps a window's peers through CUDA IPC wherever the driver allows peer access, whatever
+        # NCCL_P2P_DISABLE says: its symmetric kernels would bypass the transport the user forced
+        # (two H200s, P2P off: 3.4x "faster" than sequential, over NVLink). Without peer access NCCL
+        # registers nothing anyway: no window either way.
+        cfg = without_window(cfg)
+    if cfg.reduction in comm.PULLS and (why := comm.peer.unavailable(full, a.device)):
+        if explicit is not None:
+            raise ValueError(
+                f"reduction {cfg.reduction!r} copies between the GPUs' memories: {why}; use 'nccl' or 'local'"
+            )
+        cfg = without_pull(cfg)  # a tuned entry (or the nearest one) where its pulls cannot run
+    source = (
+        "your config"
+        if explicit is not None
+        else "the registry's config"
+        if not timed
+        else "the nearest tuned shape's config"
+        if hint is not None
+        else "the defaults"
+    )
+    return Start(cfg, source, timed, found is None)
+
+
+def _planning(
+    a: torch.Tensor,
+    weight_layout: str,
+    group: dist.ProcessGroup | None,
+    cfg: OverlapConfig,
+    ex: Exchange,
+    world: int,
+    mnk: tuple[int, int, int],
+    shape: tuple[int, int, int],
+) -> tuple[Exchange, Callable[[OverlapConfig], Prepared]]:
+    """The call's exchange with ``cfg``'s reduction, checked against its layout, and ``planned(c)``:
+    the plan of config ``c`` for this rank's GEMM ``mnk`` (on the shared columns of the largest M,
+    ``shape``, where the ranks' M differ)."""
+    m, n, k = mnk
+    if cfg.reduction != ex.reduction:
+        ex = comm.with_reduction(ex, cfg.reduction, world)
+    check_layout(ex, cfg.layout, rotation_unit(cfg, mnk))
+    if cfg.symmetric and not ex.even:
+        raise ValueError(
+            "symmetric windows need the same buffer sizes on every rank: equal splits, got "
+            f"splits {list(ex.send)} and output_splits {list(ex.recv)}"
+        )
+    rotate = comm.rows_rotation(ex, cfg.layout, group_fact(group, "rank", dist.get_rank))
+
+    def planned(c: OverlapConfig) -> Prepared:
+        columns = shared_columns(*shape, a.dtype, weight_layout, a.device, c) if ex.ragged else None
+        return prepare(m, n, k, a.dtype, weight_layout, a.device, c, rotate, comm.interleave(ex, c.layout), columns)
+
+    return ex, planned
+
+
+def _candidates(
+    cfg: OverlapConfig,
+    preps: list[Prepared],
+    planned: Callable[[OverlapConfig], Prepared],
+    timed: bool,
+    collective: str,
+    shape: tuple[int, int, int],
+    full: dist.ProcessGroup,
+    device: torch.device,
+) -> tuple[list[OverlapConfig], list[Prepared]]:
+    """The configs a call may run, and their plans: ``cfg`` (planned: ``preps``), and where the call
+    is timed the same with NCCL's SMs taken differently (rules.alternative) and, where the ranks
+    can pull, as a pull (rules.pulled); only those of more than one group. On the shape every rank
+    decides on: candidates that differ by rank would hang in NCCL."""
+    candidates = [cfg]
+    others = []
+    if timed:
+        total = preps[0].sm_count + cfg.comm_sms
+        if not cfg.late_budget:  # (a late hint is late already; its grid is every SM)
+            others.append(alternative(cfg, shape, total, torch.cuda.get_device_capability(device)))
+        # where the ranks can pull (asked only where the trial runs: the first ask per group gathers
+        # every rank's view, a host sync)
+        pull = pulled(cfg, collective, shape, total, dist.get_world_size(full))
+        if pull is not None and _trial_runs() and comm.peer.unavailable(full, device) is None:
+            others.append(pull)
+    for other in others:
+        if other is not None and (other_prep := planned(other)).plan.num_groups > 1:
+            candidates.append(other)
+            preps.append(other_prep)
+    return candidates, preps
+
+
+def tuned_config(
+    a: torch.Tensor, world: int, ex: Exchange, shape: tuple[int, int, int], p2p: bool = True
+) -> registry.Found | None:
+    """The registry's config for this call (flashoverlap.registry), None without one. Where the
+    entry cannot take the call (rules.carries; entries are tuned with equal splits on NCCL:
+    unequal all-to-all splits, say), the entry's measured ``fallback``, else None."""
+    key = (_device_name(a.device.index), world, ex.collective, registry.transport(), DTYPES[a.dtype], shape)
+    timing = registry.timing()
+    found = registry.lookup(*key, timing=timing)
+    if found is not None and not carries(found.config, ex, shape, p2p):
+        found = registry.lookup(*key, fallback=True, timing=timing)
+    return found
+
+
+@functools.cache  # every decision without config= asks
+def _device_name(index: int) -> str:
+    return torch.cuda.get_device_name(index)
+
+
+def check_agreement(prep: Prepared, collective: str, group: dist.ProcessGroup, ex: Exchange, call: tuple) -> None:
+    """On the first use of ``call`` with ``group`` (every use with ``FLASHOVERLAP_DEBUG=1``), check
+    that all ranks run the same plan, so that a mismatch fails loudly instead of hanging in NCCL.
+
+    ``call``: what the plan follows from, alike on every rank of a consistent call (never this
+    rank's own state, such as which plans it keeps: ranks whose M differ keep different plans, and a
+    rank that skipped the check while another ran it would leave both hanging). Ranks whose M differ
+    agree once per kind of call, not per call: every rank's M reaches every rank alike (exchanged),
+    and their columns follow from it."""
+    agreed = state.of(group).agreed
+    if agreed.recent(call) is not None and signal.debug_timeout() is None:
+        return
+    plan = prep.plan
+    # (the rotation differs by rank on purpose: comm.rows_rotation; so do the plans of ranks whose M
+    # differ, on the same columns)
+    if ex.ragged:
+        groups = f"M={ex.sources} columns={plan.column_groups}"
+    else:
+        groups = f"M={plan.m} groups={plan.bounds} ctas={plan.ctas}"
+    description = f"{collective} N={plan.n} {prep.kernel.spec} {groups}"
+    comm.agree(group, description, prep.counters.device)
+    agreed.keep(call, True)
+
+
+def budget_communicator(
+    cfg: OverlapConfig, collective: str, full: dist.ProcessGroup, device: torch.device
+) -> Communicator:
+    """The communicator of an overlapped call's groups during the GEMM: ``full``'s ranks capped at
+    ``cfg.comm_sms`` CTAs (the copy engines where ``cfg``'s symmetric collectives can use them),
+    through NCCL's C API under ``FLASHOVERLAP_NCCL=direct`` (comm.direct); for a pull, the ranks'
+    mapped memory (comm.peer), no NCCL."""
+    if cfg.reduction in comm.PULLS:
+        return comm.peer.peers(full, device)
+    copy_engine = cfg.symmetric and comm.comm_pattern(collective, cfg.layout, cfg.reduction) in comm.COPY_ENGINE
+    return comm.direct(comm.budget_group(full, cfg.comm_sms, copy_engine=copy_engine), device)
+
+
+def _say(ex: Exchange, shape: tuple[int, int, int], dtype: torch.dtype, group, path: str | Callable[[], str]) -> None:
+    """With ``FLASHOVERLAP_LOG=1``: which path a kind of call took and why (``path``, or a function
+    making it), once (stderr, rank 0: every rank decides alike)."""
+    if os.environ.get("FLASHOVERLAP_LOG") != "1":
+        return
+    path = path() if callable(path) else path
+    key, said = (ex.collective, shape, dtype, ex.ragged, path), state.of(group).said
+    if said.recent(key) is not None:
+        return
+    said.keep(key, True)
+    if dist.get_rank(group) == 0:
+        world = dist.get_world_size(group)
+        what = f"{ex.collective} {'x'.join(map(str, shape))} {DTYPES[dtype]}, {world} rank{'s' * (world > 1)}"
+        print(f"[flashoverlap] {what}{' (M differs by rank)' * ex.ragged}: {path}", file=sys.stderr, flush=True)
+
+
+TRIAL_MARGIN = 0.02  # overlap must beat sequential by this fraction (as the tuner's --margin)
+TRIAL_ROUNDS, TRIAL_BLOCK = 3, 4  # rounds (rounded up to whole cycles of orders) of calls per round
+
+
+def trial(
+    cfgs: Sequence[OverlapConfig],
+    preps: Sequence[Prepared],
+    budgets: Sequence[Communicator],
+    a: torch.Tensor,
+    weight: torch.Tensor,
+    weight_layout: str,
+    exes: Sequence[Exchange],
+    tails: Sequence[dist.ProcessGroup | comm.Direct | None],
+    full: dist.ProcessGroup,
+    m: int,
+    untuned: bool = True,
+) -> int | None:
+    """Which of the overlapped calls ``cfgs`` (their plans ``preps``, communicators ``budgets``,
+    exchanges ``exes`` and ``tails``: runtime.run_overlapped) to run, None for the sequential call
+    on ``full`` (:func:`trial_pick`): for a call that is not tuned for its shape (the built-in
+    defaults, or the nearest tuned shape's config: neither is tuned for this GPU, world size,
+    transport and shape; on small GEMMs over NVLink they lose, and 16 SMs for NCCL lose beside a
+    long GEMM). Timed on the call's own operands, a few rounds of each taking turns, every rank's
+    rounds deciding (timing.time_samples), so that every rank decides alike: with the same operands
+    every call (hot in L2, as a layer's), and where they fit in L2, also rotated through copies
+    larger than it together (as where activations come from far away). The answer is kept for
+    every M of the same power of two (with the same N, K, dtype, configs, kind of exchange and
+    communicators: a model whose token counts vary times each range once, not each count; ``m``:
+    the M every rank decides on, the largest where they differ). Not timed while a CUDA graph is
+    being captured (the first config then, the answer not kept) or with ``FLASHOVERLAP_TRIAL=0``;
+    under ``FLASHOVERLAP_TIMING=graphs`` each candidate's calls are captured and replayed as a CUDA
+    graph (the host's time does not count); ``untuned``: no registry entry at all (for the message)."""
+    graphs = registry.timing() == "graphs"
+    key = (
+        graphs,
+        m.bit_length(),
+        weight.shape,
+        a.dtype,
+        weight_layout,
+        a.device.index,
+        tuple(cfgs),
+        exes[0].collective,
+        exes[0].uniform,
+        exes[0].ragged,
+        tuple(e.reduction for e in exes),
+        tuple(budgets),
+    )
+    trials = state.of(full).trials
+    if key in trials:
+        return trials.recent(key)
+    if not _trial_runs():
+        return 0
+    # the candidates differ in their SM budget, or pull
+    names = [
+        f"overlapped, comm_sms {c.comm_sms}{' late' * c.late_budget}{f' {c.reduction}' * (c.reduction in comm.PULLS)}"
+        for c in cfgs
+    ]
+
+    def variants(operands: list[torch.Tensor], weights: list[torch.Tensor]) -> dict[str, Callable[[int], object]]:
+        def on(i: int) -> tuple[torch.Tensor, torch.Tensor]:  # call i's operands
+            return operands[i % len(operands)], weights[i % len(weights)]
+
+        timed = {"sequential": lambda i: runtime.sequential(*on(i), weight_layout, exes[0], full)}
+        for name, prep, budget, ex, tail in zip(names, preps, budgets, exes, tails):
+            timed[name] = lambda i, p=prep, b=budget, e=ex, t=tail: runtime.run_overlapped(
+                p, *on(i), e, b, tail_group=t
+            )
+        return timed
+
+    modes = {}
+    for mode, sets in _operands(a, weight).items():
+        samples = timing.time_samples(variants(*sets), TRIAL_ROUNDS, TRIAL_BLOCK, 1, group=full, graphs=graphs)
+        modes[mode] = {name: (timing.slowest(ranks), timing.spread(ranks)) for name, ranks in samples.items()}
+    pick = trial_pick(names, list(modes.values()))
+    trials.keep(key, pick)
+    if dist.get_rank(full) == 0:
+        what = "no tuned config" if untuned else "tuned for another shape"
+        timed = "; ".join(
+            f"{mode}: " + ", ".join(f"{name} {t:.3f} ms (+-{noise:.0%})" for name, (t, noise) in times.items())
+            for mode, times in modes.items()
+        )
+        print(
+            f"[flashoverlap] {exes[0].collective} {m}x{preps[0].plan.n}, {what}: {timed} per call"
+            f"{' (CUDA graphs)' * graphs} -> {'sequential' if pick is None else names[pick]}"
+            f" for M in [{1 << (m.bit_length() - 1)}, "
+            f"{(1 << m.bit_length()) - 1}] (tune to do better: python -m flashoverlap.tune)",
+            file=sys.stderr,
+            flush=True,
+        )
+    return pick
+
+
+def _operands(a: torch.Tensor, weight: torch.Tensor) -> dict[str, tuple[list[torch.Tensor], list[torch.Tensor]]]:
+    """What a trial times its calls on: the call's own operands every call ("hot"), and where they fit
+    in L2, copies of them to rotate through, larger than L2 together ("rotated"; timing.input_sets)."""
+    modes = {"hot": ([a], [weight])}
+    (m, k), per_set = a.shape, a.numel() * a.element_size() + weight.numel() * weight.element_size()
+    l2 = torch.cuda.get_device_properties(a.device).L2_cache_size
+    if per_set < l2:
+        copies = timing.input_sets(m, weight.numel() // k, k, a.dtype, l2) - 1
+        modes["rotated"] = (
+            [a, *(a.clone() for _ in range(copies))],
+            [weight, *(weight.clone() for _ in range(copies))],
+        )
+    return modes
+
+
+def trial_pick(
+    names: Sequence[str], modes: Sequence[Mapping[str, tuple[float, float]]], margin: float = TRIAL_MARGIN
+) -> int | None:
+    """The candidate (an index into ``names``) a trial runs, None for the sequential call, from its
+    timings ``modes`` (one per way of timing: operands hot, rotated; each ``{variant: (ms per call,
+    spread)}``, ``"sequential"`` among the variants; timing.slowest, timing.spread): of the
+    candidates that beat sequential in every mode by more than ``margin`` and more than the spread
+    of both timings there (a smaller win may be noise, and the plain call never loses to itself),
+    the one whose slowest mode against sequential is fastest. A candidate some rank could not time
+    (NaN) is none."""
+    best, best_ratio = None, 1.0
+    for j, name in enumerate(names):
+        ratios = []
+        for times in modes:
+            (t, noise), (t_seq, noise_seq) = times[name], times["sequential"]
+            if math.isnan(t) or not t < t_seq * (1 - max(margin, noise + noise_seq)):
+                break
+            ratios.append(t / t_seq)
+        else:
+            if max(ratios) < best_ratio:
+                best, best_ratio = j, max(ratios)
+    return best
+
+
+def _trial_runs() -> bool:
+    """Whether :func:`trial` times its candidates (not under ``FLASHOVERLAP_TRIAL=0``, nor while a
+    CUDA graph is captured)."""
+    return os.environ.get("FLASHOVERLAP_TRIAL", "1") != "0" and not torch.cuda.is_current_stream_capturing()

@@ -1,0 +1,188 @@
+"""Timing GEMM + collective variants on GPUs, as bench, tune and a call's first-use trial do.
+
+Variants take turns round by round (so drift hits all alike, :func:`balanced_orders`), after
+warm-up, timed with CUDA events over blocks of back-to-back calls (the host running ahead, as in
+a model); a variant's time per call is the median over rounds, the largest over ranks.
+``graphs``: each variant's block is captured once as a CUDA graph and its replays are timed
+instead: GPU time alone, for every variant alike.
+"""
+
+from __future__ import annotations
+
+import math
+import random
+import statistics
+import sys
+from collections.abc import Callable, Sequence
+
+import torch
+import torch.distributed as dist
+
+from . import comm, signal
+
+
+def median_ms(samples: Sequence[float]) -> float:
+    return statistics.median(samples)
+
+
+def input_sets(m: int, n: int, k: int, dtype: torch.dtype, l2_bytes: int) -> int:
+    """How many operand sets to rotate through so that consecutive iterations miss in L2."""
+    per_set = (m * k + n * k) * torch.finfo(dtype).bits // 8
+    return max(2, math.ceil(3 * l2_bytes / per_set))
+
+
+def operand_sets(m: int, n: int, k: int, dtype: torch.dtype) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+    """Random operand sets (a [m, k], weight [n, k]) to rotate through, larger than L2 together."""
+    props = torch.cuda.get_device_properties(torch.cuda.current_device())
+    sets = input_sets(m, n, k, dtype, props.L2_cache_size)
+    gen = torch.Generator(device="cuda").manual_seed(1234 + dist.get_rank())
+    a = [torch.randn(m, k, device="cuda", generator=gen).to(dtype) for _ in range(sets)]
+    w = [(torch.randn(n, k, device="cuda", generator=gen) / math.sqrt(k)).to(dtype) for _ in range(sets)]
+    return a, w
+
+
+def kernel_alone(prep, a: Sequence[torch.Tensor], w: Sequence[torch.Tensor]) -> Callable[[int], None]:
+    """A timing variant: the signal GEMM of ``prep`` alone (no waits, no collectives) on operand
+    set ``i % len(a)``, into a scratch buffer, counters reset after each call."""
+    buf = torch.empty(prep.plan.numel, dtype=a[0].dtype, device=a[0].device)
+
+    def run(i: int) -> None:
+        stream = torch.cuda.current_stream()
+        prep.launch(a[i % len(a)], w[i % len(w)], buf, stream)
+        signal.reset(prep.counters, stream)
+
+    return run
+
+
+def time_variants(
+    variants: dict[str, Callable[[int], object]],
+    rounds: int,
+    block: int,
+    warmup: int,
+    group: dist.ProcessGroup | None = None,
+    graphs: bool = False,
+) -> dict[str, float]:
+    """Steady-state ms per call for each variant: the median over rounds, the largest over the
+    ranks of ``group`` (:func:`time_samples`, :func:`slowest`)."""
+    return {
+        name: slowest(ranks) for name, ranks in time_samples(variants, rounds, block, warmup, group, graphs).items()
+    }
+
+
+def time_samples(
+    variants: dict[str, Callable[[int], object]],
+    rounds: int,
+    block: int,
+    warmup: int,
+    group: dist.ProcessGroup | None = None,
+    graphs: bool = False,
+) -> dict[str, list[list[float]]]:
+    """Every rank's ms per call of each variant, round by round: ``{name: [rank 0's rounds, ...]}``,
+    alike on every rank of ``group``.
+
+    Each round times ``block`` calls of one variant back to back between two CUDA events, the
+    host free to run ahead as in a model's forward pass (launch overhead counts only where it
+    stalls the GPU); variants take turns round by round so drift hits all of them alike, in
+    :func:`balanced_orders` (``rounds`` rounded up to whole cycles of them): every variant follows
+    every other equally often. (In one fixed order identical work measured up to 5 % apart; in
+    ten shuffled ones the later of two identical variants measured 1-3 % faster in every run on
+    two H100s: a block inherits the GPU's state from the one before it.) Every rank must pass the
+    same variants in the same order: checked first, so that a divergence is an error on every rank
+    instead of a hang.
+    ``graphs``: each variant's block is captured once (after the warm-up) as one CUDA graph and a
+    round replays it: GPU time alone, as in a model captured in CUDA graphs. A variant that cannot
+    be captured on some rank has NaN rounds on every rank.
+    """
+
+    if graphs and warmup < 1:
+        raise ValueError("timing CUDA graphs needs a warm-up call of every variant before capture")
+    torch.cuda.synchronize()
+    comm.agree(group, "time_variants: " + ", ".join(variants), torch.device("cuda", torch.cuda.current_device()))
+    for i in range(warmup):
+        for fn in variants.values():
+            fn(i)
+    torch.cuda.synchronize()
+    if graphs:  # a variant some rank could not capture is dropped on every rank
+        runs = {name: _captured(name, fn, block) for name, fn in variants.items()}
+        missing = torch.tensor([run is None for run in runs.values()], dtype=torch.float64, device="cuda")
+        dist.all_reduce(missing, op=dist.ReduceOp.MAX, group=group)
+        runs = {name: run for (name, run), gone in zip(runs.items(), missing.tolist()) if not gone}
+    else:
+        runs = {name: _eager(fn, block) for name, fn in variants.items()}
+    dist.barrier(group=group)
+    events = []
+    names = random.Random(0).sample(list(runs), len(runs))  # their places in the design, alike on every rank
+    orders = balanced_orders(len(names))
+    total = -(-rounds // len(orders)) * len(orders) if orders else 0
+    for r in range(total):
+        for name in (names[v] for v in orders[r % len(orders)]):
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            runs[name](r)
+            end.record()
+            events.append((name, start, end))
+    torch.cuda.synchronize()
+    table = torch.full((len(variants), total), math.nan, dtype=torch.float64)
+    row = {name: v for v, name in enumerate(variants)}
+    done = dict.fromkeys(runs, 0)
+    for name, start, end in events:
+        table[row[name], done[name]] = start.elapsed_time(end) / block
+        done[name] += 1
+    every = torch.empty((dist.get_world_size(group), *table.shape), dtype=table.dtype, device="cuda")
+    comm.all_gather_single(every, table.cuda(), group=group)
+    per_rank = every.tolist()
+    return {name: [rank[v] for rank in per_rank] for v, name in enumerate(variants)}
+
+
+def slowest(ranks: Sequence[Sequence[float]]) -> float:
+    """A variant's time from every rank's rounds (:func:`time_samples`): the slowest rank's median
+    (NaN where any is)."""
+    medians = [median_ms(rounds) for rounds in ranks]
+    return math.nan if any(math.isnan(t) for t in medians) else max(medians)
+
+
+def spread(ranks: Sequence[Sequence[float]]) -> float:
+    """How far apart a variant's rounds lie (:func:`time_samples`), as a fraction of their median:
+    half the range of the widest rank's (NaN where any rank's rounds are)."""
+    widths = [(max(rounds) - min(rounds)) / (2 * median_ms(rounds)) for rounds in ranks]
+    return math.nan if any(math.isnan(w) for w in widths) else max(widths)
+
+
+def balanced_orders(n: int) -> list[list[int]]:
+    """Orders of ``n`` variants (a Williams design) in which each comes first equally often and
+    directly after every other equally often: ``n`` orders for even ``n``, ``2n`` for odd (the
+    first ``n`` reversed too), so that what a timed block inherits from the one before it (the
+    clocks a power-hungry GEMM leaves, say) falls on every variant alike."""
+    base, low, high = [0], 1, n - 1
+    while low <= high:  # 0, 1, n-1, 2, n-2, ...
+        base.append(low)
+        low += 1
+        if low <= high:
+            base.append(high)
+            high -= 1
+    orders = [[(v + shift) % n for v in base] for shift in range(n)]
+    return orders if n % 2 == 0 or n == 1 else orders + [order[::-1] for order in orders]
+
+
+def _eager(fn: Callable[[int], object], block: int) -> Callable[[int], None]:
+    """Round ``r`` of a variant: ``block`` calls on operand sets rotated from ``r * block``."""
+
+    def run(r: int) -> None:
+        for i in range(block):
+            fn(r * block + i)
+
+    return run
+
+
+def _captured(name: str, fn: Callable[[int], object], block: int) -> Callable[[int], None] | None:
+    """A round of a variant as one replay of its block of calls captured in a CUDA graph (operand
+    sets 0 .. block - 1, the same every round), or None where it cannot be captured."""
+    graph = torch.cuda.CUDAGraph()
+    try:
+        with torch.cuda.graph(graph):
+            for i in range(block):
+                fn(i)
+    except Exception as exc:  # report it, time the rest (every rank drops the variant)
+        print(f"{name}: not captured in a CUDA graph: {type(exc).__name__}: {exc}", file=sys.stderr)
+        return None
+    return lambda r: graph.replay()

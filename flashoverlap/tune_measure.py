@@ -1,0 +1,188 @@
+"""What the tuner's cost model is fed, measured on the GPUs (under torchrun): collectives by size
+on the communicators an overlapped call uses, the adds and copies a call makes on its own, pulls,
+and the host's time to enqueue a call. Each is measured once per run and shape-independent but
+for the host's time; every rank measures the same variants in the same order (timing.time_variants).
+"""
+
+from __future__ import annotations
+
+import functools
+import statistics
+import time
+
+import torch
+import torch.distributed as dist
+
+from . import comm, overlap
+from .config import resolve
+from .plan import make_plan
+from .prepared import prepare
+from .rules import for_call
+from .timing import time_variants
+from .tune_model import CommModel, HostModel, fit_comm, fit_host
+
+COMM_SIZES_MB = (1, 2, 4, 8, 16, 32, 64)
+
+
+@functools.cache
+def local_model(collective: str, dtype, rounds: int) -> CommModel:
+    """Time by size of what stays on the rank: in the ``rows`` layout of reduce-scatter /
+    all-to-all the own rows, added into the result or copied there (the copy, "all_to_all", also
+    prices what comm.finish_group copies into place: ``cols`` blocks, a ``segments`` all-to-all's
+    rows); for a ``local`` all-reduce (``collective`` "all_gather") the sum of the world's
+    gathered partial sums (bytes: of the sum)."""
+
+    elem, world = torch.finfo(dtype).bits // 8, dist.get_world_size()
+
+    def make(mb: int):
+        x, y = (torch.randn((mb << 20) // elem, device="cuda").to(dtype) for _ in range(2))
+        if collective == "all_gather":
+            parts = torch.randn(world, x.numel(), device="cuda").to(dtype)
+            return (lambda i: comm.add_rows(parts, x)), x.numel() * elem
+        op = x.add_ if collective == "reduce_scatter" else x.copy_
+        return (lambda i: op(y)), x.numel() * elem
+
+    return fit_sizes(f"local {collective}", make, rounds)
+
+
+def fit_sizes(label: str, make, rounds: int) -> CommModel:
+    """:func:`fit_comm` of what ``make(mb)`` returns, a (timing variant, bytes) pair for each of
+    COMM_SIZES_MB, measured together; named by ``label``, so that ranks measuring different
+    things fail in time_variants instead of deadlocking."""
+
+    variants, sizes = {}, []
+    for mb in COMM_SIZES_MB:
+        variants[f"{label} {mb}MB"], nbytes = make(mb)
+        sizes.append(nbytes)
+    times = time_variants(variants, rounds, 4, 2)
+    return fit_comm(sizes, [times[name] for name in variants])
+
+
+@functools.cache
+def comm_model(pattern: str, comm_sms: int, dtype, rounds: int, symmetric: bool = False) -> CommModel:
+    """Time by size of a collective (or ``exchange`` / ``all_gather`` / ``pull``, see
+    rules.comm_pattern) on the whole world: on the communicator an overlapped call uses while
+    its GEMM runs, NCCL held to ``comm_sms`` SMs (0 without ``symmetric``: the default communicator,
+    as for the last group), buffers in a symmetric window where ``symmetric`` (all-to-all and
+    all-gather then on the copy engines, as the runtime does); ``pull``: the other ranks' partial
+    sums copied out of their memory as each says they are there (comm.peer: no NCCL, no SM, whatever
+    ``comm_sms``). The same for every shape, so measured once per run."""
+
+    if pattern in comm.PULLS:  # (one model for every comm_sms: each measurement maps memory on every rank)
+        return pull_model(dtype, rounds, pattern)
+
+    group = comm.budget_group(dist.group.WORLD, comm_sms, copy_engine=symmetric and pattern in comm.COPY_ENGINE)
+    world, me, elem = dist.get_world_size(), dist.get_rank(), torch.finfo(dtype).bits // 8
+    device = torch.device("cuda", torch.cuda.current_device())
+    window = comm.nccl.Window([group], device) if symmetric else None
+
+    def exchange(data, into):
+        ops = [
+            dist.P2POp(dist.isend, data, (me + 1) % world, group),
+            dist.P2POp(dist.irecv, into, (me - 1) % world, group),
+        ]
+        for request in dist.batch_isend_irecv(ops):
+            request.wait()
+
+    def make(mb: int):
+        rows = max(world, (mb << 20) // (1024 * elem) // world * world)
+        shapes = [(rows, 1024), (world * rows if pattern == "all_gather" else rows, 1024)]
+        if window is None:
+            alloc = lambda shape: torch.empty(shape, dtype=dtype, device=device)  # noqa: E731
+        else:  # a window of its own per size: the sizes are measured side by side
+            alloc = comm.nccl.Window([group], device).allocator(
+                sum(comm.nccl.carved_bytes(shape, dtype) for shape in shapes), dtype
+            )
+        data, into = (alloc(shape) for shape in shapes)
+        data.copy_(torch.randn(rows, 1024, device=device))
+        if pattern == "exchange":
+            return (lambda i: exchange(data, into)), rows * 1024 * elem
+        if pattern == "all_gather":
+            return (lambda i: comm.all_gather_single(into, data, group)), rows * 1024 * elem
+        ex = comm.exchange(pattern, rows, world)
+        return (lambda i: comm.collective(ex, data, group, into[: ex.rows])), rows * 1024 * elem
+
+    return fit_sizes(f"{pattern}{' symmetric' if symmetric else ''}", make, rounds)
+
+
+@functools.cache
+def pull_model(dtype, rounds: int, reduction: str = "pull") -> CommModel:
+    """Time by size of a ``pull`` / ``pull_scatter`` all-reduce's copies (:func:`_pulls`), measured
+    once per run."""
+    return fit_sizes(reduction, _pulls(dtype, reduction), rounds)
+
+
+def _pulls(dtype, reduction: str = "pull"):
+    """``make(mb)`` for :func:`fit_sizes`: the copies a ``pull`` all-reduce makes of one group of
+    that size, with the waits that order them (comm._pull, comm.peer.Peers.arrivals), in memory of its
+    own, each time claimed, counted (as the GEMM would) and released as a call does (Peers.claim /
+    mark / copied): without that a rank ran a measurement ahead, set a flag the other had not cleared
+    yet (one signal lost), and the other waited for it forever (the tuner hung so on 2x H100 and
+    2x H200). A ``pull_scatter``'s one group: its share's copies, their sum and the other shares'
+    copies, one after another (comm.communicate_group, finish_group, gather_group)."""
+
+    device, elem = torch.device("cuda", torch.cuda.current_device()), torch.finfo(dtype).bits // 8
+
+    def make(mb: int):
+        peers = comm.peer.Peers(dist.group.WORLD, device)  # (collective: every rank makes the same sizes)
+        chunk = peers.buffer((mb << 20) // elem, dtype).copy_(torch.randn((mb << 20) // elem, device=device))
+        into = torch.empty(peers.world, chunk.numel(), dtype=dtype, device=device)
+        peers.targets = (1,)
+        # one group of 1024-element rows: a plan of one wave
+        plan = make_plan(chunk.numel() // 1024, 1024, tile_m=128, tile_n=128, cluster_m=1, ctas=1 << 20, layout="rows")
+        ex = comm.exchange("all_reduce", plan.m, peers.world, reduction=reduction)
+        _, _, staged = comm.buffers(ex, plan, lambda shape: torch.empty(shape, dtype=dtype, device=device), chunk)
+        out = torch.empty(plan.m, plan.n, dtype=dtype, device=device)
+
+        def call(i: int) -> None:
+            peers.mark(0)
+            if reduction == "pull":
+                comm._pull(peers, 0, chunk, into)
+            else:
+                comm.communicate_group(ex, plan, 0, chunk, staged, out, peers)
+                comm.finish_group(ex, plan, 0, chunk, staged, out, peers)
+                comm.gather_group(ex, plan, 0, chunk, out, peers)
+            peers.copied()
+            peers.claim()
+
+        return call, chunk.numel() * elem
+
+    return make
+
+
+def tail_model(pattern: str, dtype, rounds: int, symmetric: bool) -> CommModel:
+    """:func:`comm_model` on the full communicator (the last group's), where the copy-engine
+    patterns of :func:`comm_model` run NCCL's usual kernels on every SM."""
+
+    return comm_model(pattern, 0, dtype, rounds, symmetric and pattern not in comm.COPY_ENGINE)
+
+
+def host_model(collective: str, a, w, candidate: dict, num_waves: int, calls: int = 10) -> HostModel:
+    """Host time to enqueue one call (nothing waits for the GPU), with one group and with one
+    group per wave (as many as the layout makes of them); every rank makes the same calls."""
+
+    overlapped = getattr(overlap, f"gemm_{collective}")
+    (m, k), n = a[0].shape, w[0].shape[0]
+    counts, times = [], []
+    for partition in dict.fromkeys([(num_waves,), (1,) * num_waves]):  # one entry when a single wave
+        cfg = {**candidate, "partition": list(partition)}
+        for i in range(3):  # plan, agreement and communicators first
+            overlapped(a[i % len(a)], w[i % len(w)], config=cfg)
+        torch.cuda.synchronize()
+        spent = []
+        for i in range(calls):
+            start = time.perf_counter()
+            overlapped(a[i % len(a)], w[i % len(w)], config=cfg)
+            spent.append((time.perf_counter() - start) * 1e3)
+        torch.cuda.synchronize()
+        ex = comm.exchange(collective, m, dist.get_world_size())
+        resolved = for_call(resolve(cfg), ex, (m, n, k))
+        segments = comm.interleave(ex, resolved.layout)
+        counts.append(prepare(m, n, k, a[0].dtype, "nk", a[0].device, resolved, interleave=segments).plan.num_groups)
+        times.append(statistics.median(spent))
+    # the slowest rank's times, so that every rank predicts (and so plans) the same calls
+    times = torch.tensor(times, dtype=torch.float64, device=a[0].device)
+    dist.all_reduce(times, op=dist.ReduceOp.MAX)
+    times = times.tolist()
+    # a single possible group count: its time is all there is to know
+    return fit_host(counts, times) if len(set(counts)) > 1 else HostModel(base_ms=times[-1])

@@ -1,0 +1,487 @@
+"""Which path a call takes, and with which config (CPU: gloo, CPU tensors standing in for CUDA ones)."""
+
+import contextlib
+import math
+from types import SimpleNamespace
+
+import pytest
+import torch
+import torch.distributed as dist
+
+import flashoverlap
+from flashoverlap import comm, decision, registry, runtime, state, timing
+from flashoverlap.config import OverlapConfig
+from flashoverlap.prepared import Prepared
+from flashoverlap.registry import Found
+
+from .helpers import ENTRY_POINTS, bf16, spawn_ranks
+
+
+@pytest.fixture(autouse=True)
+def _fresh(fresh_state):
+    """Every test here starts without decisions, trials or logged lines of the others."""
+
+
+def plain_records(monkeypatch, record) -> None:
+    """Calls decided plain run ``record(a, weight, weight_layout, ex, group)`` (runtime.sequential's
+    arguments) instead."""
+    monkeypatch.setattr(runtime, "plain", lambda ex, group, layout, world: lambda a, w: record(a, w, layout, ex, group))
+
+
+def timings(monkeypatch, time_variants) -> None:
+    """The trial's timings from ``time_variants(variants, rounds, block, warmup, group=, graphs=)``
+    ({variant: ms per call}) as four equal rounds of one rank, on the call's own operands only."""
+
+    def time_samples(variants, rounds, block, warmup, group=None, graphs=False):
+        times = time_variants(variants, rounds, block, warmup, group=group, graphs=graphs)
+        return {name: [[t] * 4] for name, t in times.items()}
+
+    monkeypatch.setattr(timing, "time_samples", time_samples)
+    monkeypatch.setattr(decision, "_operands", lambda a, weight: {"hot": ([a], [weight])})
+
+
+def test_a_config_without_a_kernel_on_this_gpu_fails_before_any_communication(monkeypatch):
+
+    monkeypatch.setattr(decision, "check_inputs", lambda a, w, layout: (64, 64, 64))
+    monkeypatch.setattr(decision, "world_size", lambda group: 2)
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (8, 9))  # an RTX 4090
+    monkeypatch.setattr(torch.cuda, "device", lambda device: contextlib.nullcontext())  # CPU tensors stand in
+
+    def exchange(*args, **kwargs):
+        raise AssertionError("communicated before rejecting the config")
+
+    monkeypatch.setattr(comm, "exchange", exchange)
+    with pytest.raises(ValueError, match="the sm90 kernels need a Hopper GPU"):
+        flashoverlap.gemm_all_to_all(bf16(64, 64), bf16(64, 64), splits=[10, 54], config={"kernel": "sm90"})
+    with pytest.raises(ValueError, match=r"cannot run on sm_89: cluster_m 2 not in \(1,\)"):
+        flashoverlap.gemm_all_reduce(bf16(64, 64), bf16(64, 64), config={"cluster_m": 2})
+
+
+@pytest.mark.parametrize(
+    ("config", "tuned", "waves", "trial", "env", "paths", "timed", "said"),
+    [
+        # one group: nothing to overlap
+        (None, None, 1, None, None, ["sequential"] * 2, 0, "sequential: one wave of tiles"),
+        # untuned: timed once, kept
+        (None, None, 3, 0.9, None, ["overlapped"] * 2, 1, "overlapped, the defaults {'layout': 'rows'"),
+        # within the margin: sequential
+        (None, None, 3, 0.99, None, ["sequential"] * 2, 1, "sequential: the defaults lost to it when timed"),
+        # FLASHOVERLAP_TRIAL=0: the defaults as they are
+        (None, None, 3, 1.2, "0", ["overlapped"] * 2, 0, "overlapped, the defaults"),
+        # a registry entry for the call's shape is the tuner's word
+        (None, ({}, True), 3, 1.2, None, ["overlapped"] * 2, 0, "overlapped, the registry's config"),
+        (None, ({"sequential": True}, True), 3, 1.2, None, ["sequential"] * 2, 0, "registry's config says sequential"),
+        # one for another shape is a hint, timed like the defaults (which replace a hint of sequential)
+        (None, ({}, False), 3, 0.9, None, ["overlapped"] * 2, 1, "overlapped, the nearest tuned shape's config {"),
+        (None, ({}, False), 3, 1.2, None, ["sequential"] * 2, 1, "the nearest tuned shape's config lost to it"),
+        (None, ({"sequential": True}, False), 3, 0.9, None, ["overlapped"] * 2, 1, "overlapped, the defaults {"),
+        # an explicit config runs as given
+        ({}, None, 1, 1.2, None, ["overlapped"] * 2, 0, "overlapped, your config {'layout': 'rows'"),
+    ],
+)
+def test_which_path_a_call_takes(
+    one_rank_group, monkeypatch, capfd, config, tuned, waves, trial, env, paths, timed, said
+):
+    """A call without config= skips the overlap where it cannot pay: a GEMM of one group, or an
+    untuned call that lost to sequential when first timed (overlap / sequential time ``trial``).
+    ``FLASHOVERLAP_LOG=1`` says which path it took and why, once."""
+    from flashoverlap.plan import make_plan
+
+    plan = make_plan(128 * waves, 256, tile_m=128, tile_n=256, cluster_m=1, ctas=1, partition=None, layout="rows")
+    prep = Prepared(plan, *(None,) * 5, 132, None)
+    taken, trials = [], []
+
+    def time_variants(variants, rounds, block, warmup, group=None, graphs=False):
+        trials.append(sorted(variants))
+        return {name: 1.0 if name == "sequential" else trial for name in variants}
+
+    if env is not None:
+        monkeypatch.setenv("FLASHOVERLAP_TRIAL", env)
+    monkeypatch.setenv("FLASHOVERLAP_LOG", "1")
+    monkeypatch.setattr(decision, "check_inputs", lambda a, w, layout: (plan.m, plan.n, 64))
+    monkeypatch.setattr(decision, "world_size", lambda group: 2)
+    monkeypatch.setattr(torch.cuda, "device", lambda device: contextlib.nullcontext())  # CPU tensors stand in
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (9, 0))
+    monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: False)
+    monkeypatch.setattr(
+        decision,
+        "tuned_config",
+        lambda *args: None if tuned is None else Found(OverlapConfig(**tuned[0]), tuned[1]),
+    )
+    monkeypatch.setattr(decision, "prepare", lambda *args: taken.append("planned") or prep)
+    monkeypatch.setattr(decision, "one_wave", lambda cfg, m, n, device: m <= 128)  # the plan's one CTA
+    monkeypatch.setattr(decision, "check_agreement", lambda *args: None)
+    monkeypatch.setattr(decision, "budget_communicator", lambda *args: None)
+    plain_records(monkeypatch, lambda *args: taken.append("sequential"))
+    monkeypatch.setattr(runtime, "run_overlapped", lambda *args, **kwargs: taken.append("overlapped"))
+    timings(monkeypatch, time_variants)
+    for _ in range(2):
+        flashoverlap.gemm_all_reduce(bf16(plan.m, 64), bf16(plan.n, 64), config=config)
+    assert plan.num_groups == waves and [p for p in taken if p != "planned"] == paths
+    # one wave without config, or a sequential entry for the shape: not even planned
+    assert ("planned" in taken) == ((config is not None or waves > 1) and tuned != ({"sequential": True}, True))
+    # (3 tiles: a late budget saves no wave, no second candidate)
+    assert trials == [["overlapped, comm_sms 16", "sequential"]] * timed
+    what = f"[flashoverlap] all_reduce {plan.m}x{plan.n}x64 bfloat16, 1 rank: "
+    lines = [line for line in capfd.readouterr().err.splitlines() if line.startswith(what)]
+    assert len(lines) == 1 and said in lines[0], lines  # once, for both calls
+
+
+def untuned_all_reduce(monkeypatch, m: int, n: int) -> dict:
+    """An all-reduce of [m, 64] x [n, 64] on two ranks without a tuned config, planned on 132 SMs in
+    128 x 256 tiles, nothing checked with the other rank: the plans made, by (late_budget, reduction)."""
+    from flashoverlap.plan import make_plan
+
+    preps = {}
+
+    def prepare(m, n, k, dtype, layout, device, cfg, *args):
+        sms = 132 if cfg.late_budget else 132 - cfg.comm_sms
+        plan = make_plan(m, n, tile_m=128, tile_n=256, cluster_m=1, ctas=sms, layout="rows", keep=132 - cfg.comm_sms)
+        return preps.setdefault((cfg.late_budget, cfg.reduction), Prepared(plan, *(None,) * 5, sms, None))
+
+    monkeypatch.setattr(decision, "world_size", lambda group: 2)
+    monkeypatch.setattr(decision, "check_inputs", lambda a, w, layout: (m, n, 64))
+    monkeypatch.setattr(torch.cuda, "device", lambda device: contextlib.nullcontext())
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (9, 0))
+    monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: False)
+    monkeypatch.setattr(decision, "tuned_config", lambda *args: None)
+    monkeypatch.setattr(decision, "one_wave", lambda *args: False)
+    monkeypatch.setattr(decision, "prepare", prepare)
+    monkeypatch.setattr(decision, "check_agreement", lambda *args: None)
+    return preps
+
+
+def test_a_timed_call_runs_the_fastest_candidate(one_rank_group, monkeypatch):
+    """A call without a tuned config times the defaults, the same with its SM budget late
+    (rules.alternative) and sequential once; the fastest runs, with its own plan and communicator."""
+
+    m, n = 4096, 8192
+    ran = []
+    preps = untuned_all_reduce(monkeypatch, m, n)
+    monkeypatch.setattr(decision, "budget_communicator", lambda cfg, *args: f"budget {cfg.comm_sms}")
+    monkeypatch.setattr(runtime, "run_overlapped", lambda prep, a, w, ex, budget, **kw: ran.append((prep, budget)))
+    times = {"sequential": 1.0, "overlapped, comm_sms 16": 0.95, "overlapped, comm_sms 16 late": 0.9}
+    timings(monkeypatch, lambda variants, *args, **kwargs: {v: times[v] for v in variants})
+    for _ in range(2):
+        flashoverlap.gemm_all_reduce(bf16(m, 64), bf16(n, 64))
+    late = preps[True, "nccl"]
+    assert ran == [(late, "budget 16")] * 2 and len(state.of(None).trials) == 1
+    assert (late.plan.after, late.plan.partition) == (6, (6, 1, 1))
+    chosen = decision.decide(bf16(m, 64), bf16(n, 64), "all_reduce")
+    assert chosen.config.late_budget and chosen.prep is late
+
+
+def test_where_the_ranks_can_pull_a_timed_all_reduce_times_the_pull_too(one_rank_group, monkeypatch):
+    """A call without a tuned config also times its config as a pull all-reduce (rules.pulled)
+    where comm.peer.unavailable allows; a winning pull runs with its own exchange, its copies and
+    no NCCL communicator for the last group."""
+
+    m, n = 4096, 8192
+    ran = []
+    untuned_all_reduce(monkeypatch, m, n)
+    monkeypatch.setattr(decision, "budget_communicator", lambda cfg, *args: f"budget {cfg.reduction} {cfg.comm_sms}")
+    monkeypatch.setattr(comm, "tail_group", lambda *args: "tail")
+    monkeypatch.setattr(comm.peer, "unavailable", lambda group, device: None)
+    monkeypatch.setattr(
+        runtime, "run_overlapped", lambda prep, a, w, ex, b, tail_group: ran.append((ex, b, tail_group))
+    )
+    times = {
+        "sequential": 1.0,
+        "overlapped, comm_sms 16": 0.95,
+        "overlapped, comm_sms 16 late": 0.9,
+        "overlapped, comm_sms 4 pull": 0.85,  # 1024 tiles: 8 waves on 128 SMs as on 132
+    }
+    seen = []
+    timings(monkeypatch, lambda variants, *args, **kw: seen.append(sorted(variants)) or {v: times[v] for v in variants})
+    flashoverlap.gemm_all_reduce(bf16(m, 64), bf16(n, 64))
+    assert seen == [sorted(times)]
+    ((ex, budget, tail),) = ran
+    assert ex.reduction == "pull" and ex.recv == (m, m) and budget == "budget pull 4" and tail is None
+    # where they cannot pull, not timed
+    monkeypatch.setattr(state, "_states", {})
+    monkeypatch.setattr(comm.peer, "unavailable", lambda group, device: "no peer access")
+    flashoverlap.gemm_all_reduce(bf16(m, 64), bf16(n, 64))
+    assert seen[-1] == ["overlapped, comm_sms 16", "overlapped, comm_sms 16 late", "sequential"]
+
+
+@pytest.mark.parametrize("p2p_disabled", [False, True])
+def test_no_window_where_p2p_is_disabled(one_rank_group, monkeypatch, p2p_disabled):
+    """NCCL's symmetric kernels reach peers through CUDA IPC whatever NCCL_P2P_DISABLE says: with
+    P2P disabled a call runs without a window, as where ranks lack peer access."""
+    from flashoverlap.plan import make_plan
+
+    plan = make_plan(4096, 8192, tile_m=128, tile_n=256, cluster_m=1, ctas=116, layout="rows")
+    monkeypatch.setenv("NCCL_P2P_DISABLE", "1" if p2p_disabled else "0")
+    monkeypatch.setattr(decision, "world_size", lambda group: 2)
+    monkeypatch.setattr(decision, "check_inputs", lambda a, w, layout: (4096, 8192, 64))
+    monkeypatch.setattr(torch.cuda, "device", lambda device: contextlib.nullcontext())
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (9, 0))
+    monkeypatch.setattr(decision, "prepare", lambda *args: Prepared(plan, *(None,) * 5, 116, None))
+    monkeypatch.setattr(decision, "check_agreement", lambda *args: None)
+    monkeypatch.setattr(decision, "budget_communicator", lambda *args: None)
+    chosen = decision.decide(bf16(4096, 64), bf16(8192, 64), "all_reduce", config={"symmetric": True})
+    assert chosen.config.symmetric is not p2p_disabled
+    # a pull all-reduce copies between the GPUs' memories: refused, not run over NVLink behind the transport's back
+    if p2p_disabled:
+        with pytest.raises(ValueError, match="reduction 'pull' copies between the GPUs' memories: NCCL_P2P_DISABLE"):
+            decision.decide(bf16(4096, 64), bf16(8192, 64), "all_reduce", config={"reduction": "pull"})
+    else:
+        monkeypatch.setattr(comm.peer, "unavailable", lambda group, device: None)  # (the test's group is gloo's)
+        chosen = decision.decide(bf16(4096, 64), bf16(8192, 64), "all_reduce", config={"reduction": "pull"})
+        assert chosen.config.reduction == "pull" and chosen.tail is None  # (no NCCL communicator)
+
+
+@pytest.mark.parametrize("config", [None, {}])
+def test_a_group_of_one_rank_runs_the_plain_gemm_before_any_lookup(one_rank_group, monkeypatch, capfd, config):
+    """The same model run without tensor parallelism pays only the input checks: no registry
+    lookup, no config resolution for the collective, no device switch."""
+
+    monkeypatch.setenv("FLASHOVERLAP_LOG", "1")
+
+    def unexpected(*args, **kwargs):
+        raise AssertionError("a one-rank call went past the plain GEMM's checks")
+
+    taken = []
+    monkeypatch.setattr(decision, "check_inputs", lambda a, w, layout: (256, 256, 64))
+    monkeypatch.setattr(decision, "tuned_config", unexpected)
+    monkeypatch.setattr(decision, "for_call", unexpected)
+    monkeypatch.setattr(torch.cuda, "device", unexpected)
+    plain_records(monkeypatch, lambda *args: taken.append(args[3].collective))
+    for fn in ENTRY_POINTS:
+        fn(bf16(256, 64), bf16(256, 64), config=config)
+    assert taken == ["all_reduce", "reduce_scatter", "all_to_all"]
+    assert capfd.readouterr().err.count("bfloat16, 1 rank: sequential: one rank") == 3
+
+
+@pytest.mark.parametrize("m, sources", [(3000, (3000, 0)), (0, (0, 3000)), (0, None)])
+def test_a_call_where_a_rank_has_no_rows_runs_the_plain_collective_alike(
+    one_rank_group, monkeypatch, capfd, m, sources
+):
+    """Where this rank, or a rank every rank knows of (counts exchanged), has no rows, the call runs
+    matmul + the collective on every rank, before any lookup or planning."""
+
+    def unexpected(*args, **kwargs):
+        raise AssertionError("a call with a rank without rows went past the plain path")
+
+    taken = []
+    ex = comm.Exchange("all_to_all", (m // 2, m - m // 2), (0, 0), 0, uniform=False, sources=sources)
+    monkeypatch.setattr(decision, "world_size", lambda group: 2)
+    monkeypatch.setattr(decision, "check_inputs", lambda a, w, layout: (m, 256, 64))
+    monkeypatch.setattr(comm, "exchange", lambda *args, **kwargs: ex)
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (9, 0))
+    monkeypatch.setattr(decision, "tuned_config", unexpected)
+    monkeypatch.setattr(decision, "prepare", unexpected)
+    plain_records(monkeypatch, lambda *args: taken.append(args[3]))
+    monkeypatch.setenv("FLASHOVERLAP_LOG", "1")
+    for config in (None, {"layout": "cols"}):
+        flashoverlap.gemm_all_to_all(bf16(max(m, 1), 64), bf16(256, 64), splits=list(ex.send), config=config)
+    assert taken == [ex, ex]
+    assert "sequential: a rank has no rows" in capfd.readouterr().err
+
+
+@pytest.mark.parametrize("given", [False, True], ids=["exchanged", "rows_per_rank"])
+def test_ranks_with_different_m_decide_on_the_largest_and_share_its_columns(one_rank_group, monkeypatch, given):
+    """Ranks whose M differ (known to all where the counts were exchanged, or given as
+    ``rows_per_rank``: then nothing is exchanged) make every choice on the largest M, and plan their
+    own groups on that M's tile columns; only layouts of whole columns."""
+    from flashoverlap.plan import make_plan
+
+    # the largest M's grid takes as many waves with the defaults' budget as without (no late
+    # candidate), this rank's own would not: every rank must time the same candidates
+    m, n, k, largest = 1000, 4096, 64, 2500
+    ex = comm.Exchange("all_to_all", (500, 500), (500, 1500), 2000, uniform=False, sources=(m, largest))
+    shared = make_plan(largest, n, tile_m=128, tile_n=256, cluster_m=1, ctas=16, layout="cols").column_groups
+    seen = []
+
+    def prepare(*args):
+        seen.append(("prepare", args[0], args[-1]))
+        plan = make_plan(m, n, tile_m=128, tile_n=256, cluster_m=1, ctas=16, layout="cols", column_groups=args[-1])
+        return Prepared(plan, *(None,) * 5, 132, None)
+
+    monkeypatch.setattr(decision, "world_size", lambda group: 2)
+    monkeypatch.setattr(decision, "check_inputs", lambda a, w, layout: (m, n, k))
+    counts = {"splits": [500, 500]}
+    if given:
+        counts.update(output_splits=[500, 1500], rows_per_rank=[m, largest])
+        monkeypatch.setattr(comm, "all_gather_single", lambda *args, **kwargs: pytest.fail("counts exchanged"))
+    else:
+        monkeypatch.setattr(comm, "exchange", lambda *args, **kwargs: ex)
+    monkeypatch.setattr(torch.cuda, "device", lambda device: contextlib.nullcontext())
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (9, 0))
+    monkeypatch.setattr(comm, "cuda_backend", lambda group: "nccl")
+    monkeypatch.setattr(decision, "tuned_config", lambda a, world, ex, shape, p2p: seen.append(("tuned", shape)))
+    monkeypatch.setattr(decision, "one_wave", lambda cfg, m, n, device: seen.append(("one_wave", m)) and False)
+    monkeypatch.setattr(decision, "shared_columns", lambda *args: seen.append(("columns", args[0])) or shared)
+    monkeypatch.setattr(decision, "prepare", prepare)
+    monkeypatch.setattr(decision, "check_agreement", lambda *args: None)
+    monkeypatch.setattr(decision, "budget_communicator", lambda *args: None)
+    monkeypatch.setattr(comm, "tail_group", lambda group, device: group)
+    monkeypatch.setattr(decision, "trial", lambda *args: seen.append(("trial", args[-2], len(args[0]))) or 0)
+    monkeypatch.setattr(runtime, "run_overlapped", lambda prep, *args, **kwargs: seen.append(("run", prep.plan)))
+    flashoverlap.gemm_all_to_all(bf16(m, k), bf16(n, k), **counts)
+    plan = seen[-1][1]
+    assert seen[:-1] == [
+        ("tuned", (largest, n, k)),
+        ("one_wave", largest),
+        ("columns", largest),
+        ("prepare", m, shared),
+        ("trial", largest, 1),
+    ]
+    assert plan.m == m and plan.column_groups == shared
+    for config in ({"layout": "rows"}, {"layout": "segments"}, {"symmetric": True}):
+        with pytest.raises(ValueError, match=r"different M \(\[1000, 2500\] rows\): their groups are whole tile"):
+            flashoverlap.gemm_all_to_all(bf16(m, k), bf16(n, k), **counts, config=config)
+
+
+def test_a_gloo_group_takes_no_point_to_point_layout(one_rank_group, monkeypatch):
+    """gloo carries CUDA tensors in collectives but not point to point: the ``rows`` layout of
+    reduce-scatter / all-to-all is refused before anything runs (a registry entry falls back)."""
+
+    monkeypatch.setattr(decision, "world_size", lambda group: 2)
+    monkeypatch.setattr(decision, "check_inputs", lambda a, w, layout: (4096, 4096, 512))
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (9, 0))
+    for fn in ENTRY_POINTS[1:]:
+        with pytest.raises(ValueError, match="layout 'rows' sends .* point to point, which a gloo group cannot"):
+            fn(bf16(64, 64), bf16(64, 64), config={"layout": "rows"})
+
+
+def agreement_worker(rank: int, world: int, store_path: str):
+    from flashoverlap.plan import make_plan
+
+    dist.init_process_group("gloo", store=dist.FileStore(store_path, world), rank=rank, world_size=world)
+    try:
+        agreed = []
+        real_agree = comm.agree
+        comm.agree = lambda *args: agreed.append(args[1]) or real_agree(*args)
+        sources = (3000, 1000)
+        ex = comm.Exchange("all_to_all", (500, 500), (500, 500), 1000, uniform=False, sources=sources)
+        shared = make_plan(3000, 1024, tile_m=128, tile_n=256, cluster_m=1, ctas=8, layout="cols").column_groups
+        for m in (sources[rank], sources[rank] // 2 if rank else sources[rank]):  # rank 1's own plan changes
+            plan = make_plan(m, 1024, tile_m=128, tile_n=256, cluster_m=1, ctas=8, layout="cols", column_groups=shared)
+            prep = Prepared(plan, SimpleNamespace(spec="spec"), None, torch.zeros(1), *(None,) * 4)
+            decision.check_agreement(prep, "all_to_all", dist.group.WORLD, ex, ("all_to_all", "ragged", 1024))
+        assert len(agreed) == 1, agreed  # once per kind of call, on every rank alike
+        dist.barrier()  # gloo: a rank leaving right after an all-gather can break its peer's last receive
+    finally:
+        dist.destroy_process_group()
+
+
+def test_ranks_agree_once_per_call_whatever_plans_each_keeps():
+    """Whether a call's ranks check their agreement (a collective) must not rest on this rank's own
+    plans: ranks whose M differ keep different ones, and one checking alone would hang."""
+    spawn_ranks(2, agreement_worker, timeout=120)
+
+
+def test_a_trial_holds_for_every_m_of_its_power_of_two(one_rank_group, monkeypatch):
+    from flashoverlap.plan import make_plan
+
+    trials, ran = [], []
+
+    def time_variants(variants, rounds, block, warmup, group=None, graphs=False):
+        trials.append((plans[-1].m, graphs))
+        overlapped = math.nan if graphs else 0.5  # NaN: as if a rank could not capture the overlapped calls
+        return {name: 1.0 if name == "sequential" else overlapped for name in variants}
+
+    plans = []
+
+    def prepare(m, n, *args):
+        plans.append(make_plan(m, n, tile_m=128, tile_n=256, cluster_m=1, ctas=1, partition=None, layout="rows"))
+        return Prepared(plans[-1], *(None,) * 5, 132, None)
+
+    monkeypatch.setattr(decision, "world_size", lambda group: 2)
+    monkeypatch.setattr(torch.cuda, "device", lambda device: contextlib.nullcontext())  # CPU tensors stand in
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (9, 0))
+    monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: False)
+    monkeypatch.setattr(decision, "tuned_config", lambda *args: None)
+    monkeypatch.setattr(decision, "prepare", prepare)
+    monkeypatch.setattr(decision, "one_wave", lambda *args: False)
+    monkeypatch.setattr(decision, "check_agreement", lambda *args: None)
+    monkeypatch.setattr(decision, "budget_communicator", lambda *args: None)
+    monkeypatch.setattr(runtime, "run_overlapped", lambda *args, **kwargs: ran.append(args[1].shape[0]))
+    timings(monkeypatch, time_variants)
+    monkeypatch.setattr(decision, "check_inputs", lambda a, w, layout: (a.shape[0], *w.shape))
+    monkeypatch.delenv("FLASHOVERLAP_TIMING", raising=False)
+    for m in (512, 700, 1023, 1024, 600, 512):
+        flashoverlap.gemm_all_reduce(bf16(m, 64), bf16(256, 64))
+    flashoverlap.gemm_all_reduce(bf16(512, 128), bf16(256, 128))  # another K: its own trial
+    assert trials == [(512, False), (1024, False), (512, False)] and len(ran) == 7
+    # calls replayed as CUDA graphs are timed so, apart from the eager answer; one no rank could
+    # capture is not picked
+    monkeypatch.setenv("FLASHOVERLAP_TIMING", "graphs")
+    registry.reload()  # (the environment is read as a call is decided)
+    flashoverlap.gemm_all_reduce(bf16(700, 64), bf16(256, 64))
+    assert trials[-1] == (700, True) and len(ran) == 7
+
+
+def test_a_repeated_call_reuses_its_decision_until_what_it_rests_on_changes(one_rank_group, monkeypatch):
+    """decide() is kept per call kind: a repeated call looks up neither registry nor plans, while
+    another shape or config decides afresh, a call whose counts are exchanged decides every time,
+    and registry.reload() makes every call decide afresh (the registry files and the environment
+    are read as a call is decided)."""
+    lookups = []
+
+    def tuned_config(a, world, ex, shape, p2p=True):
+        lookups.append(shape)
+        return Found(OverlapConfig(sequential=True), True)
+
+    monkeypatch.setattr(decision, "world_size", lambda group: 2)
+    monkeypatch.setattr(decision, "check_inputs", lambda a, w, layout: (a.shape[0], *w.shape))
+    monkeypatch.setattr(decision, "tuned_config", tuned_config)
+    monkeypatch.setattr(comm, "cuda_backend", lambda group: "nccl")
+    monkeypatch.delenv("FLASHOVERLAP_NCCL", raising=False)
+    a, w = bf16(256, 64), bf16(128, 64)
+    exchanged = []
+    first = decision.decide(a, w, "all_reduce", exchanged=exchanged)
+    assert decision.decide(a, w, "all_reduce", exchanged=exchanged) is first and len(lookups) == 1
+    assert exchanged == [first.ex, first.ex]  # (the gradients need it on every call)
+    decision.decide(bf16(512, 64), w, "all_reduce")  # another M
+    decision.decide(a, w, "all_reduce", config={"sequential": True})  # a config: no lookup, its own decision
+    assert decision.decide(a, w, "all_reduce", config={"sequential": True}).config is None and len(lookups) == 2
+    monkeypatch.setenv("FLASHOVERLAP_NCCL", "c10d")
+    decision.decide(a, w, "all_reduce")
+    assert len(lookups) == 2  # the environment is read as a call is decided ...
+    registry.reload()
+    decision.decide(a, w, "all_reduce")
+    decision.decide(a, w, "all_reduce")
+    assert len(lookups) == 3  # ... and again once reloaded
+    for _ in range(2):  # counts exchanged per call (here: known, not exchanged, but never kept)
+        decision.decide(a, w, "all_to_all", splits=[128, 128], output_splits=[128, 128])
+    assert len(lookups) == 5
+
+
+def times(seq: tuple[float, float], **candidates: tuple[float, float]) -> dict:
+    """One mode's timings: {variant: (ms per call, spread)}, sequential's first."""
+    return {"sequential": seq, **candidates}
+
+
+@pytest.mark.parametrize(
+    ("modes", "pick"),
+    [
+        ([times((1.0, 0.0), a=(0.9, 0.0), b=(0.8, 0.0))], 1),  # the fastest
+        ([times((1.0, 0.0), a=(0.99, 0.0))], None),  # within the margin
+        ([times((1.0, 0.02), a=(0.95, 0.04))], None),  # a win smaller than the noise of both
+        ([times((1.0, 0.01), a=(0.95, 0.01))], 0),  # ... and larger
+        # hot wins, rotated loses: the plain path (a model's calls may run either way)
+        ([times((1.0, 0.0), a=(0.9, 0.0)), times((1.0, 0.0), a=(1.01, 0.0))], None),
+        # the best in its worst mode, not in its best
+        ([times((1.0, 0.0), a=(0.8, 0.0), b=(0.85, 0.0)), times((1.0, 0.0), a=(0.95, 0.0), b=(0.9, 0.0))], 1),
+        ([times((1.0, 0.0), a=(math.nan, math.nan), b=(0.9, 0.0))], 1),  # not timed on some rank: none
+    ],
+)
+def test_a_trial_takes_the_plain_path_unless_overlap_wins_by_more_than_margin_and_noise_in_every_mode(modes, pick):
+    assert decision.trial_pick([name for name in modes[0] if name != "sequential"], modes) == pick
+
+
+def test_a_trial_times_operands_that_fit_in_l2_hot_and_rotated_too(monkeypatch):
+    """Small operands (hot in L2 every call in a layer, not where they come from far away) are timed
+    both ways, on copies that exceed L2 together; larger ones only as they are."""
+    l2 = 50 << 20
+    monkeypatch.setattr(torch.cuda, "get_device_properties", lambda device: SimpleNamespace(L2_cache_size=l2))
+    a, w = torch.zeros(64, 1024, dtype=torch.bfloat16), torch.ones(4096, 1024, dtype=torch.bfloat16)
+    modes = decision._operands(a, w)
+    (hot_a, hot_w), (cold_a, cold_w) = modes["hot"], modes["rotated"]
+    assert hot_a == [a] and hot_w == [w] and cold_a[0] is a and cold_w[0] is w
+    per_set = (a.numel() + w.numel()) * 2
+    assert len(cold_a) == len(cold_w) and len(cold_a) * per_set >= 3 * l2 and torch.equal(cold_w[-1], w)
+    big = torch.empty(8192, 8192, dtype=torch.bfloat16)
+    assert list(decision._operands(a, big)) == ["hot"]

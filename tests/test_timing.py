@@ -1,0 +1,44 @@
+"""Timing variants: the orders they take turns in, and the statistics of their rounds (CPU)."""
+
+import collections
+import math
+
+import pytest
+import torch
+
+from flashoverlap import timing
+
+
+def test_rounds_rotate_operand_sets_and_graphs_need_a_warm_up():
+    seen = []
+    run = timing._eager(seen.append, 3)
+    run(0), run(2)
+    assert seen == [0, 1, 2, 6, 7, 8]  # round r: calls r * block .. r * block + block - 1
+    with pytest.raises(ValueError, match="warm-up"):  # before any CUDA call: capture needs plans made
+        timing.time_variants({"x": seen.append}, rounds=1, block=1, warmup=0, graphs=True)
+
+
+@pytest.mark.parametrize("n", range(1, 10))
+def test_balanced_orders_put_every_variant_after_every_other_equally_often(n):
+    orders = timing.balanced_orders(n)
+    assert len(orders) == (n if n % 2 == 0 or n == 1 else 2 * n)
+    assert all(sorted(order) == list(range(n)) for order in orders)
+    assert collections.Counter(order[0] for order in orders) == dict.fromkeys(range(n), len(orders) // n)
+    pairs = collections.Counter((x, y) for order in orders for x, y in zip(order, order[1:]))
+    assert set(pairs) == {(x, y) for x in range(n) for y in range(n) if x != y}
+    assert len(set(pairs.values())) <= 1  # each pair as often as any other
+
+
+def test_statistics():
+    assert timing.median_ms([3.0, 1.0, 2.0, 100.0]) == 2.5
+    # enough operand sets that consecutive iterations miss a 50 MB L2
+    sets = timing.input_sets(1024, 1024, 1024, torch.bfloat16, 50 << 20)
+    assert sets * 2 * 1024 * 1024 * 2 >= 3 * (50 << 20) and sets >= 2
+
+
+def test_a_variant_s_time_is_the_slowest_rank_s_median_and_its_spread_the_widest_rank_s():
+    ranks = [[1.0, 1.1, 0.9, 1.0], [1.2, 1.2, 1.0, 1.4]]
+    assert timing.slowest(ranks) == pytest.approx(1.2)
+    assert timing.spread(ranks) == pytest.approx(0.4 / 2 / 1.2)
+    not_captured = [[math.nan] * 4, [math.nan] * 4]
+    assert math.isnan(timing.slowest(not_captured)) and math.isnan(timing.spread(not_captured))
