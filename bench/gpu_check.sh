@@ -12,7 +12,7 @@
 #   sm80    the Ampere/Ada kernels forced on Hopper, P2P off: tuned (registry in $OUT/sm80), beside the Hopper ones
 #   swizzle each collective (COLLECTIVES) over NVLink with swizzled rasters beside the plain one
 #   tune    the tuner on bench/suite.yaml, TUNE_COLLECTIVES (all_reduce), NVLink and P2P off (TRANSPORTS) ->
-#           $OUT/tuned/$REGISTRY (this machine's file of configs/, e.g. h200_x2.yaml: a copy, updated); TUNE_ARGS: more tuner
+#           $OUT/tuned/$REGISTRY (this machine's file of flashoverlap/configs/, e.g. h200_x2.yaml: a copy, updated); TUNE_ARGS: more tuner
 #           arguments (JSON without spaces, e.g. --candidates {} {"reduction":"local","symmetric":true,"comm_sms":0})
 #   brute   the tuner with --brute-force 4 on two shapes: its pick against the best measured
 #   suite   bench/suite.yaml with the registry's configs beside the defaults ($OUT/tuned first if there),
@@ -86,7 +86,7 @@ for step in $steps; do
     done ;;
   tune)
     mkdir -p "$OUT/tuned"
-    [ -f "$OUT/tuned/$REGISTRY" ] || [ ! -f "configs/$REGISTRY" ] || cp "configs/$REGISTRY" "$OUT/tuned/$REGISTRY"
+    [ -f "$OUT/tuned/$REGISTRY" ] || [ ! -f "flashoverlap/configs/$REGISTRY" ] || cp "flashoverlap/configs/$REGISTRY" "$OUT/tuned/$REGISTRY"
     for collective in ${TUNE_COLLECTIVES:-all_reduce}; do
       for transport in ${TRANSPORTS:-nvlink pcie}; do
         name=tune_$transport; [ "$collective" = all_reduce ] || name=tune_${collective}_$transport

@@ -300,7 +300,7 @@ def _instance(cfg: OverlapConfig, family: str) -> tuple[int, int, int, int, str]
 
 def cli_config(text: str) -> dict[str, Any]:
     """A config given on a command line (an argparse ``type``): a JSON object of its fields, or
-    the path of a YAML config file (``configs/consumer_pcie.yaml``), whose fields it returns once
+    the path of a YAML config file (``flashoverlap/configs/consumer_pcie.yaml``), whose fields it returns once
     they validate."""
     import argparse
     import json

@@ -6,7 +6,7 @@
 Each item is a JSON object of :class:`~flashoverlap.config.OverlapConfig` fields plus, optionally,
 ``collective`` (default all_reduce), ``dtype`` (bfloat16) and ``weight_layout`` (nk: weight
 [N, K] as in torch Linear; kn: [K, N]); ``--file`` reads a YAML list of them. ``--registry`` adds
-every tuned config of the registry (``configs/*.yaml`` and ``FLASHOVERLAP_CONFIG_DIRS``, whatever
+every tuned config of the registry (the package's ``configs/*.yaml`` and ``FLASHOVERLAP_CONFIG_DIRS``, whatever
 GPU they were tuned on; those the target GPU has no kernel for are skipped, as items are with
 ``--skip-unsupported``). Kernels land in the on-disk cache the runtime reads
 (``FLASHOVERLAP_CACHE_DIR``, default ``~/.cache/flashoverlap``), so the first call of a run does

@@ -842,7 +842,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         help="predicted-best candidates measured for real (each also with its default partition)",
     )
     parser.add_argument("--margin", type=float, default=0.02, help="overlap must beat sequential by this")
-    parser.add_argument("--output", required=True, help="registry YAML to write or update")
+    parser.add_argument(
+        "--output", required=True, help="registry YAML to write or update (calls read it from FLASHOVERLAP_CONFIG_DIRS)"
+    )
     parser.add_argument("--csv", help="also write the predicted-vs-measured rows here")
     parser.add_argument(
         "--graphs",

@@ -29,12 +29,10 @@ def test_shapes_and_configs_parse_with_clear_errors():
 def test_configs_from_yaml_files(tmp_path, capsys):
     """A config file stands for its fields on every command line that takes configs (the shipped
     consumer config among them); a bad one is refused naming the file and the key."""
-    from pathlib import Path
-
-    from flashoverlap import precompile, tune
+    from flashoverlap import precompile, registry, tune
     from flashoverlap.config import OverlapConfig
 
-    shipped = Path(__file__).resolve().parent.parent / "configs" / "consumer_pcie.yaml"
+    shipped = registry.SHIPPED / "consumer_pcie.yaml"
     fields = bench.parse_config(str(shipped))
     assert fields["kernel"] == "sm80" and OverlapConfig(**fields) == OverlapConfig.from_yaml(shipped)
     good = tmp_path / "few.yaml"

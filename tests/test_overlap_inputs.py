@@ -3,7 +3,6 @@
 import contextlib
 import dataclasses
 import math
-from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
@@ -11,7 +10,7 @@ import torch
 import torch.distributed as dist
 
 import flashoverlap
-from flashoverlap import comm, overlap
+from flashoverlap import comm, overlap, registry
 from flashoverlap.overlap import check_inputs
 from flashoverlap.registry import Found
 
@@ -676,7 +675,7 @@ def compile_worker(rank: int, world: int, store_path: str):
         a, w = bf16(64, 32), bf16(48, 32)
         pair = dist.new_group([0, 1])  # not the default group: its name reaches the operator
         assert world == 2
-        yaml_path = Path(__file__).parent.parent / "configs" / "example.yaml"
+        yaml_path = registry.SHIPPED / "example.yaml"
         cases = [  # every kind of config: a dict, a YAML path, an OverlapConfig
             (flashoverlap.gemm_all_reduce, {"config": {"comm_sms": 4}}, (64, 48)),
             (flashoverlap.gemm_all_reduce, {"config": yaml_path}, (64, 48)),
