@@ -28,9 +28,9 @@ import atexit
 import dataclasses
 import functools
 import json
+import logging
 import math
 import os
-import sys
 from collections import OrderedDict
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
@@ -56,6 +56,7 @@ from .plan import Plan, late_after, make_plan, rotation_rows, scheduled_tiles, s
 DTYPES = {torch.bfloat16: "bfloat16", torch.float16: "float16"}
 WEIGHT_LAYOUTS = ("nk", "kn")
 ALIGNMENT = 8  # elements: TMA needs 16-byte aligned rows
+log = logging.getLogger(__name__)
 
 
 def world_size(group: dist.ProcessGroup | None) -> int:
@@ -960,7 +961,7 @@ def _say(ex: Exchange, shape: tuple[int, int, int], dtype: torch.dtype, group, p
     if dist.get_rank(group) == 0:
         world = dist.get_world_size(group)
         what = f"{ex.collective} {'x'.join(map(str, shape))} {DTYPES[dtype]}, {world} rank{'s' * (world > 1)}"
-        print(f"[flashoverlap] {what}{' (M differs by rank)' * ex.ragged}: {path}", file=sys.stderr, flush=True)
+        log.info(f"{what}{' (M differs by rank)' * ex.ragged}: {path}")
 
 
 def one_wave(cfg: OverlapConfig, m: int, n: int, device: torch.device) -> bool:
@@ -1037,14 +1038,12 @@ def trial(
     _keep(_trials, key, pick, MAX_TRIALS)
     if dist.get_rank(full) == 0:
         what = "no tuned config" if untuned else "tuned for another shape"
-        print(
-            f"[flashoverlap] {exes[0].collective} {m}x{preps[0].plan.n}, {what}: "
+        log.info(
+            f"{exes[0].collective} {m}x{preps[0].plan.n}, {what}: "
             + ", ".join(f"{name} {t:.3f} ms" for name, t in times.items())
             + f" per call{' (CUDA graphs)' * graphs} -> {'sequential' if pick is None else names[pick]}"
             f" for M in [{1 << (m.bit_length() - 1)}, "
             f"{(1 << m.bit_length()) - 1}] (tune to do better: python -m flashoverlap.tune)",
-            file=sys.stderr,
-            flush=True,
         )
     return pick
 

@@ -16,7 +16,9 @@ not stop for a 1-2 minute compile on every rank.
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
+import logging
 import sys
 import time
 from collections.abc import Sequence
@@ -33,6 +35,7 @@ from .gemm.generator import DTYPES, WEIGHT_LAYOUTS
 
 GPU_ARCHS = {"sm_80": (8, 0), "sm_86": (8, 6), "sm_89": (8, 9), "sm_90": (9, 0)}
 CALL_KEYS = {"collective": "all_reduce", "dtype": "bfloat16", "weight_layout": "nk"}
+log = logging.getLogger(__name__)
 
 
 def load_items(path: str) -> list[dict[str, Any]]:
@@ -119,7 +122,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         except ValueError as exc:  # a kernel this GPU lacks (e.g. a Hopper-only config on sm_89)
             if not skip:
                 parser.error(f"{where}: {exc} (--skip-unsupported skips such items)")
-            print(f"skipping {where}: {exc}", file=sys.stderr)
+            log.warning("skipping %s: %s", where, exc)
             continue
         if spec is not None:
             specs.setdefault(spec.name, spec)
@@ -127,14 +130,20 @@ def main(argv: Sequence[str] | None = None) -> int:
         print("\n".join(specs))
         return 0
     jit.build_runtime()
-    done = 0
+    started, done = itertools.count(1), itertools.count(1)  # (next() is atomic: the pool's threads share them)
+    begin = time.monotonic()
 
     def build(spec: GemmSpec) -> None:
-        nonlocal done
         start = time.monotonic()
-        jit.build(spec.name, generate(spec), arch=spec.arch, cutlass=True)
-        done += 1
-        print(f"[{done}/{len(specs)}] {spec.name} ({time.monotonic() - start:.0f} s)", file=sys.stderr, flush=True)
+        jit.build(spec.name, generate(spec), arch=spec.arch, cutlass=True, progress=(next(started), len(specs)))
+        log.info(
+            "%d of %d kernels ready: %s (%.0f s; %.0f s in all)",
+            next(done),
+            len(specs),
+            spec.name,
+            time.monotonic() - start,
+            time.monotonic() - begin,
+        )
 
     with ThreadPoolExecutor(args.jobs) as pool:
         list(pool.map(build, specs.values()))

@@ -30,11 +30,14 @@ import dataclasses
 import functools
 import itertools
 import json
+import logging
 import statistics
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 
 import numpy as np
+
+log = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
@@ -401,12 +404,10 @@ def write_registry(path: str, gpu: str, world: int, entries: list[dict]) -> None
 
 
 def _progress(message: str) -> None:
-    import sys
-
     import torch.distributed as dist
 
     if dist.get_rank() == 0:
-        print(f"[tune] {message}", file=sys.stderr, flush=True)
+        log.info(message)
 
 
 @functools.cache
