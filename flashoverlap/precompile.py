@@ -29,6 +29,7 @@ from typing import Any
 import yaml
 
 from . import jit, registry
+from .comm import COLLECTIVES
 from .config import OverlapConfig, cli_config, kernel_spec, resolutions, resolve
 from .gemm import GemmSpec, generate
 from .gemm.generator import DTYPES, WEIGHT_LAYOUTS
@@ -53,6 +54,8 @@ def call_and_configs(item: dict[str, Any]) -> tuple[dict[str, str], tuple[Overla
     resolved for the collective (an ``auto`` layout of a reduce-scatter / all-to-all: ``segments``
     and ``cols``, which one depends on the call); raises ``ValueError`` for what no GPU could run."""
     call = {key: item.get(key, default) for key, default in CALL_KEYS.items()}
+    if call["collective"] not in COLLECTIVES:
+        raise ValueError(f"collective must be one of {list(COLLECTIVES)}, got {call['collective']!r}")
     if call["dtype"] not in DTYPES:
         raise ValueError(f"dtype must be one of {sorted(DTYPES)}, got {call['dtype']!r}")
     if call["weight_layout"] not in WEIGHT_LAYOUTS:

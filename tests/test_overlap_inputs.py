@@ -818,3 +818,11 @@ def test_the_decision_key_follows_the_environment(monkeypatch):
     assert unset == (None, None) and len({unset, one, overlap._environment(names)}) == 3
     monkeypatch.setenv("FLASHOVERLAP_TEST_B", "1")
     assert overlap._environment(names) == one
+
+
+@pytest.mark.parametrize("fn", ENTRY_POINTS)
+def test_a_group_that_is_no_process_group_is_named(fn):
+    """(Was: "cannot create weak reference to 'str' object" from deep inside.) Before any check that
+    needs torch.distributed set up."""
+    with pytest.raises(TypeError, match="group must be a torch.distributed ProcessGroup or None, got str 'tp'"):
+        fn(bf16(64, 64), bf16(64, 64), group="tp")

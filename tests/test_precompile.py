@@ -55,6 +55,9 @@ def test_files_and_the_registry_add_items(tmp_path, capsys):
         (["--gpu-arch", "sm_90", '{"tile_m": 96}'], r"\{\"tile_m\": 96\}: .*tile_m 96 not in"),
         (["--gpu-arch", "sm_90", '{"dtype": "fp8"}'], "dtype must be one of"),
         (["--gpu-arch", "sm_90", '{"weight_layout": "t"}'], "weight_layout must be one of"),
+        # a misspelt collective would build another collective's kernels (its auto layout)
+        (["--gpu-arch", "sm_90", '{"collective": "allreduce"}'], "collective must be one of .*'allreduce'"),
+        (["--gpu-arch", "sm_90", '{"collective": "broadcast"}'], "collective must be one of .*'broadcast'"),
         (
             ["--gpu-arch", "sm_90", '{"collective": "all_reduce", "layout": "cols", "epilogue": "tma"}'],
             "layout 'rows' or 'segments'",
