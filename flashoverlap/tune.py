@@ -884,6 +884,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 2
     os.environ.update(bench.TRANSPORTS[args.transport])
     local_rank = int(os.environ.get("LOCAL_RANK", 0))
+    if (why := bench.unrunnable(local_rank)) is not None:
+        print(why, file=sys.stderr)
+        return 2
     gpu, world = torch.cuda.get_device_name(local_rank), int(os.environ.get("WORLD_SIZE", 1))
     if world < 2:  # (its collectives move nothing: no time by size to model)
         parser.error("tuning needs two or more ranks (torchrun --nproc-per-node 2 or more): one communicates nothing")
