@@ -12,11 +12,11 @@
 #   sm80    the Ampere/Ada kernels forced on Hopper, P2P off: tuned (registry in $OUT/sm80), beside the Hopper ones
 #   swizzle each collective (COLLECTIVES) over NVLink with swizzled rasters beside the plain one
 #   tune    the tuner on bench/suite.yaml, TUNE_COLLECTIVES (all_reduce), NVLink and P2P off (TRANSPORTS) ->
-#           $OUT/tuned/$REGISTRY (this machine's file of configs/, e.g. h200_x2.yaml: a copy, updated); TUNE_ARGS: more tuner
+#           $OUT/tuned/$REGISTRY (this machine's file of flashoverlap/configs/, e.g. h200_x2.yaml: a copy, updated); TUNE_ARGS: more tuner
 #           arguments (JSON without spaces, e.g. --candidates {} {"reduction":"local","symmetric":true,"comm_sms":0})
 #   brute   the tuner with --brute-force 4 on two shapes: its pick against the best measured
 #   suite   bench/suite.yaml with the registry's configs beside the defaults ($OUT/tuned first if there),
-#           for SUITE_COLLECTIVES (all_reduce), NVLink and P2P off (TRANSPORTS)
+#           for SUITE_COLLECTIVES (all_reduce), NVLink and P2P off (TRANSPORTS), INPUTS (rotated; hot, both)
 #   graphs  bench/suite.yaml with the registry and CONFIGS, c10d and direct NCCL, every block of calls one
 #           CUDA graph replay (GPU time only), for SUITE_COLLECTIVES (all_reduce), TRANSPORTS (nvlink pcie)
 #   host    host time per call of each path on a host-bound shape, and where it goes (bench/host_profile.py)
@@ -86,7 +86,7 @@ for step in $steps; do
     done ;;
   tune)
     mkdir -p "$OUT/tuned"
-    [ -f "$OUT/tuned/$REGISTRY" ] || [ ! -f "configs/$REGISTRY" ] || cp "configs/$REGISTRY" "$OUT/tuned/$REGISTRY"
+    [ -f "$OUT/tuned/$REGISTRY" ] || [ ! -f "flashoverlap/configs/$REGISTRY" ] || cp "flashoverlap/configs/$REGISTRY" "$OUT/tuned/$REGISTRY"
     for collective in ${TUNE_COLLECTIVES:-all_reduce}; do
       for transport in ${TRANSPORTS:-nvlink pcie}; do
         name=tune_$transport; [ "$collective" = all_reduce ] || name=tune_${collective}_$transport
@@ -106,18 +106,19 @@ for step in $steps; do
       for transport in ${TRANSPORTS:-nvlink pcie}; do
         name=suite_$transport; [ "$collective" = all_reduce ] || name=suite_${collective}_$transport
         bench "$name" FLASHOVERLAP_CONFIG_DIRS="$OUT/tuned" -- --transport "$transport" --collective "$collective" \
-          --shapes-file bench/suite.yaml --rounds "${ROUNDS:-15}" --configs registry '{}' --csv "$OUT/$name.csv"
+          --shapes-file bench/suite.yaml --rounds "${ROUNDS:-15}" --configs registry '{}' --inputs "${INPUTS:-rotated}" \
+          --csv "$OUT/$name.csv"
       done
     done ;;
   graphs)
     # each variant's block of calls replayed as one CUDA graph (GPU time only): the overlap itself,
     # without the host time an eager call spends (0.3-0.4 ms + ~0.1 ms per group through c10d on
-    # the H200 host), as in a model captured in CUDA graphs; SUITE_COLLECTIVES, TRANSPORTS, CONFIGS
+    # the H200 host), as in a model captured in CUDA graphs; SUITE_COLLECTIVES, TRANSPORTS, CONFIGS, INPUTS
     for collective in ${SUITE_COLLECTIVES:-all_reduce}; do
       for transport in ${TRANSPORTS:-nvlink pcie}; do
         name=graphs_${collective}_$transport
         BENCH_TIMEOUT=300 bench "$name" -- --graphs --transport "$transport" --collective "$collective" \
-          --shapes-file bench/suite.yaml --rounds "${ROUNDS:-15}" --configs registry ${CONFIGS:-'{}'} \
+          --shapes-file bench/suite.yaml --rounds "${ROUNDS:-15}" --configs registry ${CONFIGS:-'{}'} --inputs "${INPUTS:-rotated}" \
           --nccl c10d direct --csv "$OUT/$name.csv"
       done
     done ;;

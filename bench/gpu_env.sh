@@ -13,7 +13,7 @@ if compgen -G ".whl/*.whl" >/dev/null; then
 fi
 export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH}
 NGPU=$(python3 -c 'import torch; print(torch.cuda.device_count())')
-# the registry file of this machine, as configs/ names them (h200_x2.yaml, h100_x2.yaml, rtx4090_x2.yaml)
+# the registry file of this machine, as flashoverlap/configs/ names them (h200_x2.yaml, h100_x2.yaml, rtx4090_x2.yaml)
 REGISTRY=$(nvidia-smi --query-gpu=name --format=csv,noheader | head -1 | tr 'A-Z' 'a-z' |
   grep -o 'rtx [0-9]*\|[ahl][0-9]\+' | head -1 | tr -d ' ')
 REGISTRY=${REGISTRY:-gpu}_x$NGPU.yaml

@@ -9,21 +9,24 @@ run: the GEMM and the collective alone, sequential (torch.matmul then the NCCL c
 usual hand-written overlap (the GEMM split into column chunks, each chunk's collective on a second
 stream while the next chunk multiplies; best of 2, 4 and 8 chunks), torch's async-TP
 ``fused_matmul_reduce_scatter`` for reduce_scatter where it runs, and the ideal max(gemm, comm).
-Summarise (and plot) saved CSVs without GPUs: ``python -m flashoverlap.bench --from-csv a.csv b.csv --plot out.png``.
+``fallback``: a flashoverlap call forced onto the sequential path (``config={"sequential": true}``),
+what a call decided sequential costs beside ``seq``. Summarise (and plot) saved CSVs without GPUs,
+each file's runs apart: ``python -m flashoverlap.bench --from-csv a.csv b.csv --plot out.png``.
 
-Variants take turns round by round (so drift hits all alike),
-after warm-up, on random inputs rotated through sets larger than L2, timed with CUDA events
-over blocks of back-to-back calls (the host running ahead, as in a model); the reported time per
-call is the median over rounds, the largest over ranks. ``--graphs`` captures each variant's block
-once as a CUDA graph and times its replays instead: GPU time alone, for every variant alike.
+Variants take turns round by round (so drift hits all alike), after warm-up, timed with CUDA
+events over blocks of back-to-back calls (the host running ahead, as in a model); the reported
+time per call is the median over rounds, the largest over ranks. Inputs (``--inputs``): random
+operands ``rotated`` through sets larger than L2 (every call reads them from memory), or ``hot``:
+the same operands every call, as a layer's activations and weights can sit in L2, or ``both``.
+``--graphs`` captures each variant's block once as a CUDA graph and times its replays instead:
+GPU time alone, for every variant alike.
 """
 
 from __future__ import annotations
 
 import argparse
-import csv
 import json
-import math
+import logging
 import os
 import statistics
 import sys
@@ -34,7 +37,7 @@ import torch
 import torch.distributed as dist
 import yaml
 
-from . import comm, state
+from . import comm, report, state
 from .comm import COLLECTIVES, NCCL_PATHS
 from .config import OverlapConfig, resolve
 from .decision import decide
@@ -42,6 +45,9 @@ from .prepared import prepare
 from .rules import for_call
 from .runtime import sequential
 from .timing import kernel_alone, operand_sets, time_variants
+
+log = logging.getLogger(__name__)
+INPUTS = {"rotated": ("rotated",), "hot": ("hot",), "both": ("rotated", "hot")}  # --inputs: the modes timed
 
 TRANSPORTS = {
     "nvlink": {},
@@ -93,6 +99,13 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--rounds", type=int, default=15, help="timed rounds per variant")
     parser.add_argument("--block", type=int, default=8, help="calls per timed round")
     parser.add_argument("--warmup", type=int, default=5)
+    parser.add_argument(
+        "--inputs",
+        choices=sorted(INPUTS),
+        default="rotated",
+        help="operands rotated through sets larger than L2 (default), the same ones every call (hot: in L2, as a "
+        "layer's can be), or both, each a run of its own",
+    )
     parser.add_argument("--csv", help="write one row per shape and variant here (rank 0)")
     parser.add_argument("--chunks", nargs="+", type=int, default=[2, 4, 8], help="decomposition chunk counts to try")
     parser.add_argument(
@@ -110,7 +123,9 @@ def build_parser() -> argparse.ArgumentParser:
     )
     parser.add_argument("--plot", help="write a PNG of speedup per shape and method here (needs matplotlib)")
     parser.add_argument(
-        "--from-csv", nargs="+", help="summarise these CSVs (and plot them with --plot) instead of measuring"
+        "--from-csv",
+        nargs="+",
+        help="summarise these CSVs of --csv (and plot them with --plot) instead of measuring: each run apart, labelled",
     )
     parser.add_argument(
         "--trace",
@@ -183,7 +198,7 @@ def async_tp(a: torch.Tensor, w: torch.Tensor) -> Callable[[torch.Tensor, torch.
         torch.cuda.synchronize()
         works = True
     except Exception as exc:  # not built, no P2P, ...: report it, measure the rest
-        print(f"async-TP fused_matmul_reduce_scatter unavailable: {type(exc).__name__}: {exc}", file=sys.stderr)
+        log.warning("async-TP fused_matmul_reduce_scatter unavailable: %s: %s", type(exc).__name__, exc)
         works = False
     # every rank must time the same variants
     flag = torch.tensor([int(works)], device=a.device)
@@ -191,18 +206,23 @@ def async_tp(a: torch.Tensor, w: torch.Tensor) -> Callable[[torch.Tensor, torch.
     return fused if flag.item() else None
 
 
-def bench_shape(
-    shape, configs, collective, dtype, rounds, block, warmup, chunks=(2, 4, 8), nccl=None, graphs=False
-) -> list[dict]:
+FALLBACK = {"sequential": True}  # the config of the forced-fallback variant
+
+
+def bench_shape(shape: tuple[int, int, int], args: argparse.Namespace, inputs: str) -> list[dict]:
+    """One row per config and NCCL path of ``shape``, every variant timed in one run: as the
+    command line ``args`` (:func:`build_parser`) asks, on ``inputs`` ``rotated`` or ``hot``."""
     import flashoverlap
 
+    configs, collective, dtype, chunks = args.configs, args.collective, getattr(torch, args.dtype), args.chunks
     m, n, k = shape
     world = dist.get_world_size()
-    a, w = operand_sets(m, n, k, dtype)
+    a, w = operand_sets(m, n, k, dtype, hot=inputs == "hot")
     sets = len(a)
     c = torch.randn(m, n, device="cuda").to(dtype)
     ex = comm.exchange(collective, m, world)
     overlapped = getattr(flashoverlap, f"gemm_{collective}")
+    fallback = resolve(FALLBACK)
 
     def seq(i):
         return sequential(a[i % sets], w[i % sets], "nk", ex, None)
@@ -211,6 +231,8 @@ def bench_shape(
         "gemm": lambda i: a[i % sets] @ w[i % sets].t(),
         "comm": lambda i: comm.collective(ex, c, None),
         "seq": seq,
+        # a call decided sequential: what its checks, lookup and allocation add to seq
+        "fallback": lambda i: overlapped(a[i % sets], w[i % sets], config=fallback),
     }
     side = torch.cuda.Stream()
     for chunk in chunks:
@@ -220,7 +242,7 @@ def bench_shape(
         variants["asynctp"] = lambda i: fused(a[i % sets], w[i % sets])
     cfgs = [for_call(resolve(cfg), ex, shape) if cfg is not None else None for cfg in configs]
     errors, picked, kernels = {}, {}, {}  # kernels: config -> the name of its kernel-alone variant
-    nccl = nccl or ["direct" if comm.uses_direct() else "c10d"]  # none given: the path a call takes
+    nccl = args.nccl or ["direct" if comm.uses_direct() else "c10d"]  # none given: the path a call takes
     runs = [(j, path) for j in range(len(cfgs)) for path in nccl]
     for j, path in runs:
         # "registry" variants call without config=, as a user would (the lookup is part of the call)
@@ -240,7 +262,7 @@ def bench_shape(
             kernels[cfg] = f"kernel{len(kernels)}"
             segments = comm.interleave(ex, cfg.layout)
             variants[kernels[cfg]] = kernel_alone(prepare(m, n, k, dtype, "nk", a[0].device, cfg, 0, segments), a, w)
-    times = time_variants(variants, rounds, block, warmup, graphs=graphs)
+    times = time_variants(variants, args.rounds, args.block, args.warmup, graphs=args.graphs)
 
     rows = []
     t_gemm, t_comm, t_seq = times["gemm"], times["comm"], times["seq"]
@@ -262,18 +284,21 @@ def bench_shape(
                 "world": world,
                 "collective": collective,
                 "dtype": str(dtype).removeprefix("torch."),
+                "inputs": inputs,
                 "config": config_label(configs[j], cfg, collective) + ("" if path == "c10d" else f" nccl={path}"),
                 "waves": plan.num_waves if plan else "",
                 "groups": plan.num_groups if plan else "",
                 "t_gemm_ms": t_gemm,
                 "t_comm_ms": t_comm,
                 "t_seq_ms": t_seq,
+                "t_fallback_ms": times["fallback"],
                 "t_fo_ms": t_fo,
                 "t_kernel_ms": times.get(kernels.get(cfg, ""), float("nan")),
                 "t_decomp_ms": t_decomp,
                 "decomp_chunks": best_chunks,
                 "t_asynctp_ms": t_async,
                 "speedup": t_seq / t_fo,
+                "fallback_speedup": t_seq / times["fallback"],
                 "decomp_speedup": t_seq / t_decomp,
                 "asynctp_speedup": t_seq / t_async,
                 "ideal_speedup": t_seq / max(t_gemm, t_comm),
@@ -297,14 +322,6 @@ def config_label(given: dict | None, cfg, collective: str) -> str:
     return "registry:" + json.dumps(
         {k: list(v) if isinstance(v, tuple) else v for k, v in picked.items()}, sort_keys=True
     )
-
-
-def variant(label: str) -> str:
-    """The method a row belongs to: its config, or ``registry`` whatever the registry picked (with
-    the NCCL path, where not c10d)."""
-    if not label.startswith("registry:"):
-        return label
-    return "registry" + (label[label.rindex(" nccl=") :] if " nccl=" in label else "")
 
 
 TRACE_SLEEP_CYCLES = 20_000_000  # ~10 ms at 2 GHz: longer than a profiled host takes to enqueue three calls
@@ -372,134 +389,33 @@ def trace_call(shape, config, collective, dtype, path: str) -> None:
         print(f"  start {e['ts'] - t0:9.1f}  dur {e.get('dur', 0):8.1f}  {e['name'][:60]}")
 
 
-COLUMNS = [
-    ("m", "M", "d"),
-    ("n", "N", "d"),
-    ("k", "K", "d"),
-    ("t_gemm_ms", "gemm", ".3f"),
-    ("t_comm_ms", "comm", ".3f"),
-    ("t_seq_ms", "seq", ".3f"),
-    ("t_fo_ms", "fo", ".3f"),
-    ("speedup", "speedup", ".3f"),
-    ("decomp_speedup", "decomp", ".3f"),
-    ("decomp_chunks", "chunks", "d"),
-    ("asynctp_speedup", "async-tp", ".3f"),
-    ("ideal_speedup", "ideal", ".3f"),
-    ("of_ideal", "of_ideal", ".2f"),
-    ("efficiency", "eff", ".2f"),
-    ("kernel_vs_cublas", "kern/cublas", ".3f"),
-    ("rel_err", "rel_err", ".1e"),
-    ("config", "config", "s"),
-]
-
-
-def _cell(value, fmt: str) -> str:
-    if value == "" or (isinstance(value, float) and math.isnan(value)):
-        return "-"
-    return format(value, fmt)
-
-
-def format_table(rows: list[dict]) -> str:
-    """Aligned table: times in ms, speedups over sequential, ``of_ideal`` = max(gemm, comm) / fo."""
-    cells = [[title for _, title, _ in COLUMNS]]
-    for row in rows:
-        cells.append([_cell(row[key], fmt) for key, _, fmt in COLUMNS])
-    widths = [max(len(r[i]) for r in cells) for i in range(len(COLUMNS))]
-    return "\n".join("  ".join(c.rjust(w) for c, w in zip(r, widths)) for r in cells)
-
-
-def summarize(rows: list[dict]) -> str:
-    """Per flashoverlap variant (the registry's picks count as one) over the shapes measured: mean
-    speedup over sequential, mean overlap efficiency and share of the ideal, the worst speedup, and
-    on how many shapes it was at least as fast as the chunked decomposition; a note where a call
-    beat the ideal bound. Takes rows as measured or as read back from CSVs."""
-
-    def num(row, key):
-        return float(row[key]) if row.get(key) not in (None, "") else float("nan")
-
-    variants: dict[str, list[dict]] = {}
-    for row in rows:
-        variants.setdefault(variant(row["config"]), []).append(row)
-    lines = [f"{'variant':>28} {'shapes':>6} {'speedup':>8} {'worst':>6} {'eff':>5} {'of_ideal':>8}  >= decomp"]
-    for config, group in variants.items():
-        speedups = [num(r, "speedup") for r in group]
-        wins = sum(num(r, "speedup") >= num(r, "decomp_speedup") for r in group)
-        lines.append(
-            f"{config[:28]:>28} {len(group):>6} {statistics.mean(speedups):>8.3f} {min(speedups):>6.3f} "
-            f"{statistics.mean(num(r, 'efficiency') for r in group):>5.2f} "
-            f"{statistics.mean(num(r, 'of_ideal') for r in group):>8.2f}  {wins}/{len(group)}"
+def unrunnable(local_rank: int) -> str | None:
+    """Why this process of a torchrun cannot time anything here (None: it can)."""
+    if not torch.cuda.is_available():
+        return (
+            "no CUDA GPU here (torch.cuda.is_available() is False): timing needs one GPU per process; "
+            "--from-csv summarises saved results without one"
         )
-    beyond = sum(num(r, "of_ideal") > 1 for r in rows)
-    if beyond:  # the bound is timed with one whole collective on the default communicator
-        lines.append(
-            f"of_ideal > 1 ({beyond} row{'s' * (beyond > 1)}): faster than the collective alone as the bound times it "
-            "(one call on the default communicator); the overlapped groups ran on two communicators at once"
-        )
-    return "\n".join(lines)
-
-
-def write_csv(path: str, rows: list[dict]) -> None:
-    with open(path, "w", newline="") as handle:
-        writer = csv.DictWriter(handle, fieldnames=list(rows[0]))
-        writer.writeheader()
-        writer.writerows(rows)
-
-
-def read_csv(paths: Sequence[str]) -> list[dict]:
-    rows = []
-    for path in paths:
-        with open(path, newline="") as handle:
-            rows += list(csv.DictReader(handle))
-    return rows
-
-
-def plot(rows: list[dict], path: str) -> None:
-    """Bar chart of speedup over sequential per shape: decomposition, async-TP (where measured),
-    each flashoverlap config, and the ideal bound."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    def num(row, key):
-        return float(row.get(key) or "nan")
-
-    cases: dict[str, dict[str, float]] = {}
-    for row in rows:
-        label = f"{row['collective']} {row['m']}x{row['n']}x{row['k']}\n{row.get('transport', '')}".strip()
-        case = cases.setdefault(label, {})
-        case["decomposition"] = num(row, "decomp_speedup")
-        case["async-TP"] = num(row, "asynctp_speedup")
-        case[f"flashoverlap {variant(row['config'])}"] = num(row, "speedup")
-        case["ideal"] = num(row, "ideal_speedup")
-    measured = dict.fromkeys(m for case in cases.values() for m, v in case.items() if not math.isnan(v))
-    methods = [m for m in measured if m != "ideal"] + ["ideal"]
-    fig, ax = plt.subplots(figsize=(min(14.0, 3.0 + 1.1 * len(cases)), 4.8))
-    width = 0.8 / len(methods)
-    for i, method in enumerate(methods):
-        values = [case.get(method, float("nan")) for case in cases.values()]
-        xs = [x + (i - (len(methods) - 1) / 2) * width for x in range(len(cases))]
-        ax.bar(xs, values, width, label=method, hatch="//" if method == "ideal" else None, alpha=0.9)
-    ax.axhline(1.0, color="black", linewidth=0.8)
-    ax.set_xticks(range(len(cases)), list(cases), fontsize=7, rotation=30, ha="right")
-    ax.set_ylabel("speedup over matmul then collective")
-    ax.legend(fontsize=7, loc="lower right")
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
+    if local_rank >= (count := torch.cuda.device_count()):
+        return f"local rank {local_rank}, but {count} GPU(s) here: start at most {count} processes per node"
+    return None
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
+    parser = build_parser()
+    args = parser.parse_args(argv)
     if args.from_csv:  # no GPUs needed: summarise (and plot) saved results
-        rows = read_csv(args.from_csv)
-        print(summarize(rows))
-        if args.plot:
-            plot(rows, args.plot)
+        try:
+            print(report.from_csv(args.from_csv, args.plot))
+        except ValueError as exc:
+            parser.error(str(exc))
         return 0
     shapes = list(args.shapes or [])
     if args.shapes_file:
-        shapes += load_shapes(args.shapes_file)
+        try:
+            shapes += load_shapes(args.shapes_file)
+        except (OSError, ValueError) as exc:
+            parser.error(str(exc))
     args.shapes = shapes or [(4096, 8192, 8192)]
     os.environ.update(TRANSPORTS[args.transport])  # before NCCL creates its communicators
     if args.graphs:  # "registry" variants: what calls replayed as CUDA graphs take (registry.timing)
@@ -508,26 +424,15 @@ def main(argv: Sequence[str] | None = None) -> int:
         print("run under torchrun, e.g. torchrun --nproc-per-node 2 -m flashoverlap.bench", file=sys.stderr)
         return 2
     local_rank = int(os.environ.get("LOCAL_RANK", 0))
+    if (why := unrunnable(local_rank)) is not None:
+        print(why, file=sys.stderr)
+        return 2
     torch.cuda.set_device(local_rank)
     dist.init_process_group("nccl", device_id=torch.device("cuda", local_rank))
     try:
-        dtype = getattr(torch, args.dtype)
-        rows = []
-        for shape in args.shapes:
-            rows += bench_shape(
-                shape,
-                args.configs,
-                args.collective,
-                dtype,
-                args.rounds,
-                args.block,
-                args.warmup,
-                args.chunks,
-                args.nccl,
-                args.graphs,
-            )
+        rows = [row for shape in args.shapes for mode in INPUTS[args.inputs] for row in bench_shape(shape, args, mode)]
         if args.trace:
-            trace_call(args.shapes[0], args.configs[0], args.collective, dtype, args.trace)
+            trace_call(args.shapes[0], args.configs[0], args.collective, getattr(torch, args.dtype), args.trace)
         if dist.get_rank() == 0:
             name = torch.cuda.get_device_name()
             print(
@@ -535,14 +440,14 @@ def main(argv: Sequence[str] | None = None) -> int:
                 f"ms per call, median of {args.rounds}+ rounds (whole cycles of balanced orders) of {args.block} calls"
                 + (", each block one CUDA graph replay (GPU time only)" if args.graphs else "")
             )
-            print(format_table(rows))
-            print(summarize(rows), flush=True)
             timing = "graphs" if args.graphs else "eager"
             rows = [dict(row, gpu=name, transport=args.transport, timing=timing) for row in rows]
+            labelled = report.runs(rows)
+            print(report.show(labelled), flush=True)
             if args.csv:
-                write_csv(args.csv, rows)
+                report.write_csv(args.csv, rows)
             if args.plot:
-                plot(rows, args.plot)
+                report.plot(labelled, args.plot)
     finally:
         dist.destroy_process_group()
     return 0

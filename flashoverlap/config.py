@@ -200,7 +200,7 @@ def differences(cfg: OverlapConfig, base: OverlapConfig) -> dict[str, Any]:
 
 def cli_config(text: str) -> dict[str, Any]:
     """A config given on a command line (an argparse ``type``): a JSON object of its fields, or
-    the path of a YAML config file (``configs/consumer_pcie.yaml``), whose fields it returns once
+    the path of a YAML config file (``flashoverlap/configs/consumer_pcie.yaml``), whose fields it returns once
     they validate."""
     import argparse
     import json

@@ -13,9 +13,9 @@ are read when it is made.
 from __future__ import annotations
 
 import functools
+import logging
 import math
 import os
-import sys
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import NamedTuple
@@ -44,6 +44,7 @@ from .rules import (
     without_window,
 )
 
+log = logging.getLogger(__name__)
 _DEFAULTS = OverlapConfig()  # frozen: built once (each construction validates)
 Communicator = dist.ProcessGroup | comm.Direct | comm.Peers
 
@@ -390,7 +391,7 @@ def _say(ex: Exchange, shape: tuple[int, int, int], dtype: torch.dtype, group, p
     if dist.get_rank(group) == 0:
         world = dist.get_world_size(group)
         what = f"{ex.collective} {'x'.join(map(str, shape))} {DTYPES[dtype]}, {world} rank{'s' * (world > 1)}"
-        print(f"[flashoverlap] {what}{' (M differs by rank)' * ex.ragged}: {path}", file=sys.stderr, flush=True)
+        log.info(f"{what}{' (M differs by rank)' * ex.ragged}: {path}")
 
 
 TRIAL_MARGIN = 0.02  # overlap must beat sequential by this fraction (as the tuner's --margin)
@@ -474,13 +475,11 @@ def trial(
             f"{mode}: " + ", ".join(f"{name} {t:.3f} ms (+-{noise:.0%})" for name, (t, noise) in times.items())
             for mode, times in modes.items()
         )
-        print(
-            f"[flashoverlap] {exes[0].collective} {m}x{preps[0].plan.n}, {what}: {timed} per call"
+        log.info(
+            f"{exes[0].collective} {m}x{preps[0].plan.n}, {what}: {timed} per call"
             f"{' (CUDA graphs)' * graphs} -> {'sequential' if pick is None else names[pick]}"
             f" for M in [{1 << (m.bit_length() - 1)}, "
-            f"{(1 << m.bit_length()) - 1}] (tune to do better: python -m flashoverlap.tune)",
-            file=sys.stderr,
-            flush=True,
+            f"{(1 << m.bit_length()) - 1}] (tune to do better: python -m flashoverlap.tune)"
         )
     return pick
 

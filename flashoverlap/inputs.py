@@ -17,6 +17,8 @@ ALIGNMENT = 8  # elements: TMA needs 16-byte aligned rows
 
 
 def world_size(group: dist.ProcessGroup | None) -> int:
+    if group is not None and not isinstance(group, dist.ProcessGroup):
+        raise TypeError(f"group must be a torch.distributed ProcessGroup or None, got {type(group).__name__} {group!r}")
     if not (dist.is_available() and dist.is_initialized()):
         raise RuntimeError(
             "flashoverlap needs an initialised torch.distributed process group: call "

@@ -4,6 +4,10 @@ The cache key covers the source, every header it can include from this package, 
 version, the flags and the nvcc version, so a changed template or toolkit recompiles and an
 unchanged one loads in milliseconds. Ranks of one job compiling the same library take turns
 through a file lock; the result is renamed into place atomically.
+
+The compiler (:func:`toolkit`): ``CUDA_HOME`` / ``CUDA_PATH`` where set, else CUDA's pip wheels
+(``pip install "flashoverlap[cu13]"``: ``nvidia/cu13`` in site-packages or any ``sys.path``
+directory), else ``nvcc`` on the PATH or in ``/usr/local/cuda``; the compile message names it.
 """
 
 from __future__ import annotations
@@ -12,6 +16,7 @@ import ctypes
 import fcntl
 import functools
 import hashlib
+import logging
 import os
 import re
 import shutil
@@ -19,9 +24,12 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Iterable
+from dataclasses import dataclass
 from pathlib import Path
 
 _PACKAGE_DIR = Path(__file__).resolve().parent
+log = logging.getLogger(__name__)
 
 # sm_90a needs the -gencode spelling: the -arch shorthand also runs a plain sm_90 pass that
 # rejects wgmma/setmaxnreg.
@@ -60,16 +68,88 @@ def cache_dir() -> Path:
     return path
 
 
+@dataclass(frozen=True)
+class Toolkit:
+    """The nvcc the kernels build with, where it was found (for messages), and what it needs
+    besides its own configuration to find the pieces of a pip toolkit."""
+
+    nvcc: str
+    source: str
+    flags: tuple[str, ...] = ()
+
+    def command(self) -> list[str]:
+        return [self.nvcc, *self.flags]
+
+
+# nvidia/<name>/ of the CUDA toolkit wheels (cuda-toolkit[nvcc,cccl]), newest first: NVIDIA ships
+# no nvcc wheel for CUDA 12 (nvidia-cuda-nvcc-cu12 holds ptxas alone)
+PIP_TOOLKITS = ("cu13",)
+# what the kernels need of a pip toolkit, each file relative to nvidia/<name>/, and the wheel that has it
+PIP_PIECES = {
+    "nvcc": ("bin/nvcc", "nvidia-cuda-nvcc"),
+    "cicc": ("nvvm/bin/cicc", "nvidia-nvvm"),
+    "runtime headers": ("include/cuda_runtime.h", "nvidia-cuda-runtime"),
+    "static runtime": ("lib/libcudart_static.a", "nvidia-cuda-runtime"),
+    "crt headers": ("include/crt/host_config.h", "nvidia-cuda-crt"),
+    "CCCL headers": ("include/cccl/cuda/std/version", "nvidia-cuda-cccl"),
+}
+SYSTEM_NVCC = "/usr/local/cuda/bin/nvcc"
+
+
+def pip_toolkit(paths: Iterable[str]) -> Toolkit | None:
+    """The CUDA toolkit of pip's wheels under one of ``paths`` (``sys.path``: site-packages, a
+    ``--target`` directory on ``PYTHONPATH``), or None where no directory holds their nvcc.
+
+    Each wheel may sit in another of those directories (a ``--target`` install beside the
+    environment's own wheels), while nvcc's configuration looks beside itself only (and for
+    libraries in lib64, where the wheels have lib): the include and library directories are
+    given to it. nvcc calls cicc from its own tree: the two must sit together."""
+    for name in PIP_TOOLKITS:
+        roots = [Path(p) / "nvidia" / name for p in paths if p]
+        found = {piece: next((r for r in roots if (r / rel).is_file()), None) for piece, (rel, _) in PIP_PIECES.items()}
+        home = found["nvcc"]
+        if home is None:
+            continue
+        if found["cicc"] != home:
+            found["cicc"] = None
+        missing = [piece for piece, root in found.items() if root is None]
+        if missing:
+            wheels = sorted({PIP_PIECES[piece][1] for piece in missing})
+            raise RuntimeError(
+                f"CUDA's pip nvcc at {home} lacks its {', '.join(missing)} ({', '.join(wheels)}"
+                f"{' beside it' * (found['cicc'] is None)}): pip install 'cuda-toolkit[nvcc,cccl]' of its version, "
+                "or uninstall nvidia-cuda-nvcc to use a system CUDA toolkit"
+            )
+        includes = dict.fromkeys(found[p] / "include" for p in ("runtime headers", "crt headers"))
+        flags = [f"-I{d}" for d in includes]
+        flags += ["-isystem", str(found["CCCL headers"] / "include" / "cccl"), f"-L{found['static runtime'] / 'lib'}"]
+        return Toolkit(str(home / "bin" / "nvcc"), f"pip's CUDA toolkit ({home})", tuple(flags))
+    return None
+
+
+@functools.cache
+def toolkit() -> Toolkit:
+    """The nvcc to build with: see the module's docstring."""
+    for var in ("CUDA_HOME", "CUDA_PATH"):
+        home = os.environ.get(var)
+        if home and (Path(home) / "bin" / "nvcc").is_file():
+            return Toolkit(str(Path(home) / "bin" / "nvcc"), f"{var}={home}")
+    found = pip_toolkit(sys.path)
+    if found is not None:
+        return found
+    on_path = shutil.which("nvcc")
+    if on_path:
+        return Toolkit(on_path, f"the PATH ({on_path})")
+    if Path(SYSTEM_NVCC).is_file():
+        return Toolkit(SYSTEM_NVCC, SYSTEM_NVCC)
+    raise RuntimeError(
+        "flashoverlap builds its kernels with nvcc, and found none: pip install 'flashoverlap[cu13]' "
+        "(CUDA 13 from pip), or install a CUDA toolkit 12.3+ and set CUDA_HOME or put nvcc on the PATH"
+    )
+
+
 def nvcc_path() -> str:
-    cuda_home = os.environ.get("CUDA_HOME") or os.environ.get("CUDA_PATH")
-    if cuda_home and (Path(cuda_home) / "bin" / "nvcc").exists():
-        return str(Path(cuda_home) / "bin" / "nvcc")
-    found = shutil.which("nvcc")
-    if not found:
-        raise RuntimeError(
-            "flashoverlap needs nvcc (CUDA 12.3+) to build its kernels; set CUDA_HOME or put nvcc on PATH"
-        )
-    return found
+    return toolkit().nvcc
 
 
 @functools.cache
@@ -116,8 +196,24 @@ def _own_headers_digest(source: str) -> str:
     return digest.hexdigest()
 
 
-def _log(message: str) -> None:
-    print(f"[flashoverlap] {message}", file=sys.stderr, flush=True)
+HEARTBEAT_S = 15.0  # between "still compiling" messages: a CUTLASS kernel takes 1-2 minutes
+
+
+def _compile(cmd: list[str], what: str) -> subprocess.CompletedProcess:
+    """Run nvcc, saying every :data:`HEARTBEAT_S` seconds that it still runs (``what``: the kernel)."""
+    start = time.monotonic()
+    with subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) as proc:
+        try:
+            while True:
+                try:
+                    out, err = proc.communicate(timeout=HEARTBEAT_S)  # (retried: no output is lost)
+                    break
+                except subprocess.TimeoutExpired:
+                    log.info("still compiling %s (%.0f s)", what, time.monotonic() - start)
+        except BaseException:  # interrupted: no orphaned nvcc
+            proc.kill()
+            raise
+    return subprocess.CompletedProcess(cmd, proc.returncode, out, err)
 
 
 def build(
@@ -128,11 +224,13 @@ def build(
     cutlass: bool = False,
     output: Path | None = None,
     object_only: bool = False,
+    progress: tuple[int, int] | None = None,
 ) -> Path:
     """Compile ``source`` into ``<cache>/<name>-<key>.so`` (or ``output``) and return its path.
 
     ``object_only`` compiles to an object file without linking: CI uses it to prove that every
-    generated source builds for the target on a machine without a GPU.
+    generated source builds for the target on a machine without a GPU. ``progress``: this is
+    kernel k of n being built (for the messages).
     """
     if arch not in ARCH_FLAGS:
         raise ValueError(f"unsupported arch {arch!r}; supported: {sorted(ARCH_FLAGS)}")
@@ -169,13 +267,15 @@ def build(
             src.write_text(source)
             # Same directory as the target, so the final rename is atomic.
             tmp_out = target.parent / f".{target.name}.{os.getpid()}.tmp"
-            cmd = [nvcc_path(), *flags, str(src), "-o", str(tmp_out)]
-            _log(f"compiling {name} for {arch} with {Path(cmd[0]).name} (first use; CUTLASS kernels take ~1-2 min)")
+            tools = toolkit()
+            cmd = [*tools.command(), *flags, str(src), "-o", str(tmp_out)]
+            what = name if progress is None else f"kernel {progress[0]} of {progress[1]}, {name}"
+            log.info("compiling %s for %s with nvcc from %s (CUTLASS kernels take ~1-2 min)", what, arch, tools.source)
             start = time.monotonic()
-            proc = subprocess.run(cmd, capture_output=True, text=True)
+            proc = _compile(cmd, what)
             if proc.returncode != 0:
                 raise RuntimeError(f"nvcc failed building {name} ({arch}):\n{' '.join(cmd)}\n{proc.stderr[-6000:]}")
-            _log(f"built {name} in {time.monotonic() - start:.1f} s -> {target}")
+            log.info("built %s in %.1f s -> %s", what, time.monotonic() - start, target)
             os.replace(tmp_out, target)
     return target
 

@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import fnmatch
 import os
+import warnings
 from collections.abc import Callable, Sequence
 from typing import TypeVar
 
@@ -39,13 +40,23 @@ import torch.nn.functional as F
 from torch import nn
 
 from .comm import gathered_rows
-from .config import OverlapConfig
+from .config import OverlapConfig, resolve
 from .inputs import check_inputs, world_size
 from .overlap import with_gradients
+from .rules import resolutions
 
 
 def _collective(sequence_parallel: bool) -> str:
     return "reduce_scatter" if sequence_parallel else "all_reduce"
+
+
+def _check(group, config, sequence_parallel: bool) -> None:
+    """Refuse a group or config the overlapped call would refuse, when the layer is made: on the
+    CPU its plain path takes neither (a bad one would fail first on GPUs)."""
+    if group is not None and not isinstance(group, dist.ProcessGroup):
+        raise TypeError(f"group must be a torch.distributed ProcessGroup or None, got {type(group).__name__} {group!r}")
+    if config is not None:
+        resolutions(resolve(config), _collective(sequence_parallel))
 
 
 class _ColumnParallel(torch.autograd.Function):
@@ -108,6 +119,7 @@ class _ParallelLinear(nn.Module):
         dtype: torch.dtype | None = torch.bfloat16,
     ) -> None:
         super().__init__()
+        _check(group, config, sequence_parallel)
         self.in_features, self.out_features = in_features, out_features
         self.group, self.sequence_parallel, self.config = group, sequence_parallel, config
         self.weight = nn.Parameter(torch.empty(out_features, in_features, device=device, dtype=dtype))
@@ -125,6 +137,7 @@ class _ParallelLinear(nn.Module):
         module.config = kwargs.pop("config", None)
         if kwargs:
             raise TypeError(f"unexpected arguments {sorted(kwargs)}")
+        _check(module.group, module.config, module.sequence_parallel)
         module.weight, module.bias = linear.weight, linear.bias
         return module
 
@@ -208,7 +221,7 @@ def swap_row_parallel(
     (or reduce-scatter): remove the collective that followed them in the model's code. ``kwargs``
     go to :meth:`RowParallelLinear.from_linear` (group, sequence_parallel, config).
     """
-    return _swap(model, match, RowParallelLinear, kwargs)
+    return _swap(model, match, RowParallelLinear, kwargs, "swap_row_parallel")
 
 
 def swap_column_parallel(
@@ -223,10 +236,10 @@ def swap_column_parallel(
     backward all-reduces); with ``sequence_parallel=True`` they also all-gather their input.
     ``match`` as in :func:`swap_row_parallel`; ``kwargs`` go to :meth:`ColumnParallelLinear.from_linear`.
     """
-    return _swap(model, match, ColumnParallelLinear, kwargs)
+    return _swap(model, match, ColumnParallelLinear, kwargs, "swap_column_parallel")
 
 
-def _swap(model: nn.Module, match, cls: type[_ParallelLinear], kwargs: dict) -> list[str]:
+def _swap(model: nn.Module, match, cls: type[_ParallelLinear], kwargs: dict, caller: str) -> list[str]:
     if callable(match):
         selected = match
     else:
@@ -236,6 +249,13 @@ def _swap(model: nn.Module, match, cls: type[_ParallelLinear], kwargs: dict) -> 
             return any(fnmatch.fnmatchcase(name, p) for p in patterns)
 
     targets = [(name, module) for name, module in model.named_modules() if name and selected(name, module)]
+    if not targets:  # a pattern that fits another model's names: its layers keep their own collectives
+        linears = [name for name, module in model.named_modules() if type(module) is nn.Linear]
+        warnings.warn(
+            f"{caller}: no module matched {'the predicate' if callable(match) else patterns}, nothing was replaced "
+            f"(the model's nn.Linear modules: {', '.join(linears[:6]) or 'none'}{', ...' * (len(linears) > 6)})",
+            stacklevel=3,
+        )
     for name, module in targets:
         if type(module) is not nn.Linear:
             raise ValueError(f"{name} is a {type(module).__name__}, not an nn.Linear")

@@ -6,7 +6,7 @@
 Each item is a JSON object of :class:`~flashoverlap.config.OverlapConfig` fields plus, optionally,
 ``collective`` (default all_reduce), ``dtype`` (bfloat16) and ``weight_layout`` (nk: weight
 [N, K] as in torch Linear; kn: [K, N]); ``--file`` reads a YAML list of them. ``--registry`` adds
-every tuned config of the registry (``configs/*.yaml`` and ``FLASHOVERLAP_CONFIG_DIRS``, whatever
+every tuned config of the registry (the package's ``configs/*.yaml`` and ``FLASHOVERLAP_CONFIG_DIRS``, whatever
 GPU they were tuned on; those the target GPU has no kernel for are skipped, as items are with
 ``--skip-unsupported``). Kernels land in the on-disk cache the runtime reads
 (``FLASHOVERLAP_CACHE_DIR``, default ``~/.cache/flashoverlap``), so the first call of a run does
@@ -16,7 +16,9 @@ not stop for a 1-2 minute compile on every rank.
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
+import logging
 import sys
 import time
 from collections.abc import Sequence
@@ -30,10 +32,11 @@ from . import jit, registry
 from .config import OverlapConfig, cli_config, resolve
 from .gemm import GemmSpec, generate
 from .gemm.generator import DTYPES, WEIGHT_LAYOUTS
-from .rules import kernel_spec, resolutions
+from .rules import COLLECTIVES, kernel_spec, resolutions
 
 GPU_ARCHS = {"sm_80": (8, 0), "sm_86": (8, 6), "sm_89": (8, 9), "sm_90": (9, 0)}
 CALL_KEYS = {"collective": "all_reduce", "dtype": "bfloat16", "weight_layout": "nk"}
+log = logging.getLogger(__name__)
 
 
 def load_items(path: str) -> list[dict[str, Any]]:
@@ -51,6 +54,8 @@ def call_and_configs(item: dict[str, Any]) -> tuple[dict[str, str], tuple[Overla
     resolved for the collective (an ``auto`` layout of a reduce-scatter / all-to-all: ``segments``
     and ``cols``, which one depends on the call); raises ``ValueError`` for what no GPU could run."""
     call = {key: item.get(key, default) for key, default in CALL_KEYS.items()}
+    if call["collective"] not in COLLECTIVES:
+        raise ValueError(f"collective must be one of {list(COLLECTIVES)}, got {call['collective']!r}")
     if call["dtype"] not in DTYPES:
         raise ValueError(f"dtype must be one of {sorted(DTYPES)}, got {call['dtype']!r}")
     if call["weight_layout"] not in WEIGHT_LAYOUTS:
@@ -120,7 +125,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         except ValueError as exc:  # a kernel this GPU lacks (e.g. a Hopper-only config on sm_89)
             if not skip:
                 parser.error(f"{where}: {exc} (--skip-unsupported skips such items)")
-            print(f"skipping {where}: {exc}", file=sys.stderr)
+            log.warning("skipping %s: %s", where, exc)
             continue
         if spec is not None:
             specs.setdefault(spec.name, spec)
@@ -128,14 +133,20 @@ def main(argv: Sequence[str] | None = None) -> int:
         print("\n".join(specs))
         return 0
     jit.build_runtime()
-    done = 0
+    started, done = itertools.count(1), itertools.count(1)  # (next() is atomic: the pool's threads share them)
+    begin = time.monotonic()
 
     def build(spec: GemmSpec) -> None:
-        nonlocal done
         start = time.monotonic()
-        jit.build(spec.name, generate(spec), arch=spec.arch, cutlass=True)
-        done += 1
-        print(f"[{done}/{len(specs)}] {spec.name} ({time.monotonic() - start:.0f} s)", file=sys.stderr, flush=True)
+        jit.build(spec.name, generate(spec), arch=spec.arch, cutlass=True, progress=(next(started), len(specs)))
+        log.info(
+            "%d of %d kernels ready: %s (%.0f s; %.0f s in all)",
+            next(done),
+            len(specs),
+            spec.name,
+            time.monotonic() - start,
+            time.monotonic() - begin,
+        )
 
     with ThreadPoolExecutor(args.jobs) as pool:
         list(pool.map(build, specs.values()))

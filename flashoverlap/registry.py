@@ -1,6 +1,6 @@
 """Tuned configs from YAML files, looked up by GPU, world size, collective, transport, dtype and shape.
 
-A registry file (``configs/*.yaml``)::
+A registry file (``flashoverlap/configs/*.yaml``, shipped inside the package)::
 
     gpu: NVIDIA H200        # matched against torch.cuda.get_device_name() (substring)
     world: 2
@@ -25,19 +25,20 @@ shape is a hint: a call takes it, or the same with NCCL's SMs taken differently
 (decision.trial); so does a call with no matching entry, from the built-in defaults.
 
 Files are read from ``FLASHOVERLAP_CONFIG_DIRS`` (``os.pathsep``-separated directories, searched
-first) and the repository's ``configs/`` directory.
+first) and the package's own ``configs/`` (:data:`SHIPPED`, package data: an installed wheel carries it).
 """
 
 from __future__ import annotations
 
 import dataclasses
 import functools
+import importlib.resources
 import math
 import os
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, NamedTuple
+from typing import TYPE_CHECKING, Any, NamedTuple
 
 import yaml
 
@@ -45,13 +46,18 @@ from . import state
 from .config import OverlapConfig
 from .rules import COLLECTIVES, resolutions, takes_every_call
 
+if TYPE_CHECKING:
+    from importlib.resources.abc import Traversable
+
 TRANSPORTS = ("nvlink", "pcie", "net")
 DTYPES = ("bfloat16", "float16")
 # how calls run, and so how an entry was measured: host time included, or replayed as CUDA graphs
 TIMINGS = ("eager", "graphs")
 FILE_KEYS = {"gpu", "world", "entries"}
 ENTRY_KEYS = {"collective", "transport", "dtype", "shape", "config", "fallback", "measured", "timing"}
-REPO_CONFIGS = Path(__file__).resolve().parent.parent / "configs"
+# the tuned registry files (and the sample single configs) the package carries; read through
+# importlib.resources, so that any installed form of the package finds them
+SHIPPED: Traversable = importlib.resources.files(__package__) / "configs"
 
 
 class Found(NamedTuple):
@@ -142,7 +148,7 @@ def _config(data: Any, collective: str, where: str) -> OverlapConfig:
     return config
 
 
-def load(paths: Iterable[Path]) -> list[Entry]:
+def load(paths: Iterable[Path | Traversable]) -> list[Entry]:
     entries = []
     for path in paths:
         try:
@@ -154,19 +160,24 @@ def load(paths: Iterable[Path]) -> list[Entry]:
     return entries
 
 
-def config_dirs() -> list[Path]:
+def config_dirs() -> list[Path | Traversable]:
     return list(_dirs(os.environ.get("FLASHOVERLAP_CONFIG_DIRS", "")))
 
 
 @functools.lru_cache(maxsize=16)  # every call without config= asks (as the variable's text: cheap to hash)
-def _dirs(spec: str) -> tuple[Path, ...]:
-    return (*(Path(p) for p in spec.split(os.pathsep) if p), REPO_CONFIGS)
+def _dirs(spec: str) -> tuple[Path | Traversable, ...]:
+    return (*(Path(p) for p in spec.split(os.pathsep) if p), SHIPPED)
+
+
+def yaml_files(directory: Path | Traversable) -> list[Path | Traversable]:
+    """The YAML files of a directory (a user's, or :data:`SHIPPED`), by name."""
+    return sorted((p for p in directory.iterdir() if p.name.endswith(".yaml")), key=lambda p: p.name)
 
 
 @functools.cache
-def _entries_in(dirs: tuple[Path, ...]) -> list[Entry]:
+def _entries_in(dirs: tuple[Path | Traversable, ...]) -> list[Entry]:
     # directory order first (user directories win ties), file names within a directory
-    return load(p for d in dirs if d.is_dir() for p in sorted(d.glob("*.yaml")))
+    return load(p for d in dirs if d.is_dir() for p in yaml_files(d))
 
 
 def entries() -> list[Entry]:

@@ -9,16 +9,18 @@ instead: GPU time alone, for every variant alike.
 
 from __future__ import annotations
 
+import logging
 import math
 import random
 import statistics
-import sys
 from collections.abc import Callable, Sequence
 
 import torch
 import torch.distributed as dist
 
 from . import comm, signal
+
+log = logging.getLogger(__name__)
 
 
 def median_ms(samples: Sequence[float]) -> float:
@@ -31,10 +33,13 @@ def input_sets(m: int, n: int, k: int, dtype: torch.dtype, l2_bytes: int) -> int
     return max(2, math.ceil(3 * l2_bytes / per_set))
 
 
-def operand_sets(m: int, n: int, k: int, dtype: torch.dtype) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
-    """Random operand sets (a [m, k], weight [n, k]) to rotate through, larger than L2 together."""
+def operand_sets(
+    m: int, n: int, k: int, dtype: torch.dtype, hot: bool = False
+) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+    """Random operand sets (a [m, k], weight [n, k]) to rotate through, larger than L2 together;
+    ``hot``: one set, read by every call (a layer's activations sit in L2)."""
     props = torch.cuda.get_device_properties(torch.cuda.current_device())
-    sets = input_sets(m, n, k, dtype, props.L2_cache_size)
+    sets = 1 if hot else input_sets(m, n, k, dtype, props.L2_cache_size)
     gen = torch.Generator(device="cuda").manual_seed(1234 + dist.get_rank())
     a = [torch.randn(m, k, device="cuda", generator=gen).to(dtype) for _ in range(sets)]
     w = [(torch.randn(n, k, device="cuda", generator=gen) / math.sqrt(k)).to(dtype) for _ in range(sets)]
@@ -183,6 +188,6 @@ def _captured(name: str, fn: Callable[[int], object], block: int) -> Callable[[i
             for i in range(block):
                 fn(i)
     except Exception as exc:  # report it, time the rest (every rank drops the variant)
-        print(f"{name}: not captured in a CUDA graph: {type(exc).__name__}: {exc}", file=sys.stderr)
+        log.warning("%s: not captured in a CUDA graph: %s: %s", name, type(exc).__name__, exc)
         return None
     return lambda r: graph.replay()

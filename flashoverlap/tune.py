@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import logging
 import os
 import statistics
 import sys
@@ -85,10 +86,13 @@ DEFAULT_CANDIDATES = {
 DEFAULT_CANDIDATES["all_to_all"] = DEFAULT_CANDIDATES["reduce_scatter"]
 
 
+log = logging.getLogger(__name__)
+
+
 def _progress(message: str) -> None:
 
     if dist.get_rank() == 0:
-        print(f"[tune] {message}", file=sys.stderr, flush=True)
+        log.info(message)
 
 
 def _fitted(model, *args) -> CommModel | None:
@@ -354,7 +358,9 @@ def build_parser() -> argparse.ArgumentParser:
         help="predicted-best candidates measured for real (each also with its default partition)",
     )
     parser.add_argument("--margin", type=float, default=0.02, help="overlap must beat sequential by this")
-    parser.add_argument("--output", required=True, help="registry YAML to write or update")
+    parser.add_argument(
+        "--output", required=True, help="registry YAML to write or update (calls read it from FLASHOVERLAP_CONFIG_DIRS)"
+    )
     parser.add_argument("--csv", help="also write the predicted-vs-measured rows here")
     parser.add_argument(
         "--graphs",
@@ -382,6 +388,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 2
     os.environ.update(bench.TRANSPORTS[args.transport])
     local_rank = int(os.environ.get("LOCAL_RANK", 0))
+    if (why := bench.unrunnable(local_rank)) is not None:
+        print(why, file=sys.stderr)
+        return 2
     gpu, world = torch.cuda.get_device_name(local_rank), int(os.environ.get("WORLD_SIZE", 1))
     if world < 2:  # (its collectives move nothing: no time by size to model)
         parser.error("tuning needs two or more ranks (torchrun --nproc-per-node 2 or more): one communicates nothing")

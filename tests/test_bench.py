@@ -1,8 +1,6 @@
-"""The benchmark's CPU side: CLI parsing, shape files, statistics, table, CSV and plot."""
+"""The benchmark's CPU side: CLI parsing, shape files, statistics, runs without GPUs."""
 
 import argparse
-import csv
-import math
 import os
 import shutil
 import subprocess
@@ -28,12 +26,10 @@ def test_shapes_and_configs_parse_with_clear_errors():
 def test_configs_from_yaml_files(tmp_path, capsys):
     """A config file stands for its fields on every command line that takes configs (the shipped
     consumer config among them); a bad one is refused naming the file and the key."""
-    from pathlib import Path
-
-    from flashoverlap import precompile, tune
+    from flashoverlap import precompile, registry, tune
     from flashoverlap.config import OverlapConfig
 
-    shipped = Path(__file__).resolve().parent.parent / "configs" / "consumer_pcie.yaml"
+    shipped = registry.SHIPPED / "consumer_pcie.yaml"
     fields = bench.parse_config(str(shipped))
     assert fields["kernel"] == "sm80" and OverlapConfig(**fields) == OverlapConfig.from_yaml(shipped)
     good = tmp_path / "few.yaml"
@@ -63,10 +59,6 @@ def test_config_labels_name_what_ran():
     assert bench.config_label(None, picked, "reduce_scatter") == 'registry:{"comm_sms": 8, "partition": [2, 3]}'
     tiles = for_collective(OverlapConfig(layout="tiles"), "all_reduce")
     assert bench.config_label(None, tiles, "all_reduce") == 'registry:{"layout": "tiles"}'
-    # a method per config, whatever the registry picked, and per NCCL path
-    assert bench.variant('registry:{"comm_sms": 8}') == "registry"
-    assert bench.variant('registry:{"comm_sms": 8} nccl=direct') == "registry nccl=direct"
-    assert bench.variant('{"comm_sms": 8} nccl=direct') == '{"comm_sms": 8} nccl=direct'
 
 
 def test_cli_defaults_and_choices(capsys, monkeypatch):
@@ -77,6 +69,12 @@ def test_cli_defaults_and_choices(capsys, monkeypatch):
     assert args.chunks == [2, 4, 8] and args.rounds == 15
     assert bench.build_parser().parse_args(["--nccl", "c10d", "direct"]).nccl == ["c10d", "direct"]
     assert not args.graphs and bench.build_parser().parse_args(["--graphs"]).graphs
+    # inputs rotated through sets larger than L2 unless asked: hot (the same every call) or both, each a run
+    assert bench.INPUTS[args.inputs] == ("rotated",)
+    assert bench.INPUTS[bench.build_parser().parse_args(["--inputs", "hot"]).inputs] == ("hot",)
+    assert bench.INPUTS[bench.build_parser().parse_args(["--inputs", "both"]).inputs] == ("rotated", "hot")
+    with pytest.raises(SystemExit):
+        bench.build_parser().parse_args(["--inputs", "cold"])
     with pytest.raises(SystemExit):
         bench.build_parser().parse_args(["--nccl", "cupy"])
     with pytest.raises(SystemExit):
@@ -95,6 +93,22 @@ def test_main_without_torchrun_says_how_to_run(capsys, monkeypatch):
     assert os.environ["FLASHOVERLAP_TIMING"] == "graphs"  # the registry's entries for graph replays
 
 
+def test_under_torchrun_without_the_gpus_it_needs_says_so(capsys, monkeypatch):
+    """Not a CUDA error's traceback: what is missing, before any process group starts."""
+    import torch
+
+    monkeypatch.setenv("RANK", "0")
+    monkeypatch.setenv("LOCAL_RANK", "0")
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    assert bench.main(["--shapes", "128x128x128"]) == 2
+    assert "no CUDA GPU here" in capsys.readouterr().err
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 2)
+    monkeypatch.setenv("LOCAL_RANK", "2")  # a third process per node on two GPUs
+    assert bench.main(["--shapes", "128x128x128"]) == 2
+    assert "local rank 2, but 2 GPU(s) here" in capsys.readouterr().err
+
+
 def test_shape_files(tmp_path):
     good = tmp_path / "suite.yaml"
     good.write_text("- 4096x8192x8192\n- [1024, 4096, 2048]\n")
@@ -110,64 +124,6 @@ def test_overlap_efficiency():
     # seq 1.0 = gemm 0.7 + comm 0.3; an overlap at 0.8 hides 0.2 of the 0.3 that could be hidden
     assert bench.overlap_efficiency(1.0, 0.8, 0.7, 0.3) == pytest.approx(2 / 3)
     assert bench.overlap_efficiency(1.0, 0.7, 0.7, 0.3) == pytest.approx(1.0)
-
-
-def row(**overrides):
-    base = dict(
-        m=4096, n=8192, k=8192, world=2, collective="all_reduce", dtype="bfloat16", config="{}", waves=9, groups=6,
-        t_gemm_ms=0.8, t_comm_ms=0.3, t_seq_ms=1.1, t_fo_ms=1.0, t_kernel_ms=0.9, t_decomp_ms=1.05,
-        decomp_chunks=4, t_asynctp_ms=float("nan"), speedup=1.1, decomp_speedup=1.0476, asynctp_speedup=float("nan"),
-        ideal_speedup=1.375, of_ideal=0.8, efficiency=1 / 3, kernel_vs_cublas=0.89, rel_err=0.0,
-    )  # fmt: skip
-    return {**base, **overrides}
-
-
-def test_table_is_aligned_and_marks_missing_values():
-    rows = [row(), row(m=16384, config='{"comm_sms": 8}', waves="", groups="")]
-    lines = bench.format_table(rows).splitlines()
-    assert len(lines) == 3 and len({len(line) for line in lines}) == 1
-    header = lines[0].split()
-    assert header[:8] == ["M", "N", "K", "gemm", "comm", "seq", "fo", "speedup"]
-    assert "async-tp" in header and "of_ideal" in header
-    cells = dict(zip(header, lines[1].split()))
-    assert cells["async-tp"] == "-" and cells["decomp"] == "1.048" and cells["chunks"] == "4"
-
-
-def test_csv_round_trip_and_plot(tmp_path):
-    pytest.importorskip("matplotlib")
-    path = tmp_path / "r.csv"
-    rows = [row(transport="nvlink"), row(collective="reduce_scatter", asynctp_speedup=1.02, transport="nvlink")]
-    bench.write_csv(str(path), rows)
-    with open(path, newline="") as handle:
-        back = list(csv.DictReader(handle))
-    assert [r["collective"] for r in back] == ["all_reduce", "reduce_scatter"]
-    assert math.isclose(float(back[0]["speedup"]), 1.1) and back[0]["t_asynctp_ms"] == "nan"
-    png = tmp_path / "p.png"
-    assert bench.main(["--plot", str(png), "--from-csv", str(path)]) == 0
-    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
-
-
-def test_summary_per_variant(tmp_path, capsys):
-    rows = [
-        row(),
-        row(m=8192, speedup=0.9, efficiency=-0.1, of_ideal=0.6),  # slower than decomposition (1.0476)
-        row(config='{"comm_sms": 8}', speedup=1.2, efficiency=0.5, of_ideal=0.9),
-    ]
-    lines = bench.summarize(rows).splitlines()
-    assert lines[0].split()[:4] == ["variant", "shapes", "speedup", "worst"]
-    assert lines[1].split() == ["{}", "2", "1.000", "0.900", "0.12", "0.70", "1/2"]
-    assert lines[2].split()[-5:] == ["1.200", "1.200", "0.50", "0.90", "1/1"]
-    # whatever the registry picked per shape is one method
-    picks = [row(config='registry:{"sequential": true}', speedup=0.99), row(config="registry:{}", speedup=1.21)]
-    assert bench.summarize(picks).splitlines()[1].split() == ["registry", "2", "1.100", "0.990", "0.33", "0.80", "1/2"]
-    assert "of_ideal > 1" not in bench.summarize(rows)
-    # beyond the bound (it times one whole collective): said, not hidden
-    assert bench.summarize([row(of_ideal=1.03)]).splitlines()[-1].startswith("of_ideal > 1 (1 row)")
-    # the same from saved CSVs, no GPUs
-    path = tmp_path / "r.csv"
-    bench.write_csv(str(path), rows)
-    assert bench.main(["--from-csv", str(path)]) == 0
-    assert "1/2" in capsys.readouterr().out
 
 
 @pytest.mark.nvcc

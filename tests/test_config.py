@@ -91,9 +91,8 @@ def test_yaml_files(tmp_path):
 
 
 def test_shipped_single_configs_resolve():
-    from pathlib import Path
+    from flashoverlap.registry import SHIPPED as configs
 
-    configs = Path(__file__).parent.parent / "configs"
     assert resolve(configs / "example.yaml") == OverlapConfig()
     consumer = resolve(configs / "consumer_pcie.yaml")
     cfg, arch = for_device(for_collective(consumer, "all_reduce"), ADA)

@@ -80,7 +80,7 @@ def test_a_config_without_a_kernel_on_this_gpu_fails_before_any_communication(mo
     ],
 )
 def test_which_path_a_call_takes(
-    one_rank_group, monkeypatch, capfd, config, tuned, waves, trial, env, paths, timed, said
+    one_rank_group, monkeypatch, caplog, config, tuned, waves, trial, env, paths, timed, said
 ):
     """A call without config= skips the overlap where it cannot pay: a GEMM of one group, or an
     untuned call that lost to sequential when first timed (overlap / sequential time ``trial``).
@@ -122,8 +122,8 @@ def test_which_path_a_call_takes(
     assert ("planned" in taken) == ((config is not None or waves > 1) and tuned != ({"sequential": True}, True))
     # (3 tiles: a late budget saves no wave, no second candidate)
     assert trials == [["overlapped, comm_sms 16", "sequential"]] * timed
-    what = f"[flashoverlap] all_reduce {plan.m}x{plan.n}x64 bfloat16, 1 rank: "
-    lines = [line for line in capfd.readouterr().err.splitlines() if line.startswith(what)]
+    what = f"all_reduce {plan.m}x{plan.n}x64 bfloat16, 1 rank: "
+    lines = [line for line in caplog.messages if line.startswith(what)]
     assert len(lines) == 1 and said in lines[0], lines  # once, for both calls
 
 
@@ -232,7 +232,7 @@ def test_no_window_where_p2p_is_disabled(one_rank_group, monkeypatch, p2p_disabl
 
 
 @pytest.mark.parametrize("config", [None, {}])
-def test_a_group_of_one_rank_runs_the_plain_gemm_before_any_lookup(one_rank_group, monkeypatch, capfd, config):
+def test_a_group_of_one_rank_runs_the_plain_gemm_before_any_lookup(one_rank_group, monkeypatch, caplog, config):
     """The same model run without tensor parallelism pays only the input checks: no registry
     lookup, no config resolution for the collective, no device switch."""
 
@@ -250,12 +250,12 @@ def test_a_group_of_one_rank_runs_the_plain_gemm_before_any_lookup(one_rank_grou
     for fn in ENTRY_POINTS:
         fn(bf16(256, 64), bf16(256, 64), config=config)
     assert taken == ["all_reduce", "reduce_scatter", "all_to_all"]
-    assert capfd.readouterr().err.count("bfloat16, 1 rank: sequential: one rank") == 3
+    assert caplog.text.count("bfloat16, 1 rank: sequential: one rank") == 3
 
 
 @pytest.mark.parametrize("m, sources", [(3000, (3000, 0)), (0, (0, 3000)), (0, None)])
 def test_a_call_where_a_rank_has_no_rows_runs_the_plain_collective_alike(
-    one_rank_group, monkeypatch, capfd, m, sources
+    one_rank_group, monkeypatch, caplog, m, sources
 ):
     """Where this rank, or a rank every rank knows of (counts exchanged), has no rows, the call runs
     matmul + the collective on every rank, before any lookup or planning."""
@@ -276,7 +276,7 @@ def test_a_call_where_a_rank_has_no_rows_runs_the_plain_collective_alike(
     for config in (None, {"layout": "cols"}):
         flashoverlap.gemm_all_to_all(bf16(max(m, 1), 64), bf16(256, 64), splits=list(ex.send), config=config)
     assert taken == [ex, ex]
-    assert "sequential: a rank has no rows" in capfd.readouterr().err
+    assert "sequential: a rank has no rows" in caplog.text
 
 
 @pytest.mark.parametrize("given", [False, True], ids=["exchanged", "rows_per_rank"])

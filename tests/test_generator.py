@@ -48,8 +48,8 @@ def test_cache_key_changes_with_the_source(tmp_path, monkeypatch):
     monkeypatch.setenv("FLASHOVERLAP_CACHE_DIR", str(tmp_path))
     calls = []
     monkeypatch.setattr(jit, "nvcc_version", lambda: "test")
-    monkeypatch.setattr(jit, "nvcc_path", lambda: "nvcc")
-    monkeypatch.setattr(jit.subprocess, "run", lambda cmd, **kw: calls.append(cmd) or _touch(cmd[-1]))
+    monkeypatch.setattr(jit, "toolkit", lambda: jit.Toolkit("nvcc", "test"))
+    monkeypatch.setattr(jit, "_compile", lambda cmd, what: calls.append(cmd) or _touch(cmd[-1]))
     first = jit.build("x", "int a;")
     assert jit.build("x", "int a;") == first and len(calls) == 1  # cached
     assert jit.build("x", "int b;") != first and len(calls) == 2

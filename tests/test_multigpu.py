@@ -4,14 +4,13 @@ import contextlib
 import os
 import time
 from functools import partial
-from pathlib import Path
 
 import pytest
 import torch
 import torch.distributed as dist
 
 import flashoverlap
-from flashoverlap import OverlapConfig, comm, signal
+from flashoverlap import OverlapConfig, comm, registry, signal
 from flashoverlap.config import resolve
 from flashoverlap.rules import rotation_unit
 from flashoverlap.runtime import sequential
@@ -38,7 +37,7 @@ CONFIGS = [
     OverlapConfig(tile_n=128, layout="tiles"),
     OverlapConfig(scheduler="streamk", comm_sms=12),
     OverlapConfig(kernel="sm80"),
-    resolve(Path(__file__).parent.parent / "configs" / "consumer_pcie.yaml"),  # as shipped: sm80, 4 SMs for NCCL
+    resolve(registry.SHIPPED / "consumer_pcie.yaml"),  # as shipped: sm80, 4 SMs for NCCL
     OverlapConfig(swizzle=4),
     OverlapConfig(late_budget=True),  # NCCL's SMs from the last waves on
     OverlapConfig(symmetric=True),  # NCCL symmetric-memory kernels

@@ -124,3 +124,34 @@ def test_swap_replaces_matching_linears_and_shares_their_parameters():
     swapped = model[0].mlp["up_proj"]
     assert isinstance(swapped, ColumnParallelLinear) and swapped.weight is up.weight and swapped.bias is up.bias
     assert swapped.config == {"comm_sms": 8} and not swapped.sequence_parallel
+
+
+@pytest.mark.parametrize(
+    "kwargs, error, message",
+    [
+        ({"config": {"tile_mm": 128}}, ValueError, r"unknown key\(s\) \['tile_mm'\]"),
+        ({"config": "no/such/config.yaml"}, FileNotFoundError, "config file not found: no/such/config.yaml"),
+        ({"config": {"layout": "segments"}}, ValueError, "all_reduce takes 'rows', 'tiles' or 'cols'"),
+        ({"config": {"layout": "tiles"}, "sequence_parallel": True}, ValueError, "reduce_scatter needs layout"),
+        ({"group": "tp"}, TypeError, "group must be a torch.distributed ProcessGroup or None, got str 'tp'"),
+    ],
+)
+@pytest.mark.parametrize("cls", [RowParallelLinear, ColumnParallelLinear])
+def test_a_bad_group_or_config_is_refused_when_the_layer_is_made(cls, kwargs, error, message):
+    """On the CPU the layers run the plain path, which takes no config: what the GPU's call would
+    refuse is refused here too, when the layer is made (no process group needed)."""
+    with pytest.raises(error, match=message):
+        cls(16, 8, **kwargs)
+    with pytest.raises(error, match=message):
+        cls.from_linear(nn.Linear(16, 8), **kwargs)
+    with pytest.raises(error, match=message):
+        (swap_row_parallel if cls is RowParallelLinear else swap_column_parallel)(Block(), ["o_proj"], **kwargs)
+
+
+def test_a_swap_that_replaces_nothing_warns():
+    model = Block()
+    with pytest.warns(UserWarning, match=r"swap_row_parallel: no module matched \['\*\.o_proj'\].*: q_proj, o_proj"):
+        assert swap_row_parallel(model, ["*.o_proj"]) == []  # (top-level modules have no dot)
+    with pytest.warns(UserWarning, match="swap_column_parallel: no module matched the predicate"):
+        assert swap_column_parallel(model, lambda name, module: False) == []
+    assert isinstance(model.o_proj, nn.Linear)

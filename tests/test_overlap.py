@@ -1,13 +1,12 @@
 """The public calls on the CPU: bad input rejected before anything is launched, torch.compile's
 operator, autograd, and a repeated call's way past its decision (gloo)."""
 
-from pathlib import Path
-
 import pytest
 import torch
 import torch.distributed as dist
 
 import flashoverlap
+from flashoverlap import registry
 
 from .helpers import ENTRY_POINTS, bf16, spawn_ranks
 
@@ -119,7 +118,7 @@ def compile_worker(rank: int, world: int, store_path: str):
         a, w = bf16(64, 32), bf16(48, 32)
         pair = dist.new_group([0, 1])  # not the default group: its name reaches the operator
         assert world == 2
-        yaml_path = Path(__file__).parent.parent / "configs" / "example.yaml"
+        yaml_path = registry.SHIPPED / "example.yaml"
         cases = [  # every kind of config: a dict, a YAML path, an OverlapConfig
             (flashoverlap.gemm_all_reduce, {"config": {"comm_sms": 4}}, (64, 48)),
             (flashoverlap.gemm_all_reduce, {"config": yaml_path}, (64, 48)),
@@ -254,3 +253,11 @@ def test_a_repeated_call_decides_again_once_the_registry_is_reloaded(one_rank_gr
     registry.reload()
     flashoverlap.gemm_all_reduce(a, w)
     assert len(decided) == 2
+
+
+@pytest.mark.parametrize("fn", ENTRY_POINTS)
+def test_a_group_that_is_no_process_group_is_named(fn):
+    """Not "cannot create weak reference to 'str' object" from deep inside: before any check that
+    needs torch.distributed set up."""
+    with pytest.raises(TypeError, match="group must be a torch.distributed ProcessGroup or None, got str 'tp'"):
+        fn(bf16(64, 64), bf16(64, 64), group="tp")

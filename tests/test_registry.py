@@ -20,7 +20,7 @@ def write(tmp_path: Path, data, name="r.yaml") -> Path:
 
 
 def test_shipped_registry_files_are_valid():
-    entries = registry.load(sorted(registry.REPO_CONFIGS.glob("*.yaml")))
+    entries = registry.load(registry.yaml_files(registry.SHIPPED))
     assert entries and {e.collective for e in entries} == {"all_reduce", "reduce_scatter", "all_to_all"}
     assert {e.transport for e in entries} == {"nvlink", "pcie"}
 
@@ -87,7 +87,7 @@ def test_malformed_yaml_is_named(tmp_path):
 
 
 def test_single_config_files_are_not_registry_files():
-    assert registry.load([registry.REPO_CONFIGS / "example.yaml"]) == []
+    assert registry.load([registry.SHIPPED / "example.yaml"]) == []
 
 
 def make_entries(tmp_path):

@@ -114,6 +114,8 @@ def test_other_gpus_registry_and_a_world_of_one_are_refused_before_anything_runs
     for name, value in {"RANK": "0", "LOCAL_RANK": "0", "WORLD_SIZE": "2"}.items():
         monkeypatch.setenv(name, value)
     monkeypatch.setattr(torch.cuda, "get_device_name", lambda index=None: "NVIDIA H100 80GB HBM3")
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)  # (a machine of two GPUs)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 2)
     monkeypatch.setattr(torch.cuda, "set_device", lambda index: pytest.fail("ran past the registry check"))
     with pytest.raises(SystemExit):
         tune.main(["--shapes", "8x8x8", "--output", str(path)])
@@ -122,6 +124,18 @@ def test_other_gpus_registry_and_a_world_of_one_are_refused_before_anything_runs
     with pytest.raises(SystemExit):
         tune.main(["--shapes", "8x8x8", "--output", str(tmp_path / "new.yaml")])
     assert "tuning needs two or more ranks" in capsys.readouterr().err
+
+
+def test_under_torchrun_without_gpus_the_tuner_says_so(tmp_path, capsys, monkeypatch):
+    import torch
+
+    from flashoverlap import tune
+
+    for name, value in {"RANK": "0", "LOCAL_RANK": "0", "WORLD_SIZE": "2"}.items():
+        monkeypatch.setenv(name, value)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    assert tune.main(["--shapes", "8x8x8", "--output", str(tmp_path / "new.yaml")]) == 2
+    assert "no CUDA GPU here" in capsys.readouterr().err
 
 
 def test_brute_force_summary_compares_what_was_written(capsys):
