@@ -126,7 +126,7 @@ class Variants:
 
 def bench_model(name: str, args: argparse.Namespace, device: torch.device) -> list[dict]:
     """One row per prefill length of ``args.tokens`` for model ``name`` (every rank)."""
-    from .bench import time_variants
+    from .timing import time_variants
     from .integrations import hf
 
     world = dist.get_world_size()
@@ -179,7 +179,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     if "RANK" not in os.environ:
         print("run under torchrun, e.g. torchrun --nproc-per-node 2 -m flashoverlap.bench_model", file=sys.stderr)
         return 2
-    from .bench import TRANSPORTS, write_csv
+    from .bench import TRANSPORTS
+    from .report import write_csv
 
     os.environ.update(TRANSPORTS[args.transport])  # before NCCL creates its communicators
     local_rank = int(os.environ.get("LOCAL_RANK", 0))

@@ -18,7 +18,7 @@ from collections.abc import Sequence
 import torch
 import torch.distributed as dist
 
-from . import bench, comm, overlap
+from . import bench, comm, overlap, report
 from .config import OverlapConfig, cli_config, resolve
 from .inputs import DTYPES
 from .plan import widest_budget
@@ -477,7 +477,7 @@ def _tune_shapes(args, shapes, candidates, existing, no_pulls, gpu, world) -> tu
         if dist.get_rank() == 0:
             write_registry(args.output, gpu, world, entries)
             if args.csv:
-                bench.write_csv(args.csv, [dict(r, transport=args.transport) for r in rows])
+                report.write_csv(args.csv, [dict(r, transport=args.transport) for r in rows])
     return entries, rows
 
 

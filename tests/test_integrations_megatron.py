@@ -158,6 +158,7 @@ def gpt_worker(rank: int, world: int, store_path: str):
         from megatron.core import tensor_parallel
         from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
         from megatron.core.models.gpt.gpt_model import GPTModel
+        from megatron.core.transformer.module import Float16Module
 
         tensor_parallel.model_parallel_cuda_manual_seed(0)  # (Megatron's CUDA RNG tracker)
         config = transformer_config(
@@ -175,8 +176,9 @@ def gpt_worker(rank: int, world: int, store_path: str):
         results = []
         for spec in (get_gpt_layer_local_spec(), megatron.flashoverlap_spec(get_gpt_layer_local_spec())):
             torch.manual_seed(0)
-            model = GPTModel(
-                config=config, transformer_layer_spec=spec, vocab_size=128, max_sequence_length=4096
+            # as Megatron trains it: every parameter (Torch's norms too, float32 where Apex is missing) in bf16
+            model = Float16Module(
+                config, GPTModel(config=config, transformer_layer_spec=spec, vocab_size=128, max_sequence_length=4096)
             ).cuda()
             logits = model(ids, positions, None)
             logits.float().square().mean().backward()

@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from flashoverlap import bench
+from flashoverlap import report
 
 ROOT = Path(__file__).resolve().parent.parent
 _spec = importlib.util.spec_from_file_location("bench_results", ROOT / "bench" / "results.py")
@@ -82,7 +82,7 @@ def test_bench_rows_become_one_row_per_variant():
 
 
 def write_bench(path: Path, rows: list[dict]) -> Path:
-    bench.write_csv(str(path), rows)
+    report.write_csv(str(path), rows)
     return path
 
 
