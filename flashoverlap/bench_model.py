@@ -126,8 +126,8 @@ class Variants:
 
 def bench_model(name: str, args: argparse.Namespace, device: torch.device) -> list[dict]:
     """One row per prefill length of ``args.tokens`` for model ``name`` (every rank)."""
-    from .timing import time_variants
     from .integrations import hf
+    from .timing import time_variants
 
     world = dist.get_world_size()
     run = Variants(hf.tensor_parallel_from_config(model_config(name, args.layers, world), device=device), args.config)

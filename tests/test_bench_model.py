@@ -57,9 +57,9 @@ def loop_worker(rank: int, world: int, store_path: str):
                 outputs[mode] = fn(0)
             return {"plain": 4.0, "flashoverlap": 3.0, "bound": 2.0}
 
-        import flashoverlap.bench
+        import flashoverlap.timing
 
-        flashoverlap.bench.time_variants = time_variants
+        flashoverlap.timing.time_variants = time_variants
         args = bench_model.build_parser().parse_args(["--tokens", "16", "--layers", "2"])
         (row,) = bench_model.bench_model("llama3-70b", args, torch.device("cpu"))
         assert float(row["rel_err"]) < 1e-6 and row["patched"] == 4

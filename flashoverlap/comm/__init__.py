@@ -13,42 +13,45 @@ import hashlib
 import os
 import warnings
 from collections.abc import Sequence
-from dataclasses import dataclass, replace
 
 import torch
 import torch.distributed as dist
 
 from .. import enqueue, state
-from ..plan import Plan, slot_view
+from ..plan import Plan
 from ..rules import COLLECTIVES as COLLECTIVES
 from ..rules import COPY_ENGINE as COPY_ENGINE
 from ..rules import EQUAL_SEGMENTS as EQUAL_SEGMENTS
 from ..rules import PULL_LAYOUTS as PULL_LAYOUTS
 from ..rules import PULLS as PULLS
 from ..rules import REDUCTIONS as REDUCTIONS
-from ..rules import TAKES
 from ..rules import check_layout as check_layout
 from ..rules import comm_pattern as comm_pattern
 from ..rules import rows_carry as rows_carry
 from ..rules import tail_apart as tail_apart
-from .nccl import CTA_POLICY_ZERO, Direct, cuda_backend, group_fact, unavailable
+from .exchange import Exchange as Exchange
+from .exchange import _device_for
+from .exchange import all_gather_single as all_gather_single
+from .exchange import exchange as exchange
+from .exchange import reduce_scatter_single as reduce_scatter_single
+from .exchange import with_reduction as with_reduction
+from .moves import ADD_DTYPES as ADD_DTYPES
+from .moves import MAX_PITCH as MAX_PITCH
+from .moves import MAX_SUM as MAX_SUM
+from .moves import add as add
+from .moves import add_rows as add_rows
+from .moves import copy_2d as copy_2d
+from .moves import restore as restore
+from .nccl import CTA_POLICY_ZERO, Direct, cuda_backend, unavailable
 from .peer import Peers as Peers
 from .peer import Pulls
 
-MAX_SUM = 8  # the most rows csrc/runtime.cu fo_sum adds in one pass
 VECTOR = 8  # elements a share of a group is made of (16-byte vectors of bf16 / fp16: fo_sum's loads, the copies)
 SLACK = 2  # vectors per rank and group that a pull_scatter's staging has beyond the groups' length (comm.staging)
-MAX_PITCH = 2**31 - 1  # bytes between rows cudaMemcpy2DAsync takes (cudaDevAttrMaxPitch on current GPUs)
-ADD_DTYPES = {torch.bfloat16: 0, torch.float16: 1}  # csrc/runtime.cu fo_add's dtype codes
 # how an overlapped call's per-group collectives reach NCCL (FLASHOVERLAP_NCCL), the default first:
 # its C API (:class:`comm.nccl.Direct`: ~25 against ~80-100 us of host time per collective through
 # c10d on the H100 host, for the same GPU time) or c10d
 NCCL_PATHS = ("direct", "c10d")
-
-
-# torch 2.13 renamed these two (the old names warn there); older torch has only the old names.
-all_gather_single = getattr(dist, "all_gather_single", dist.all_gather_into_tensor)
-reduce_scatter_single = getattr(dist, "reduce_scatter_single", dist.reduce_scatter_tensor)
 
 
 def agree(group: dist.ProcessGroup | None, description: str, device: torch.device) -> None:
@@ -71,13 +74,6 @@ def agree(group: dist.ProcessGroup | None, description: str, device: torch.devic
             "flashoverlap: ranks planned different calls (ranks grouped by plan: "
             f"{sorted(groups.values())}); this rank ({dist.get_rank(group)}) planned: {description}"
         )
-
-
-def _device_for(group: dist.ProcessGroup | None, device: torch.device | None) -> torch.device:
-    """Where a small tensor for a collective on ``group`` must live (gloo: CPU, NCCL: a GPU)."""
-    if cuda_backend(group) != "nccl":
-        return torch.device("cpu")
-    return device if device is not None else torch.device("cuda", torch.cuda.current_device())
 
 
 def budget_group(group: dist.ProcessGroup, comm_sms: int, copy_engine: bool = False) -> dist.ProcessGroup:
@@ -173,123 +169,6 @@ def tail_group(group: dist.ProcessGroup, device: torch.device) -> dist.ProcessGr
     if "tail" not in owned:
         _own_group("tail", group)
     return direct(owned["tail"], device)
-
-
-@dataclass(frozen=True)
-class Exchange:
-    """What one call communicates: the collective, the rows of C this rank sends to each rank
-    (``send``), and those it receives from each (``recv``); ``rows`` = rows of its result.
-    ``reduction`` (all-reduce): ``nccl`` (NCCL reduces, in place), ``local`` (each group is
-    all-gathered, every rank's partial sums arriving here, and added here: :func:`finish_group`) or
-    ``pull`` (the same, copied out of the other ranks' memory: comm.peer)."""
-
-    collective: str
-    send: tuple[int, ...]
-    recv: tuple[int, ...]
-    rows: int
-    reduction: str = "nccl"
-    # Whether every rank knows that every rank sends and receives as many rows: what a choice
-    # every rank must make alike may rest on (``even`` is this rank's view only: with 3+ ranks an
-    # all-to-all can be even here and not on another rank).
-    uniform: bool = True
-    sources: tuple[int, ...] | None = None  # every rank's M, where the counts were exchanged
-
-    @property
-    def even(self) -> bool:
-        """Whether this rank sends and receives as many rows to and from every rank."""
-        return len(set(self.send + self.recv)) == 1
-
-    @property
-    def ragged(self) -> bool:
-        """Whether the ranks are known to pass different M (none for some: MoE experts with
-        different token counts); known only where the counts were exchanged."""
-        return self.sources is not None and len(set(self.sources)) > 1
-
-
-def exchange(
-    collective: str,
-    m: int,
-    world: int,
-    splits: Sequence[int] | None = None,
-    output_splits: Sequence[int] | None = None,
-    group: dist.ProcessGroup | None = None,
-    device: torch.device | None = None,
-    reduction: str = "nccl",
-    rows_per_rank: Sequence[int] | None = None,
-) -> Exchange:
-    """Validate and describe a call's communication; raises ``ValueError`` naming the problem.
-
-    all_to_all: ``splits[d]`` rows of C (in order) go to rank d; without ``splits`` the rows are
-    split evenly. ``output_splits[s]`` = rows rank s sends here; when omitted with ``splits`` every
-    rank's splits are exchanged first (one small all-gather and a host sync), so every rank knows
-    every rank's M (``sources``) and whether the call is even (``uniform``). ``rows_per_rank``
-    (with ``splits`` and ``output_splits``): every rank's M as the caller knows it, so that ranks
-    whose M differ need no exchange (the call is then never ``uniform``).
-    """
-    if collective not in COLLECTIVES:
-        raise ValueError(f"unknown collective {collective!r}; supported: {COLLECTIVES}")
-    if collective != "all_to_all" and (splits is not None or output_splits is not None or rows_per_rank is not None):
-        raise ValueError(f"splits apply to all_to_all only, not {collective}")
-    if rows_per_rank is not None and (splits is None or output_splits is None):
-        raise ValueError("rows_per_rank (every rank's M) goes with an all-to-all's splits and output_splits")
-    _check_reduction(collective, reduction)
-    if collective == "all_reduce":
-        return with_reduction(Exchange(collective, (m,), (m,), m), reduction, world)
-    if splits is None and m % world:
-        raise ValueError(f"{collective} splits M={m} rows evenly over {world} ranks: M must be a multiple of {world}")
-    even = (m // world,) * world
-    if collective == "reduce_scatter":
-        return Exchange(collective, even, even, m // world, reduction)
-    if reduction != "nccl":  # (its splits kept: with_reduction)
-        plain = exchange(collective, m, world, splits, output_splits, group, device, rows_per_rank=rows_per_rank)
-        return with_reduction(plain, reduction, world)
-    send = even if splits is None else _counts("splits", splits, world)
-    if sum(send) != m:
-        raise ValueError(f"splits {list(send)} sum to {sum(send)} rows, but a has M={m} rows")
-    if output_splits is not None:
-        recv = _counts("output_splits", output_splits, world)
-        if rows_per_rank is not None:  # (splits given too, checked above)
-            sources, rank = _counts("rows_per_rank", rows_per_rank, world), group_fact(group, "rank", dist.get_rank)
-            if sources[rank] != m:
-                raise ValueError(f"rows_per_rank[{rank}] is {sources[rank]}, but this rank's a has M={m} rows")
-            return Exchange(collective, send, recv, sum(recv), uniform=False, sources=sources)
-        # without splits every rank splits its M (the same everywhere) evenly: then even is known
-        return Exchange(collective, send, recv, sum(recv), uniform=splits is None and recv == even)
-    if splits is None or world == 1:  # (one rank: nothing to exchange)
-        return Exchange(collective, send, send, m)
-    mine = torch.tensor(send, dtype=torch.int64, device=_device_for(group, device))
-    matrix = torch.empty(world * world, dtype=torch.int64, device=mine.device)
-    all_gather_single(matrix, mine, group=group)
-    counts = matrix.tolist()  # row s: what rank s sends to each rank
-    rows = [tuple(counts[s * world : (s + 1) * world]) for s in range(world)]
-    recv = tuple(row[dist.get_rank(group)] for row in rows)
-    uniform = len({c for row in rows for c in row}) == 1
-    return Exchange(collective, send, recv, sum(recv), uniform=uniform, sources=tuple(map(sum, rows)))
-
-
-def _check_reduction(collective: str, reduction: str) -> None:
-    if reduction not in TAKES[collective]:
-        raise ValueError(
-            "reduction must be 'nccl', 'local' / 'pull' / 'pull_scatter' for all_reduce, 'pull' for "
-            "reduce_scatter / all_to_all; "
-            f"got {reduction!r} for {collective}"
-        )
-
-
-def with_reduction(ex: Exchange, reduction: str, world: int) -> Exchange:
-    """``ex`` (of ``world`` ranks) with ``reduction``, its splits kept (an all-reduce's gathers
-    receive every rank's partial sums)."""
-    _check_reduction(ex.collective, reduction)
-    if ex.collective == "all_reduce":
-        return Exchange(ex.collective, ex.send, (ex.rows,) * (world if reduction != "nccl" else 1), ex.rows, reduction)
-    return replace(ex, reduction=reduction)
-
-
-def _counts(name: str, values: Sequence[int], world: int) -> tuple[int, ...]:
-    values = tuple(values)
-    if len(values) != world or any(not isinstance(v, int) or isinstance(v, bool) or v < 0 for v in values):
-        raise ValueError(f"{name} must be {world} non-negative integers (one per rank), got {list(values)}")
-    return values
 
 
 def collective(
@@ -625,23 +504,6 @@ def gather_group(ex: Exchange, plan: Plan, g: int, buffer: torch.Tensor, out: to
         copy_2d(out.view(-1)[bounds[r] : bounds[r + 1]].view(1, -1), theirs.view(1, -1))
 
 
-def copy_2d(dst: torch.Tensor, src: torch.Tensor) -> None:
-    """``dst.copy_(src)`` for 2-D views of one shape with contiguous rows; on CUDA a strided copy on
-    the copy engines (cudaMemcpy2DAsync, no SM) on the current stream, where the row pitches fit
-    its limit (2 GiB)."""
-    size = dst.element_size()
-    if not dst.is_cuda or max(dst.stride(0), src.stride(0)) * size > MAX_PITCH:
-        dst.copy_(src)
-        enqueue.opaque()
-        return
-    stream = torch.cuda.current_stream(dst.device).cuda_stream
-    rows, cols = dst.shape
-    pitches = (dst.stride(0) * size, src.stride(0) * size)
-    enqueue.runtime_call(
-        "fo_copy_2d", dst.data_ptr(), pitches[0], src.data_ptr(), pitches[1], cols * size, rows, stream
-    )
-
-
 def lands_in_out(ex: Exchange, plan: Plan) -> bool:
     """Whether the collectives leave the result in :func:`buffers`' ``out`` itself (the ``rows``
     layout, a ``segments`` reduce-scatter, a ``pull`` all-to-all); every other layout puts it into
@@ -665,77 +527,3 @@ def landed(ex: Exchange, plan: Plan, g: int, out: torch.Tensor) -> torch.Tensor 
         r0, r1 = plan.segment_rows(g)
         return out[r0:r1]
     return None
-
-
-def add(out: torch.Tensor, a: torch.Tensor, b: torch.Tensor) -> None:
-    """``out`` = ``a`` + ``b`` (contiguous, one shape and dtype; ``out`` may be ``a``), rounded once as
-    torch's add; on CUDA csrc/runtime.cu's kernel on the current stream, a native call a replay can
-    enqueue."""
-    if out.is_cuda and out.dtype in ADD_DTYPES and all(t.is_contiguous() for t in (out, a, b)):
-        stream = torch.cuda.current_stream(out.device).cuda_stream
-        enqueue.runtime_call(
-            "fo_add", out.data_ptr(), a.data_ptr(), b.data_ptr(), out.numel(), ADD_DTYPES[out.dtype], stream
-        )
-        return
-    torch.add(a, b, out=out)
-    enqueue.opaque()
-
-
-def add_rows(rows: Sequence[torch.Tensor], out: torch.Tensor, also: torch.Tensor | None = None) -> None:
-    """``out`` (and ``also``, where given) = the sum of ``rows`` (each of ``out``'s shape; ``out`` may
-    be one of them), summed in float32 in their order and rounded once: the same sum on every rank
-    that adds the same rows. On CUDA one pass of csrc/runtime.cu's fo_sum (a native call a replay
-    can enqueue) over up to :data:`MAX_SUM` rows: each element read once per row and written once
-    (to each output), where chained two-row adds read and write the running sum again per row, on
-    the few SMs a GEMM leaves; ``also`` saves a copy (beside a GEMM, a copy engine's copy within
-    one GPU ran at ~100 GB/s)."""
-    if len(rows) == 1 or len(rows) > MAX_SUM:  # (more ranks than one host's GPUs: the first rows' sum, then the rest)
-        if len(rows) == 1:
-            copy_2d(out.view(1, -1), rows[0].view(1, -1))
-        else:
-            add_rows(rows[:MAX_SUM], out)
-            add_rows([out, *rows[MAX_SUM:]], out)
-        if also is not None:
-            copy_2d(also.view(1, -1), out.view(1, -1))
-        return
-    outputs = (out,) if also is None else (out, also)
-    if out.is_cuda and out.dtype in ADD_DTYPES and all(t.is_contiguous() for t in (*outputs, *rows)):
-        stream = torch.cuda.current_stream(out.device).cuda_stream
-        inputs = [t.data_ptr() for t in rows] + [None] * (MAX_SUM - len(rows))
-        second = None if also is None else also.data_ptr()
-        dtype = ADD_DTYPES[out.dtype]
-        enqueue.runtime_call("fo_sum", out.data_ptr(), second, *inputs, len(rows), out.numel(), dtype, stream)
-        return
-    total = rows[0].float()
-    for row in rows[1:]:
-        total = total + row.float()
-    for target in outputs:
-        target.copy_(total)
-    enqueue.opaque()
-
-
-def restore(buffer: torch.Tensor, out: torch.Tensor, plan: Plan, slots: torch.Tensor | None = None) -> None:
-    """Copy every tile from its slot in the flat ``buffer`` into row-major ``out`` [m, n].
-
-    On CUDA this is one gather kernel on the current stream (``slots`` is the plan's slot table
-    on the device); on the CPU, a loop over tiles.
-    """
-    if buffer.is_cuda:
-        enqueue.runtime_call(
-            "fo_restore",
-            buffer.data_ptr(),
-            out.data_ptr(),
-            slots.data_ptr(),
-            plan.num_tiles,
-            plan.m,
-            plan.n,
-            plan.tile_m,
-            plan.tile_n,
-            plan.tiles_n,
-            buffer.element_size(),
-            torch.cuda.current_stream(buffer.device).cuda_stream,
-        )
-        return
-    for tile in range(plan.num_tiles):
-        r0, c0, rows, cols = plan.tile_extent(tile)
-        out[r0 : r0 + rows, c0 : c0 + cols] = slot_view(buffer, plan, tile)
