@@ -38,7 +38,6 @@ SIGNATURES = (
     "",  # ncclGroupStart, ncclGroupEnd
     "p" * 6 + "i" * 13 + "p",  # fo_run (a signal GEMM, csrc/launcher.cuh)
     "ppp" + "i" * 7 + "p",  # fo_restore
-    "pppnip",  # fo_add
     "p" * 10 + "inip",  # fo_sum
 )
 _INDEX = {sig: i for i, sig in enumerate(SIGNATURES)}

@@ -294,8 +294,6 @@ def runtime_library() -> ctypes.CDLL:
     lib.fo_restore.argtypes = [ctypes.c_void_p] * 3 + [ctypes.c_int] * 7 + [ctypes.c_void_p]
     # dst, dpitch, src, spitch, width (bytes), height, stream
     lib.fo_copy_2d.argtypes = [ctypes.c_void_p, ctypes.c_size_t] * 2 + [ctypes.c_size_t] * 2 + [ctypes.c_void_p]
-    # out, a, b, n (elements), dtype, stream
-    lib.fo_add.argtypes = [ctypes.c_void_p] * 3 + [ctypes.c_size_t, ctypes.c_int, ctypes.c_void_p]
     # out, out2 (or null), in0..in7 (unused: null), count, n (elements), dtype, stream
     lib.fo_sum.argtypes = [ctypes.c_void_p] * 10 + [ctypes.c_int, ctypes.c_size_t, ctypes.c_int, ctypes.c_void_p]
     lib.fo_zero.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_void_p]  # ptr, bytes, stream

@@ -97,7 +97,6 @@ def test_the_native_replay_substitutes_each_call_s_values(tmp_path, monkeypatch)
             "fo_spin_wait",
             "fo_record_event",
             "fo_wait_event",
-            "fo_add",
             "fo_sum",
             "fo_write_value",
         }

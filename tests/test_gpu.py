@@ -411,7 +411,7 @@ def test_a_captured_wait_is_a_stream_wait_that_holds(monkeypatch):
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 def test_native_adds_equal_torch_s_bit_for_bit(dtype):
-    """comm.add (csrc/runtime.cu fo_add, the partial sums' adds): torch's add bit for bit, in 16-byte
+    """comm.add (csrc/runtime.cu fo_sum of two, the partial sums' adds): torch's add bit for bit, in 16-byte
     vectors or element by element (unaligned starts, lengths not a multiple of 8), in place too."""
     flat = torch.randn(3, 1 << 20, device="cuda").to(dtype)
     for offset, n in [(0, 1 << 20), (0, 1000003), (3, 12345), (8, 7), (1, 1), (0, 0)]:

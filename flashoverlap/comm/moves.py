@@ -14,7 +14,7 @@ from ..plan import Plan, slot_view
 
 MAX_SUM = 8  # the most rows csrc/runtime.cu fo_sum adds in one pass
 MAX_PITCH = 2**31 - 1  # bytes between rows cudaMemcpy2DAsync takes (cudaDevAttrMaxPitch on current GPUs)
-ADD_DTYPES = {torch.bfloat16: 0, torch.float16: 1}  # csrc/runtime.cu fo_add's dtype codes
+ADD_DTYPES = {torch.bfloat16: 0, torch.float16: 1}  # csrc/runtime.cu fo_sum's dtype codes
 
 
 def copy_2d(dst: torch.Tensor, src: torch.Tensor) -> None:
@@ -35,17 +35,9 @@ def copy_2d(dst: torch.Tensor, src: torch.Tensor) -> None:
 
 
 def add(out: torch.Tensor, a: torch.Tensor, b: torch.Tensor) -> None:
-    """``out`` = ``a`` + ``b`` (contiguous, one shape and dtype; ``out`` may be ``a``), rounded once as
-    torch's add; on CUDA csrc/runtime.cu's kernel on the current stream, a native call a replay can
-    enqueue."""
-    if out.is_cuda and out.dtype in ADD_DTYPES and all(t.is_contiguous() for t in (out, a, b)):
-        stream = torch.cuda.current_stream(out.device).cuda_stream
-        enqueue.runtime_call(
-            "fo_add", out.data_ptr(), a.data_ptr(), b.data_ptr(), out.numel(), ADD_DTYPES[out.dtype], stream
-        )
-        return
-    torch.add(a, b, out=out)
-    enqueue.opaque()
+    """``out`` = ``a`` + ``b`` (one shape and dtype; ``out`` may be ``a``), rounded once as torch's add:
+    :func:`add_rows` of the two."""
+    add_rows([a, b], out)
 
 
 def add_rows(rows: Sequence[torch.Tensor], out: torch.Tensor, also: torch.Tensor | None = None) -> None:

@@ -56,38 +56,6 @@ __device__ __nv_bfloat16 from_float(float x) { return __float2bfloat16_rn(x); }
 template <>
 __device__ __half from_float(float x) { return __float2half_rn(x); }
 
-// out = a + b over n elements, summed in fp32 and rounded once (as torch's add and NCCL's sum of
-// two); 16-byte vectors where every pointer is aligned, the rest element by element.
-template <typename T>
-__global__ void add_elems(T* out, T const* a, T const* b, int64_t n, bool vectors) {
-  constexpr int kPer = 16 / sizeof(T);
-  int64_t const stride = int64_t(gridDim.x) * blockDim.x;
-  int64_t const first = int64_t(blockIdx.x) * blockDim.x + threadIdx.x;
-  int64_t const whole = vectors ? n / kPer : 0;
-  for (int64_t v = first; v < whole; v += stride) {
-    uint4 x = reinterpret_cast<uint4 const*>(a)[v], y = reinterpret_cast<uint4 const*>(b)[v], z;
-    T const* xs = reinterpret_cast<T const*>(&x);
-    T const* ys = reinterpret_cast<T const*>(&y);
-    T* zs = reinterpret_cast<T*>(&z);
-#pragma unroll
-    for (int k = 0; k < kPer; ++k) zs[k] = from_float<T>(to_float(xs[k]) + to_float(ys[k]));
-    reinterpret_cast<uint4*>(out)[v] = z;
-  }
-  for (int64_t e = whole * kPer + first; e < n; e += stride) out[e] = from_float<T>(to_float(a[e]) + to_float(b[e]));
-}
-
-template <typename T>
-int add(void* out, void const* a, void const* b, size_t n, cudaStream_t stream) {
-  bool const vectors = ((reinterpret_cast<uintptr_t>(out) | reinterpret_cast<uintptr_t>(a) |
-                         reinterpret_cast<uintptr_t>(b)) & 15) == 0;
-  size_t const work = vectors ? (n + 16 / sizeof(T) - 1) / (16 / sizeof(T)) : n;
-  unsigned const blocks = unsigned(std::min<size_t>((work + 255) / 256, 4096));
-  if (blocks == 0) return 0;
-  add_elems<T><<<blocks, 256, 0, stream>>>(static_cast<T*>(out), static_cast<T const*>(a),
-                                           static_cast<T const*>(b), int64_t(n), vectors);
-  return check_launch("add");
-}
-
 // out (and out2 where not null) = the sum of `count` inputs (at most kMaxSum) over n elements,
 // summed in fp32 and rounded once: a group's partial sums of every rank in one pass (count + 1
 // accesses per element, where chained two-input adds make 3 (count - 1)), on the few SMs a GEMM
@@ -227,18 +195,8 @@ int fo_copy_2d(void* dst, size_t dpitch, void const* src, size_t spitch, size_t 
   return check(cudaMemcpy2DAsync(dst, dpitch, src, spitch, width, height, cudaMemcpyDeviceToDevice, s), "copy_2d");
 }
 
-// out = a + b, n elements of `dtype` (0 bfloat16, 1 float16; flashoverlap.comm.add): a group's
-// partial sums added on the stream the collectives run on, as one call a replay can enqueue.
-int fo_add(void* out, void const* a, void const* b, size_t n, int dtype, void* stream) {
-  cudaStream_t const s = static_cast<cudaStream_t>(stream);
-  if (dtype == 0) return add<__nv_bfloat16>(out, a, b, n, s);
-  if (dtype == 1) return add<__half>(out, a, b, n, s);
-  std::snprintf(g_error, sizeof(g_error), "add: unknown dtype %d", dtype);
-  return 1;
-}
-
 // out (and out2 where not null) = in0 + ... + in{count-1} (count 1..8; the unused pointers null), n
-// elements of `dtype` (as fo_add): the sum of a group's partial sums (flashoverlap.comm.add_rows),
+// elements of `dtype` (0 bfloat16, 1 float16): partial sums added (flashoverlap.comm.add_rows, add),
 // one call a replay can enqueue.
 int fo_sum(void* out, void* out2, void const* in0, void const* in1, void const* in2, void const* in3,
            void const* in4, void const* in5, void const* in6, void const* in7, int count, size_t n, int dtype,
@@ -301,7 +259,7 @@ int fo_replay(uint64_t const* ops, int64_t words, uint64_t const* values, int* s
   using P = void*;
   using U = unsigned;
   using N = size_t;
-  constexpr int kArgs[] = {2, 3, 3, 7, 6, 7, 6, 6, 0, 20, 11, 6, 14};  // per signature (checked by a CPU test)
+  constexpr int kArgs[] = {2, 3, 3, 7, 6, 7, 6, 6, 0, 20, 11, 14};  // per signature (checked by a CPU test)
   constexpr int kSignatures = sizeof(kArgs) / sizeof(kArgs[0]);
   uint64_t a[20];
   int index = 0;
@@ -363,11 +321,7 @@ int fo_replay(uint64_t const* ops, int64_t words, uint64_t const* values, int* s
             P(a[0]), P(a[1]), P(a[2]), int(a[3]), int(a[4]), int(a[5]), int(a[6]), int(a[7]), int(a[8]), int(a[9]),
             P(a[10]));
         break;
-      case 11:  // fo_add
-        rc = reinterpret_cast<int (*)(P, P, P, N, int, P)>(fn)(P(a[0]), P(a[1]), P(a[2]), N(a[3]), int(a[4]),
-                                                                 P(a[5]));
-        break;
-      case 12:  // fo_sum
+      case 11:  // fo_sum
         rc = reinterpret_cast<int (*)(P, P, P, P, P, P, P, P, P, P, int, N, int, P)>(fn)(
             P(a[0]), P(a[1]), P(a[2]), P(a[3]), P(a[4]), P(a[5]), P(a[6]), P(a[7]), P(a[8]), P(a[9]), int(a[10]),
             N(a[11]), int(a[12]), P(a[13]));
