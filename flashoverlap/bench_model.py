@@ -12,7 +12,7 @@ pass take turns: ``plain`` (transformers as it is: each row-parallel projection 
 an NCCL all-reduce), ``flashoverlap`` (patched: ``o_proj`` and ``down_proj`` one overlapped call
 each, configs from the registry) and ``bound`` (those all-reduces skipped: wrong results, the time
 of the stack with all of its collectives hidden). Timed with CUDA events after warm-up, medians
-over rounds in balanced orders, the slowest rank's (``flashoverlap.bench.time_variants``). Reported:
+over rounds in balanced orders, the slowest rank's (``flashoverlap.timing.time_variants``). Reported:
 tokens/s of each, the speedup over plain, the bound's, and ``hidden``: the share of the
 collectives' time (plain - bound) that the overlap removed.
 
@@ -104,22 +104,26 @@ def model_config(name: str, layers: int, world: int):
 
 class Variants:
     """One tensor-parallel model run as any of :data:`VARIANTS`, switched by setting the forwards
-    of its row-parallel projections (a few attributes: nothing beside a forward pass)."""
+    of its row-parallel projections, each mode's made once: a timed call (the variants take turns
+    call by call) does nothing beside its forward pass but a few attribute writes."""
 
     def __init__(self, model: torch.nn.Module, config: dict | None) -> None:
         from .integrations import hf
 
-        self.hf, self.model, self.config = hf, model, config
+        self.model = model
         self.patched = hf.patch(model, config=config)  # (refuses a model it cannot patch before any timing)
-        self.mode = "flashoverlap"
+        modules = [module for _, module, _ in hf.row_parallel_linears(model)[1]]
+        self.forwards = {"flashoverlap": [(m, m.forward) for m in modules]}
+        hf.without_collectives(model)
+        self.forwards["bound"] = [(m, m.forward) for m in modules]
+        hf.unpatch(model)
+        self.forwards["plain"] = [(m, m.forward) for m in modules]
+        self.mode = "plain"
 
     def __call__(self, mode: str, ids: torch.Tensor) -> torch.Tensor:
         if mode != self.mode:
-            self.hf.unpatch(self.model)
-            if mode == "flashoverlap":
-                self.hf.patch(self.model, config=self.config)
-            elif mode == "bound":
-                self.hf.without_collectives(self.model)
+            for module, forward in self.forwards[mode]:
+                module.forward = forward
             self.mode = mode
         return self.model(input_ids=ids, use_cache=False).last_hidden_state
 

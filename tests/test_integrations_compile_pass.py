@@ -154,3 +154,26 @@ def gpu_worker(rank: int, world: int, store_path: str):
 @pytest.mark.multigpu
 def test_compiled_tensor_parallel_graphs_on_all_gpus():
     spawn_ranks(torch.cuda.device_count(), gpu_worker, timeout=600)
+
+
+@pytest.mark.parametrize(("m", "view", "taken"), [(8, (8, 64), True), (6, (12, 32), False)])
+def test_a_reduce_scatter_is_taken_only_where_the_gemm_rows_split(m, view, taken):
+    """The call scatters the GEMM's M rows over the ranks: a chain whose view splits (12 rows of 32
+    over 4 ranks) but whose GEMM's 6 rows do not is left as it is, not rewritten into a call that
+    would fail."""
+    from torch.fx import Graph
+
+    from flashoverlap.integrations import compile_pass
+
+    aten, c10d = torch.ops.aten, torch.ops._c10d_functional
+    graph = Graph()
+    a, b = graph.placeholder("a"), graph.placeholder("b")
+    a.meta["val"], b.meta["val"] = torch.empty(m, 16, dtype=torch.bfloat16), torch.empty(16, 64, dtype=torch.bfloat16)
+    mm = graph.call_function(aten.mm.default, (a, b))
+    mm.meta["val"] = torch.empty(m, 64, dtype=torch.bfloat16)
+    shaped = graph.call_function(aten.view.default, (mm, list(view)))
+    shaped.meta["val"] = torch.empty(*view, dtype=torch.bfloat16)
+    scatter = graph.call_function(c10d.reduce_scatter_tensor.default, (shaped, "sum", 4, "0"))
+    wait = graph.call_function(c10d.wait_tensor.default, (scatter,))
+    graph.output(wait)
+    assert (compile_pass._match(wait) is not None) == taken

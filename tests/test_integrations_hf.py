@@ -146,6 +146,11 @@ def config_worker(rank: int, world: int, store_path: str):
             assert any("2 MoE experts modules (e.g. layers.0.mlp.experts)" in str(w.message) for w in caught)
             torch.testing.assert_close(moe(ids).last_hidden_state, want)
 
+        # a bad config raises when patching, not at the first forward (where the CPU's plain path ignores it)
+        with pytest.raises(ValueError, match=r"unknown key\(s\) \['comm_smz'\]"):
+            flashoverlap.patch(qwen, config={"comm_smz": 4})
+        with pytest.raises(FileNotFoundError, match="config file not found"):
+            flashoverlap.patch(qwen, config="no/such/config.yaml")
         with pytest.raises(ValueError, match="LlamaModel is not tensor-parallel: load it with"):
             flashoverlap.patch(LlamaModel(LlamaConfig(**small, **heads)))
         moe.layers[0].self_attn.o_proj = torch.nn.Identity()  # a planned row-parallel module of another kind

@@ -130,7 +130,8 @@ def _match(wait: Node) -> tuple[Node, Node, list[Node], str, str] | None:
         return None
     if kind == "reduce_scatter":
         world, scattered = coll.args[2], _val(coll.args[0]).shape
-        if not _static(m, world, *scattered) or scattered[0] % world or out.numel() == 0:
+        # (the call scatters the GEMM's rows: M must split too, not only the viewed tensor's first dim)
+        if not _static(m, world, *scattered) or scattered[0] % world or m % world or out.numel() == 0:
             return None
     return coll, node, views[::-1], kind, group
 

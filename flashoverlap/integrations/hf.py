@@ -31,6 +31,9 @@ from torch import nn
 
 import flashoverlap  # (its names are read at call time: flashoverlap imports this module while it initialises)
 
+from ..config import resolve
+from ..rules import resolutions
+
 if TYPE_CHECKING:
     from flashoverlap import OverlapConfig
 
@@ -157,8 +160,13 @@ def patch(model: nn.Module, *, config: OverlapConfig | dict | str | os.PathLike 
     ``model``: loaded with transformers' own tensor parallelism (``from_pretrained(...,
     tp_plan="auto")``, ``distributed_config=DistributedConfig(tp_size=N)``, or
     :func:`tensor_parallel_from_config`). ``config``: the overlapped calls' config (None: the
-    registry's for each shape). Patching again replaces the patch; :func:`unpatch` undoes it."""
-    return _replace(model, lambda group: _overlapped(group, config), check=True)
+    registry's for each shape), resolved and checked once, here: a bad one raises before the model
+    runs, and every call takes the one config object (as a decided call's fast path needs). Patching
+    again replaces the patch; :func:`unpatch` undoes it."""
+    resolved = None if config is None else resolve(config)
+    if resolved is not None:
+        resolutions(resolved, "all_reduce")  # (raises where the config cannot run an all-reduce)
+    return _replace(model, lambda group: _overlapped(group, resolved), check=True)
 
 
 def _overlapped(group, config) -> Callable[[torch.Tensor, torch.Tensor], torch.Tensor]:
