@@ -42,6 +42,7 @@ from .comm import COLLECTIVES, NCCL_PATHS
 from .config import OverlapConfig, resolve
 from .decision import decide
 from .prepared import prepare
+from .registry import DTYPES as DTYPE_NAMES
 from .rules import for_call
 from .runtime import sequential
 from .timing import kernel_alone, operand_sets, time_variants
@@ -94,7 +95,7 @@ def build_parser() -> argparse.ArgumentParser:
         "as with no config=); each is one flashoverlap variant",
     )
     parser.add_argument("--collective", choices=COLLECTIVES, default="all_reduce")
-    parser.add_argument("--dtype", choices=["bfloat16", "float16"], default="bfloat16")
+    parser.add_argument("--dtype", choices=DTYPE_NAMES, default="bfloat16")
     parser.add_argument("--transport", choices=sorted(TRANSPORTS), default="nvlink")
     parser.add_argument("--rounds", type=int, default=15, help="timed rounds per variant")
     parser.add_argument("--block", type=int, default=8, help="calls per timed round")

@@ -16,9 +16,15 @@ WEIGHT_LAYOUTS = ("nk", "kn")
 ALIGNMENT = 8  # elements: TMA needs 16-byte aligned rows
 
 
-def world_size(group: dist.ProcessGroup | None) -> int:
+def check_group(group: object) -> None:
+    """Refuse a ``group=`` that is no process group (None: the default group) before anything asks
+    torch.distributed about it."""
     if group is not None and not isinstance(group, dist.ProcessGroup):
         raise TypeError(f"group must be a torch.distributed ProcessGroup or None, got {type(group).__name__} {group!r}")
+
+
+def world_size(group: dist.ProcessGroup | None) -> int:
+    check_group(group)
     if not (dist.is_available() and dist.is_initialized()):
         raise RuntimeError(
             "flashoverlap needs an initialised torch.distributed process group: call "

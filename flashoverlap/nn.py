@@ -41,7 +41,7 @@ from torch import nn
 
 from .comm import gathered_rows
 from .config import OverlapConfig, resolve
-from .inputs import check_inputs, world_size
+from .inputs import check_group, check_inputs, world_size
 from .overlap import with_gradients
 from .rules import resolutions
 
@@ -53,8 +53,7 @@ def _collective(sequence_parallel: bool) -> str:
 def _check(group, config, sequence_parallel: bool) -> None:
     """Refuse a group or config the overlapped call would refuse, when the layer is made: on the
     CPU its plain path takes neither (a bad one would fail first on GPUs)."""
-    if group is not None and not isinstance(group, dist.ProcessGroup):
-        raise TypeError(f"group must be a torch.distributed ProcessGroup or None, got {type(group).__name__} {group!r}")
+    check_group(group)
     if config is not None:
         resolutions(resolve(config), _collective(sequence_parallel))
 

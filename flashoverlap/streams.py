@@ -11,7 +11,7 @@ import torch
 
 from . import enqueue
 
-SIDE_ROLES = ("comm", "finish")  # what side_stream keeps a stream for
+SIDE_ROLES = ("comm", "finish")  # the roles whose streams every plan's tables are used on (prepare records them)
 _side_streams: dict[tuple[int, str], torch.cuda.Stream] = {}
 
 

@@ -23,8 +23,9 @@ from .config import OverlapConfig, cli_config, resolve
 from .inputs import DTYPES
 from .plan import widest_budget
 from .prepared import prepare
+from .registry import DTYPES as DTYPE_NAMES
 from .registry import entry, incumbent, read_entries, write_registry
-from .rules import for_call, resolutions, takes_every_call
+from .rules import COLLECTIVES, for_call, resolutions, takes_every_call
 from .runtime import sequential
 from .timing import kernel_alone, operand_sets, time_variants
 from .tune_measure import comm_model, host_model, local_model, pull_model, tail_model
@@ -303,7 +304,7 @@ def config_to_write(rows: list[dict], margin: float) -> tuple[dict, float]:
     return {"sequential": True}, speedup  # overlap does not pay here: never slower than sequential
 
 
-BRUTE_BATCH = 32  # variants per timing batch: their plans stay cached (overlap.MAX_PREPARED)
+BRUTE_BATCH = 32  # variants per timing batch: their plans stay cached (state.MAX_PLANS)
 
 
 def _brute_force(shape, collective, candidates, preps, max_groups, a, w, rounds, ex, graphs) -> tuple[float, str]:
@@ -337,7 +338,7 @@ def build_parser() -> argparse.ArgumentParser:
         description="Tune configs (GEMM instance, comm_sms, group partition) per shape and write them to a "
         "registry YAML (flashoverlap.registry). Run under torchrun with the world size to tune for.",
     )
-    parser.add_argument("--collective", choices=("all_reduce", "reduce_scatter", "all_to_all"), default="all_reduce")
+    parser.add_argument("--collective", choices=COLLECTIVES, default="all_reduce")
     parser.add_argument("--shapes", nargs="+", type=bench.parse_shape, help="MxNxK ...")
     parser.add_argument("--shapes-file", help="YAML list of shapes (see python -m flashoverlap.bench)")
     parser.add_argument(
@@ -347,7 +348,7 @@ def build_parser() -> argparse.ArgumentParser:
         help="configs to tune from: JSON objects or YAML config files (default: per collective)",
     )
     parser.add_argument("--transport", choices=sorted(bench.TRANSPORTS), default="nvlink")
-    parser.add_argument("--dtype", choices=["bfloat16", "float16"], default="bfloat16")
+    parser.add_argument("--dtype", choices=DTYPE_NAMES, default="bfloat16")
     parser.add_argument("--rounds", type=int, default=10)
     # the model misses what NCCL on more CTAs costs a GEMM beside it (Ampere/Ada kernels, P2P off: 16 SMs
     # predicted 3 % slower than 8, measured 18 %): more finalists, so that the measurements decide

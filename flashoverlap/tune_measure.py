@@ -74,7 +74,6 @@ def comm_model(pattern: str, comm_sms: int, dtype, rounds: int, symmetric: bool 
     group = comm.budget_group(dist.group.WORLD, comm_sms, copy_engine=symmetric and pattern in comm.COPY_ENGINE)
     world, me, elem = dist.get_world_size(), dist.get_rank(), torch.finfo(dtype).bits // 8
     device = torch.device("cuda", torch.cuda.current_device())
-    window = comm.nccl.Window([group], device) if symmetric else None
 
     def exchange(data, into):
         ops = [
@@ -87,7 +86,7 @@ def comm_model(pattern: str, comm_sms: int, dtype, rounds: int, symmetric: bool 
     def make(mb: int):
         rows = max(world, (mb << 20) // (1024 * elem) // world * world)
         shapes = [(rows, 1024), (world * rows if pattern == "all_gather" else rows, 1024)]
-        if window is None:
+        if not symmetric:
             alloc = lambda shape: torch.empty(shape, dtype=dtype, device=device)  # noqa: E731
         else:  # a window of its own per size: the sizes are measured side by side
             alloc = comm.nccl.Window([group], device).allocator(

@@ -8,7 +8,7 @@ from flashoverlap.tune_model import fit_comm
 
 
 def test_a_retune_measures_the_registry_s_entry_and_keeps_it_where_it_wins(tmp_path):
-    """tune.incumbent: the entry --output holds for the call (its timing too; none where sequential)
+    """registry.incumbent: the entry --output holds for the call (its timing too; none where sequential)
     is measured beside the finalists; written again where it measures fastest, with or without a
     partition of its own; read_entries refuses another GPU's file before anything is measured."""
     from flashoverlap.tune import config_to_write

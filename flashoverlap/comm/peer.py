@@ -132,7 +132,7 @@ class Peers(Window, Pulls):
         self._handles: list = []  # (each region stays mapped while its handle lives)
         self.targets: tuple[int, ...] = ()  # the current call's counter target per group
         # per other rank (as ``others``), the stream its pulls / its sums' copies go on, set per call
-        # (overlap._enqueue); empty: the current stream
+        # (runtime._enqueue); empty: the current stream
         self.lanes: tuple = ()
         self.sum_lanes: tuple = ()
         # recorded where the last claim zeroed the counters; external: a CUDA graph's GEMM waits for
@@ -214,13 +214,12 @@ class Peers(Window, Pulls):
         current stream while the caller holds the pair."""
         current = torch.cuda.current_stream(self.device)
         for j, r in enumerate(self.others):
-            stream = lanes[j] if lanes else current
-            if stream is current:
-                yield stream, r
+            if not lanes:
+                yield current, r
                 continue
-            torch.cuda.set_stream(stream)
+            torch.cuda.set_stream(lanes[j])
             try:
-                yield stream, r
+                yield lanes[j], r
             finally:
                 torch.cuda.set_stream(current)
 
