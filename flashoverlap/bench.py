@@ -47,7 +47,7 @@ from .rules import for_call
 from .runtime import sequential
 from .timing import kernel_alone, operand_sets, time_variants
 
-log = logging.getLogger(__name__)
+log = logging.getLogger("flashoverlap.bench")  # not __name__: "__main__" under python -m
 INPUTS = {"rotated": ("rotated",), "hot": ("hot",), "both": ("rotated", "hot")}  # --inputs: the modes timed
 
 TRANSPORTS = {

@@ -36,7 +36,7 @@ from .rules import COLLECTIVES, kernel_spec, resolutions
 
 GPU_ARCHS = {"sm_80": (8, 0), "sm_86": (8, 6), "sm_89": (8, 9), "sm_90": (9, 0)}
 CALL_KEYS = {"collective": "all_reduce", "dtype": "bfloat16", "weight_layout": "nk"}
-log = logging.getLogger(__name__)
+log = logging.getLogger("flashoverlap.precompile")  # not __name__: "__main__" under python -m
 
 
 def load_items(path: str) -> list[dict[str, Any]]:

@@ -133,9 +133,10 @@ def time_samples(
     for name, start, end in events:
         table[row[name], done[name]] = start.elapsed_time(end) / block
         done[name] += 1
-    every = torch.empty((dist.get_world_size(group), *table.shape), dtype=table.dtype, device="cuda")
+    world = dist.get_world_size(group)  # (gathered along dim 0, as gloo requires, then split by rank)
+    every = torch.empty((world * table.shape[0], table.shape[1]), dtype=table.dtype, device="cuda")
     comm.all_gather_single(every, table.cuda(), group=group)
-    per_rank = every.tolist()
+    per_rank = every.view(world, *table.shape).tolist()
     return {name: [rank[v] for rank in per_rank] for v, name in enumerate(variants)}
 
 

@@ -87,7 +87,7 @@ DEFAULT_CANDIDATES = {
 DEFAULT_CANDIDATES["all_to_all"] = DEFAULT_CANDIDATES["reduce_scatter"]
 
 
-log = logging.getLogger(__name__)
+log = logging.getLogger("flashoverlap.tune")  # not __name__: "__main__" under python -m
 
 
 def _progress(message: str) -> None:
