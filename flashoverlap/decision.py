@@ -36,6 +36,7 @@ from .rules import (
     for_call,
     for_device,
     one_wave,
+    peer_memory,
     pulled,
     resolutions,
     rotation_unit,
@@ -150,6 +151,8 @@ def _decide(
         _say(ex, shape, a.dtype, group, f"sequential: {why}")
         return Decision(ex, runtime.plain(ex, group, weight_layout, world))
 
+    if explicit is not None and explicit.sequential:  # (on any GPUs: nothing is asked of them)
+        return plain("your config says sequential")
     full = group if group is not None else dist.group.WORLD
     start = _start(a, collective, group, full, given, explicit, world, ex, shape)
     cfg, source = start.config, start.source
@@ -219,9 +222,11 @@ def _start(
     ex: Exchange,
     shape: tuple[int, int, int],
 ) -> Start:
-    """The config a call starts from: the one given, else the registry's (a hint where tuned for
-    another shape), else the defaults; resolved for the call, without what its ranks cannot run
-    (a window without NVLink, pulls without peer access)."""
+    """The config a call starts from: the one given, else the registry's for the group's transport
+    (a hint where tuned for another shape), else the defaults; resolved for the call, without what
+    its ranks cannot run (a window without NVLink, pulls without peer access, neither across hosts).
+    Every rank's host and GPU are asked first, once per group (comm.peer.every_rank): ranks on
+    different GPUs are refused (:func:`check_gpus`) before any choice rests on this rank's own."""
     backend = comm.cuda_backend(group)
     p2p = backend == "nccl"  # gloo carries CUDA tensors in collectives, not point to point
     if explicit is not None and not p2p and comm.comm_pattern(collective, explicit.layout) == "exchange":
@@ -229,13 +234,25 @@ def _start(
             f"layout 'rows' sends {collective} groups point to point, which a {backend} group cannot do with "
             "CUDA tensors: use an NCCL group, or layout 'segments' or 'cols'"
         )
-    found = None if explicit is not None else tuned_config(a, world, ex, shape, p2p)
+    ranks = comm.peer.every_rank(full, a.device)
+    check_gpus(ranks)
+    hosts = comm.peer.hosts(ranks)
+    transport = registry.transport(len(hosts))
+    found = None if explicit is not None else tuned_config(a, world, ex, shape, transport, p2p)
     # an entry for another shape is a hint (its waves, and so its choice, differ): timed like the
     # defaults, which replace a hint of sequential
     timed = explicit is None and not (found is not None and found.exact)
     hint = found.config if found is not None and not (timed and found.config.sequential) else None
     cfg = for_call(given or hint or _DEFAULTS, ex, shape)
-    if cfg.symmetric and registry.transport() != "nvlink":
+    # NCCL carries a group across hosts over the network, and peer memory reaches no other host: your
+    # config is refused; a registry entry (or the nearest one) drops its window (transport net) and
+    # pulls (comm.peer.unavailable) below
+    if explicit is not None and len(hosts) > 1 and (paths := peer_memory(cfg)):
+        raise ValueError(
+            f"{' and '.join(paths)} reach the other GPUs' memory, which GPUs of one host alone can; the ranks "
+            f"of this group sit on {len(hosts)} hosts ({', '.join(hosts)}): leave {' and '.join(paths)} out"
+        )
+    if cfg.symmetric and transport != "nvlink":
         # NCCL maps a window's peers through CUDA IPC wherever the driver allows peer access, whatever
         # NCCL_P2P_DISABLE says: its symmetric kernels would bypass the transport the user forced
         # (two H200s, P2P off: 3.4x "faster" than sequential, over NVLink). Without peer access NCCL
@@ -323,12 +340,12 @@ def _candidates(
 
 
 def tuned_config(
-    a: torch.Tensor, world: int, ex: Exchange, shape: tuple[int, int, int], p2p: bool = True
+    a: torch.Tensor, world: int, ex: Exchange, shape: tuple[int, int, int], transport: str, p2p: bool = True
 ) -> registry.Found | None:
-    """The registry's config for this call (flashoverlap.registry), None without one. Where the
-    entry cannot take the call (rules.carries; entries are tuned with equal splits on NCCL:
-    unequal all-to-all splits, say), the entry's measured ``fallback``, else None."""
-    key = (_device_name(a.device.index), world, ex.collective, registry.transport(), DTYPES[a.dtype], shape)
+    """The registry's config for this call over ``transport`` (flashoverlap.registry), None without
+    one. Where the entry cannot take the call (rules.carries; entries are tuned with equal splits on
+    NCCL: unequal all-to-all splits, say), the entry's measured ``fallback``, else None."""
+    key = (_device_name(a.device.index), world, ex.collective, transport, DTYPES[a.dtype], shape)
     timing = registry.timing()
     found = registry.lookup(*key, timing=timing)
     if found is not None and not carries(found.config, ex, shape, p2p):
@@ -341,6 +358,23 @@ def _device_name(index: int) -> str:
     return torch.cuda.get_device_name(index)
 
 
+def check_gpus(ranks: Sequence[comm.peer.Rank]) -> None:
+    """Refuse a group whose ranks run on different GPU models or SM counts (``ranks``: every rank's,
+    comm.peer.every_rank): each rank would look up the registry, count waves and plan on its own GPU,
+    and ranks that choose differently (one plain, one overlapped; plans of different sizes) wait for
+    each other in NCCL forever. Every rank holds every rank's view, so every rank raises alike."""
+    kinds: dict[tuple[str, int], list[int]] = {}
+    for rank, r in enumerate(ranks):
+        kinds.setdefault((r.name, r.sms), []).append(rank)
+    if len(kinds) > 1:
+        which = "; ".join(f"ranks {ids} on {name} ({sms} SMs)" for (name, sms), ids in kinds.items())
+        raise RuntimeError(
+            f"flashoverlap: the ranks of a group run on different GPUs ({which}): an overlapped call plans on its "
+            "GPU's SMs and takes its registry entry by GPU, which must be alike on every rank: make groups of one "
+            "GPU model, or pass config={'sequential': True}"
+        )
+
+
 def check_agreement(prep: Prepared, collective: str, group: dist.ProcessGroup, ex: Exchange, call: tuple) -> None:
     """On the first use of ``call`` with ``group`` (every use with ``FLASHOVERLAP_DEBUG=1``), check
     that all ranks run the same plan, so that a mismatch fails loudly instead of hanging in NCCL.
@@ -349,7 +383,8 @@ def check_agreement(prep: Prepared, collective: str, group: dist.ProcessGroup, e
     rank's own state, such as which plans it keeps: ranks whose M differ keep different plans, and a
     rank that skipped the check while another ran it would leave both hanging). Ranks whose M differ
     agree once per kind of call, not per call: every rank's M reaches every rank alike (exchanged),
-    and their columns follow from it."""
+    and their columns follow from it. That the ranks' GPUs are alike was checked before anything
+    rested on them (:func:`check_gpus`, once per group)."""
     agreed = state.of(group).agreed
     if agreed.recent(call) is not None and signal.debug_timeout() is None:
         return

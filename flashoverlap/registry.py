@@ -275,9 +275,12 @@ def timing() -> str:
     return value
 
 
-def transport() -> str:
-    """How NCCL moves data between this node's GPUs: what ``NCCL_P2P_DISABLE`` /
+def transport(hosts: int = 1) -> str:
+    """How NCCL moves data between a group's GPUs: ``net`` where its ranks sit on several ``hosts``
+    (decision._start counts them per group); between this node's GPUs what ``NCCL_P2P_DISABLE`` /
     ``NCCL_SHM_DISABLE`` force, else ``nvlink`` where the GPUs can access each other's memory."""
+    if hosts > 1:
+        return "net"
     if os.environ.get("NCCL_P2P_DISABLE") == "1":
         return "net" if os.environ.get("NCCL_SHM_DISABLE") == "1" else "pcie"
     return "nvlink" if _peer_access() else "pcie"

@@ -231,6 +231,13 @@ def without_pull(cfg: OverlapConfig) -> OverlapConfig:
     return dataclasses.replace(cfg, reduction="nccl")
 
 
+def peer_memory(cfg: OverlapConfig) -> list[str]:
+    """What of ``cfg`` reads or writes the other GPUs' memory directly, which GPUs of one host alone
+    can: a symmetric window (NCCL's symmetric kernels; an all-to-all's or a ``local`` gather's copy
+    engines) and pulls (comm.peer). Empty where ``cfg`` communicates through NCCL's transports only."""
+    return ["symmetric: true"] * cfg.symmetric + [f"reduction: {cfg.reduction}"] * (cfg.reduction in PULLS)
+
+
 FEWEST_COMM_SMS = 4  # NCCL's CTAs beside an Ampere/Ada GEMM when a call without config= times fewer
 
 

@@ -113,6 +113,8 @@ def run_overlapped(
         shared = None if peers is None else _carved(prep, ex, peers, lambda: peers.buffer(plan.numel, a.dtype))
         out, buffer, recv = comm.buffers(ex, plan, alloc, shared)
         result = out
+    # Everything the call allocates is allocated above, before anything is enqueued: where memory
+    # runs out, no flag of a pull is set or claim owed, and the next call starts clean.
     timeout = signal.debug_timeout()
     tensors = (a, weight, *fresh)
     key = replay_key(prep, ex, (group, tail_group), caller, window or peers, timeout)

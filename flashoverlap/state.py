@@ -2,8 +2,9 @@
 
 The calls of one process group build up state the next calls reuse: what each kind of call runs
 (its decision, and the runner a repeat of it takes without deciding again), first-use trials,
-agreements checked across the ranks, lines logged, the private NCCL communicators an overlapped
-call runs on and their C-API handles, symmetric windows, and the ranks' mapped memory for pulls.
+agreements checked across the ranks, where every rank runs (host, GPU), lines logged, the private
+NCCL communicators an overlapped call runs on and their C-API handles, symmetric windows, and the
+ranks' mapped memory for pulls.
 All of it lives in the group's :class:`GroupState`, made on the group's first call (:func:`of`).
 Plans (per device, shape and config, with the native replays of their calls) are kept for every
 group alike (:data:`plans`), the most recently used.
@@ -66,6 +67,7 @@ class GroupState:
         self.communicators: dict[Hashable, dist.ProcessGroup] = {}  # private NCCL groups over its ranks
         self.direct: dict[tuple, Any] = {}  # (communicator, device) -> comm.nccl.Direct
         self.peers: dict[int, Any] = {}  # device index -> comm.peer.Peers
+        self.ranks: dict[int, tuple] = {}  # device index -> every rank's comm.peer.Rank (host, GPU)
         self.windows: dict[tuple, Any] = {}  # (budget, tail) process groups -> comm.nccl.Window
 
     def own(self, key: Hashable, communicator: dist.ProcessGroup) -> dist.ProcessGroup:

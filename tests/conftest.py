@@ -57,3 +57,13 @@ def fresh_state(monkeypatch):
 
     monkeypatch.setattr(state, "_states", {})
     monkeypatch.setattr(state, "_owners", {})
+
+
+@pytest.fixture
+def one_host(monkeypatch):
+    """Every rank of a group on one host, on a GPU of its own of one model (comm.peer.this_rank: what
+    the ranks gather once per group), for tests whose CPU tensors stand in for CUDA ones."""
+    from flashoverlap.comm import peer
+
+    rank = peer.Rank("host", "GPU-0", True, "NVIDIA H100 80GB HBM3", 132)
+    monkeypatch.setattr(peer, "this_rank", lambda device: rank)

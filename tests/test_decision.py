@@ -18,8 +18,9 @@ from .helpers import ENTRY_POINTS, bf16, spawn_ranks
 
 
 @pytest.fixture(autouse=True)
-def _fresh(fresh_state):
-    """Every test here starts without decisions, trials or logged lines of the others."""
+def _fresh(fresh_state, one_host):
+    """Every test here starts without decisions, trials or logged lines of the others, its ranks on
+    one host."""
 
 
 def plain_records(monkeypatch, record) -> None:
@@ -309,7 +310,7 @@ def test_ranks_with_different_m_decide_on_the_largest_and_share_its_columns(one_
     monkeypatch.setattr(torch.cuda, "device", lambda device: contextlib.nullcontext())
     monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (9, 0))
     monkeypatch.setattr(comm, "cuda_backend", lambda group: "nccl")
-    monkeypatch.setattr(decision, "tuned_config", lambda a, world, ex, shape, p2p: seen.append(("tuned", shape)))
+    monkeypatch.setattr(decision, "tuned_config", lambda a, world, ex, shape, *how: seen.append(("tuned", shape)))
     monkeypatch.setattr(decision, "one_wave", lambda cfg, m, n, device: seen.append(("one_wave", m)) and False)
     monkeypatch.setattr(decision, "shared_columns", lambda *args: seen.append(("columns", args[0])) or shared)
     monkeypatch.setattr(decision, "prepare", prepare)
@@ -420,7 +421,7 @@ def test_a_repeated_call_reuses_its_decision_until_what_it_rests_on_changes(one_
     are read as a call is decided)."""
     lookups = []
 
-    def tuned_config(a, world, ex, shape, p2p=True):
+    def tuned_config(a, world, ex, shape, transport, p2p=True):
         lookups.append(shape)
         return Found(OverlapConfig(sequential=True), True)
 

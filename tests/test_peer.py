@@ -39,21 +39,28 @@ def test_pulls_need_p2p_and_an_nccl_group(gloo_group, monkeypatch):
         ([("a", "GPU-0", True), ("a", "GPU-1", False)], "without peer access"),
     ],
 )
-def test_every_rank_s_view_decides_alike(monkeypatch, views, why):
+def test_every_rank_s_view_decides_alike(views, why):
     """The ranks' (host, GPU, peer access) views, gathered: one answer for all of them."""
-
-    def gather(out, mine, group):
-        assert mine == ("a", "GPU-0", True)  # this rank's own view, as asked of CUDA
-        out[:] = views
-
-    monkeypatch.setattr(dist, "get_world_size", lambda group: len(views))
-    monkeypatch.setattr(dist, "all_gather_object", gather)
-    monkeypatch.setattr(peer.socket, "gethostname", lambda: "a")
-    monkeypatch.setattr(torch.cuda, "device_count", lambda: 2)
-    monkeypatch.setattr(torch.cuda, "can_device_access_peer", lambda i, j: (i, j) == (0, 1))
-    monkeypatch.setattr(torch.cuda, "get_device_properties", lambda device: SimpleNamespace(uuid="GPU-0"))
-    found = peer._ask_every_rank(None, torch.device("cuda", 0))
+    ranks = tuple(peer.Rank(*view, "NVIDIA H100", 132) for view in views)
+    found = peer.why_not(ranks)
     assert found is None if why is None else why in found
+
+
+def test_a_rank_s_view_is_asked_of_the_host_and_cuda_once_per_group(gloo_group, monkeypatch):
+    """This rank's host, GPU, peer access, model and SMs, gathered once per group and kept in its
+    state; peer access to every other GPU it sees."""
+    asked = []
+    props = SimpleNamespace(uuid="GPU-0", name="NVIDIA H100", multi_processor_count=132)
+    monkeypatch.setattr(peer.socket, "gethostname", lambda: "a")
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 3)
+    monkeypatch.setattr(torch.cuda, "can_device_access_peer", lambda i, j: (i, j) != (0, 2))
+    monkeypatch.setattr(torch.cuda, "get_device_properties", lambda device: asked.append(device) or props)
+    device = torch.device("cuda", 0)
+    assert peer.this_rank(device) == ("a", "GPU-0", False, "NVIDIA H100", 132)
+    monkeypatch.setattr(torch.cuda, "can_device_access_peer", lambda i, j: True)
+    mine = peer.this_rank(device)
+    assert mine.peer_access and peer.every_rank(gloo_group, device) == (mine,)
+    assert peer.every_rank(gloo_group, device) == (mine,) and len(asked) == 3  # (kept: asked no more)
 
 
 def test_a_tuned_pull_falls_back_where_it_cannot_run():

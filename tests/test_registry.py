@@ -193,21 +193,20 @@ def test_an_entry_is_not_used_for_unequal_all_to_all_splits_it_cannot_carry(tmp_
     write(tmp_path, {"gpu": "NVIDIA H200", "world": 2, "entries": [a2a]})
     monkeypatch.setenv("FLASHOVERLAP_CONFIG_DIRS", str(tmp_path))
     monkeypatch.setattr(decision, "_device_name", lambda index: "NVIDIA H200")
-    monkeypatch.setattr(registry, "transport", lambda: "nvlink")
     a = torch.empty(4096, 8192, dtype=torch.bfloat16)
     shape = (4096, 8192, 8192)
     even = exchange("all_to_all", 4096, 2)
-    assert tuned_config(a, 2, even, shape) == (OverlapConfig(**config), True)
+    assert tuned_config(a, 2, even, shape, "nvlink") == (OverlapConfig(**config), True)
     uneven = exchange("all_to_all", 4096, 2, splits=[1000, 3096], output_splits=[1000, 1000])
-    assert tuned_config(a, 2, uneven, shape) is None  # the defaults, timed on first use (decision.trial)
+    assert tuned_config(a, 2, uneven, shape, "nvlink") is None  # the defaults, timed on first use (decision.trial)
     # with the fallback the tuner measured for such calls
     write(tmp_path, {"gpu": "NVIDIA H200", "world": 2, "entries": [{**a2a, "fallback": {"sequential": True}}]})
     registry.reload()
-    assert tuned_config(a, 2, even, shape) == (OverlapConfig(**config), True)
-    assert tuned_config(a, 2, uneven, shape) == (OverlapConfig(sequential=True), True)
+    assert tuned_config(a, 2, even, shape, "nvlink") == (OverlapConfig(**config), True)
+    assert tuned_config(a, 2, uneven, shape, "nvlink") == (OverlapConfig(sequential=True), True)
     # over a group that sends no CUDA tensors point to point (gloo) the rows layout falls back too
     rows = config.get("layout") == "rows"
-    assert tuned_config(a, 2, even, shape, p2p=False) == (
+    assert tuned_config(a, 2, even, shape, "nvlink", p2p=False) == (
         OverlapConfig(sequential=True) if rows else OverlapConfig(**config),
         True,
     )

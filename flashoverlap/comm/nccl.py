@@ -183,16 +183,36 @@ class Window:
         return alloc
 
     def _grow(self, nbytes: int) -> None:
+        """A new region of ``nbytes``, registered with every communicator, or (raising) none: a
+        region that failed to register with one is deregistered from the others and freed, so that
+        no call carves a window some communicator does not know. A failed allocation is
+        ``torch.OutOfMemoryError`` where the GPU lacks the bytes (NCCL reports any CUDA error alike)."""
         lib = library()
         comms = [communicator(group, self.device) for group in self.groups]
         ptr = ctypes.c_void_p()
-        check(lib, lib.ncclMemAlloc(ctypes.byref(ptr), ctypes.c_size_t(nbytes)), "ncclMemAlloc")
-        for c in comms:
-            handle = ctypes.c_void_p()
-            status = lib.ncclCommWindowRegister(c, ptr, ctypes.c_size_t(nbytes), ctypes.byref(handle), WIN_SYMMETRIC)
-            check(lib, status, "ncclCommWindowRegister")  # without peer access NCCL registers nothing
-        self.memory = device_bytes(ptr.value, nbytes, self.device)
-        self.regions.append(self.memory)
+        status = lib.ncclMemAlloc(ctypes.byref(ptr), ctypes.c_size_t(nbytes))
+        if status != 0:
+            free = torch.cuda.mem_get_info(self.device)[0]
+            if free < nbytes:
+                raise torch.OutOfMemoryError(f"{_error(lib, 'ncclMemAlloc', status)}: {nbytes} bytes, {free} free")
+            check(lib, status, "ncclMemAlloc")
+        registered = []
+        try:
+            for c in comms:
+                handle = ctypes.c_void_p()
+                status = lib.ncclCommWindowRegister(
+                    c, ptr, ctypes.c_size_t(nbytes), ctypes.byref(handle), WIN_SYMMETRIC
+                )
+                check(lib, status, "ncclCommWindowRegister")  # without peer access NCCL registers nothing
+                registered.append((c, handle))
+            memory = device_bytes(ptr.value, nbytes, self.device)
+        except BaseException:
+            for c, handle in registered:
+                lib.ncclCommWindowDeregister(c, handle)
+            lib.ncclMemFree(ptr)
+            raise
+        self.memory = memory
+        self.regions.append(memory)
 
 
 def carved_bytes(shape, dtype: torch.dtype) -> int:

@@ -40,12 +40,13 @@ from __future__ import annotations
 import os
 import socket
 from collections.abc import Iterator
+from typing import NamedTuple
 
 import torch
 import torch.distributed as dist
 
 from .. import enqueue, signal, state
-from .nccl import Window, carved_bytes, cuda_backend, group_fact
+from .nccl import Window, carved_bytes, cuda_backend
 
 MAX_GROUPS = 256  # counters per rank: the most groups a call may have
 # int32 offsets in each rank's memory (then ``fresh``: Peers.fresh); a claim zeroes [COUNTERS, DONE)
@@ -140,14 +141,14 @@ class Peers(Window, Pulls):
         self.claimed = torch.cuda.Event(external=True)
 
     def _grow(self, nbytes: int) -> None:
+        """A new region of ``nbytes`` on every rank, its flags as a claim leaves them; kept only once
+        all of that is done (an allocation that fails, out of memory, leaves the current region and
+        its flags as they were, for the next call)."""
         import torch.distributed._symmetric_memory as symm_mem
 
         memory = symm_mem.empty(nbytes, dtype=torch.uint8, device=self.device)
         handle = symm_mem.rendezvous(memory, self.group.group_name)
-        self.peers = [handle.get_buffer(r, (nbytes,), torch.uint8) for r in range(self.world)]
-        self.memory = memory
-        self.regions.append(memory)
-        self._handles.append(handle)
+        peers = [handle.get_buffer(r, (nbytes,), torch.uint8) for r in range(self.world)]
         # as claimed (nothing counted, the counters fresh) on every rank before any rank waits on this region
         flags = memory[: self.flag_bytes].view(torch.int32)
         flags.zero_()
@@ -157,6 +158,9 @@ class Peers(Window, Pulls):
         torch.cuda.synchronize(self.device)
         nccl = cuda_backend(self.group) == "nccl"
         dist.barrier(group=self.group, device_ids=[self.device.index] if nccl else None)
+        self.peers, self.memory = peers, memory
+        self.regions.append(memory)
+        self._handles.append(handle)
 
     def buffer(self, numel: int, dtype: torch.dtype) -> torch.Tensor:
         """The GEMM's flat buffer of ``numel`` elements, after the flags (grows the region first)."""
@@ -247,30 +251,61 @@ class Peers(Window, Pulls):
             self._write(self.rank, DONE + r, 1)
 
 
+class Rank(NamedTuple):
+    """What a rank tells the other ranks of its group about itself, once per group (:func:`every_rank`)."""
+
+    host: str
+    gpu: str  # the GPU's uuid
+    peer_access: bool  # to every other GPU it sees (False where it sees only its own)
+    name: str  # the GPU's model, as torch.cuda.get_device_name says it
+    sms: int
+
+
+def this_rank(device: torch.device) -> Rank:
+    """This rank's :class:`Rank`, asked of the host and of CUDA."""
+    props = torch.cuda.get_device_properties(device)
+    others = [j for j in range(torch.cuda.device_count()) if j != device.index]
+    peer_access = bool(others) and all(torch.cuda.can_device_access_peer(device.index, j) for j in others)
+    return Rank(socket.gethostname(), str(props.uuid), peer_access, props.name, props.multi_processor_count)
+
+
+def every_rank(group: dist.ProcessGroup | None, device: torch.device) -> tuple[Rank, ...]:
+    """Every rank's :class:`Rank` in ``group``'s rank order: gathered on the first ask per group and
+    device (a collective with a host sync, which every rank reaches alike: decision._start) and kept
+    in the group's state, so that every rank decides on the same facts."""
+    known = state.of(group).ranks
+    if device.index not in known:
+        views: list = [None] * dist.get_world_size(group)
+        dist.all_gather_object(views, this_rank(device), group=group)
+        known[device.index] = tuple(views)
+    return known[device.index]
+
+
+def hosts(ranks: tuple[Rank, ...]) -> list[str]:
+    """The hosts ``ranks`` sit on, each once, in rank order."""
+    return list(dict.fromkeys(r.host for r in ranks))
+
+
 def unavailable(group: dist.ProcessGroup, device: torch.device) -> str | None:
     """Why the ranks of ``group`` cannot pull from each other's memory, or None where they can:
     an NCCL group (gloo's ranks may share a GPU) of ranks on one host, each on a GPU of its own
     with peer access to every GPU it sees (checked on every rank), and P2P not disabled (the
     consumer-GPU emulation forces NCCL through host memory: pulling over NVLink would bypass it).
-    The same answer on every rank: the first ask per group gathers every rank's view (a host sync)."""
+    The same answer on every rank: it rests on every rank's view (:func:`every_rank`)."""
     if os.environ.get("NCCL_P2P_DISABLE") == "1":
         return "NCCL_P2P_DISABLE=1 rules out copies between the GPUs' memories"
     if cuda_backend(group) != "nccl":
         return f"a {cuda_backend(group)} group (its ranks may share a GPU): pulls need an NCCL group"
-    return group_fact(group, f"pull unavailable on {device.index}", lambda pg: _ask_every_rank(pg, device))
+    return why_not(every_rank(group, device))
 
 
-def _ask_every_rank(group: dist.ProcessGroup, device: torch.device) -> str | None:
-    others = [j for j in range(torch.cuda.device_count()) if j != device.index]
-    peer_access = bool(others) and all(torch.cuda.can_device_access_peer(device.index, j) for j in others)
-    mine = (socket.gethostname(), str(torch.cuda.get_device_properties(device).uuid), peer_access)
-    views: list = [None] * dist.get_world_size(group)
-    dist.all_gather_object(views, mine, group=group)
-    if len({host for host, _, _ in views}) > 1:
+def why_not(ranks: tuple[Rank, ...]) -> str | None:
+    """What in the ranks' views rules pulls out (:func:`unavailable`), None where nothing does."""
+    if len(hosts(ranks)) > 1:
         return "ranks on several hosts: pulls need every rank's GPU on one host"
-    if len({uuid for _, uuid, _ in views}) < len(views):
+    if len({r.gpu for r in ranks}) < len(ranks):
         return "ranks sharing a GPU: pulls need a GPU per rank"
-    if not all(access for _, _, access in views):
+    if not all(r.peer_access for r in ranks):
         return "a rank without peer access to every GPU it sees (or seeing only its own): no pulls"
     return None
 
