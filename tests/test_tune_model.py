@@ -1,10 +1,12 @@
-"""The tuner's cost model and partition search on synthetic problems (CPU)."""
+"""The tuner's cost model and partition search on synthetic problems, and its predictions from
+constants at any world size (CPU)."""
 
 import dataclasses
 
 import numpy as np
 import pytest
 
+from flashoverlap import tune_predict
 from flashoverlap.tune_model import (
     CommModel,
     HostModel,
@@ -19,6 +21,7 @@ from flashoverlap.tune_model import (
     wave_bytes,
     with_local_adds,
 )
+from flashoverlap.tune_predict import H200, nccl_comm, predict, pull_comm, pull_counts, ring_share
 
 
 def problem(rng, waves=None, latency=None, bandwidth=None) -> Problem:
@@ -302,3 +305,81 @@ def test_partitions_enumerate_every_split_once():
             groups = waves if most is None else min(most, waves)
             assert len(found) == len(set(found)) == sum(comb(waves - 1, g - 1) for g in range(1, groups + 1))
             assert all(sum(p) == waves and min(p) >= 1 and len(p) <= groups for p in found)
+
+
+# --- the model fed from constants at any world size (tune_predict) --------------------------------
+
+
+def test_ring_bytes_per_rank_grow_with_the_world():
+    assert [ring_share("all_reduce", w) for w in (2, 4, 8)] == [1.0, 1.5, 1.75]
+    assert [ring_share(c, 8) for c in ("reduce_scatter", "all_to_all")] == [0.875, 0.875]
+    # pull_scatter moves a ring's bytes, pull every other rank's whole group; reduce-scatter / all-to-all
+    # pulls this rank's share of every other rank's group: the ring's bytes too
+    for w in (2, 4, 8):
+        assert pull_counts("all_reduce", "pull_scatter", w)[1] == pytest.approx(ring_share("all_reduce", w))
+        assert pull_counts("all_reduce", "pull", w)[:2] == (w - 1, w - 1)
+        for collective in ("reduce_scatter", "all_to_all"):
+            assert pull_counts(collective, "pull", w)[1] == pytest.approx(ring_share(collective, w))
+    assert pull_counts("all_to_all", "pull", 8)[2] == 0.0  # nothing to add
+
+
+def test_nccl_is_the_measured_fit_where_measured_and_extrapolated_beyond():
+    nbytes = 64 << 20
+    for world, (latency, bus) in H200.nccl["all_reduce"].items():
+        expected = latency + ring_share("all_reduce", world) * nbytes / bus
+        assert nccl_comm(H200, "all_reduce", world).time_ms(nbytes) == pytest.approx(expected)
+    # eight ranks: four's bus bandwidth, 1.75 / 1.5 of its bytes, and a hop more per extra ring step
+    latency, bus = H200.nccl["all_reduce"][4]
+    eight = nccl_comm(H200, "all_reduce", 8)
+    assert eight.latency_ms == pytest.approx(latency + 8 * H200.hop_ms)
+    assert eight.time_ms(nbytes) == pytest.approx(eight.latency_ms + 1.75 * nbytes / bus)
+    assert eight.time_ms(nbytes) > nccl_comm(H200, "all_reduce", 4).time_ms(nbytes)
+    # on fewer CTAs, the measured share of the bus bandwidth (16 CTAs: 0.82)
+    assert nccl_comm(H200, "all_reduce", 8, 16).bytes_per_ms == pytest.approx(0.82 * eight.bytes_per_ms)
+    with pytest.raises(ValueError, match="no measured"):
+        nccl_comm(H200, "all_reduce", 1)
+
+
+def test_pulls_serialize_on_one_copy_engine():
+    nbytes = 8 << 20
+    for w in (2, 4, 8):
+        tail = pull_comm(H200, "all_reduce", "pull", w)
+        assert tail.latency_ms == pytest.approx((w - 1) * H200.copy_gap_ms)  # one copy after another
+        copies = (w - 1) * nbytes / H200.copy_bytes_per_ms
+        adds = (w + 1) * nbytes / H200.add_bytes_per_ms
+        assert tail.time_ms(nbytes) == pytest.approx(tail.latency_ms + copies + adds)
+        # beside the GEMM the adds on 4 SMs overlap the next copies: the slower sets the pace
+        during = pull_comm(H200, "all_reduce", "pull", w, 4)
+        slower = max(copies, (w + 1) * nbytes / (4 * H200.add_bytes_per_ms_per_sm))
+        assert during.time_ms(nbytes) == pytest.approx(tail.latency_ms + slower)
+    # on eight ranks pull_scatter's 14 copies of a ring's bytes beat pull's 7 whole groups, though
+    # twice the gaps
+    scatter = pull_comm(H200, "all_reduce", "pull_scatter", 8)
+    assert scatter.latency_ms == pytest.approx(2 * tail.latency_ms) and scatter.time_ms(nbytes) < tail.time_ms(nbytes)
+
+
+def test_prediction_per_world():
+    shape = (4096, 8192, 8192)
+    two, eight = (predict(H200, shape, "all_reduce", w) for w in (2, 8))
+    assert two.gemm_ms == eight.gemm_ms == pytest.approx(2 * 4096 * 8192 * 8192 / H200.gemm_flops_per_ms)
+    assert eight.comm_ms > two.comm_ms and eight.sequential_ms == pytest.approx(eight.gemm_ms + eight.comm_ms)
+    paths = {p.name: p for p in eight.paths}
+    assert set(paths) == {"nccl", "pull", "pull_scatter"}
+    assert paths["pull_scatter"].call_ms < paths["pull"].call_ms  # a ring's bytes against 7 groups
+    assert max(eight.gemm_ms, eight.comm_ms) <= eight.call_ms < eight.sequential_ms
+    assert eight.efficiency == pytest.approx((eight.sequential_ms - eight.call_ms) / min(eight.gemm_ms, eight.comm_ms))
+    hopeless = predict(H200, shape, "all_reduce", 8, margin=0.99)  # nothing beats sequential by 99 %
+    assert hopeless.chosen is None and hopeless.speedup == 1.0 and hopeless.efficiency == 0.0
+    for collective in ("reduce_scatter", "all_to_all"):
+        assert {p.name for p in predict(H200, shape, collective, 8).paths} == {"nccl", "pull"}
+
+
+def test_predict_cli(capsys):
+    assert tune_predict.main(["--world", "8", "--shapes", "4096x8192x8192", "--collective", "all_reduce"]) == 0
+    out = capsys.readouterr().out
+    assert "NVIDIA H200 x8" in out and "| 4096x8192x8192 | all_reduce |" in out
+    assert "all_reduce: mean speedup" in out
+    with pytest.raises(SystemExit):
+        tune_predict.main(["--world", "1", "--shapes", "4096x8192x8192"])
+    with pytest.raises(SystemExit):
+        tune_predict.main(["--world", "8"])  # no shapes
