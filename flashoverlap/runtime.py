@@ -17,7 +17,7 @@ from collections.abc import Callable, Sequence
 import torch
 import torch.distributed as dist
 
-from . import comm, enqueue, signal, state
+from . import comm, enqueue, signal, state, watchdog
 from .comm import Exchange
 from .inputs import world_size
 from .prepared import Prepared
@@ -122,6 +122,7 @@ def run_overlapped(
     program = prep.programs[key] if known else None
     if program:
         program.replay([t.data_ptr() for t in tensors])
+        _watch(ex, (a.shape[0], prep.plan.n, a.shape[1]), group, peers, window, caller, device)
         return result
     tape = None
     if known and program is None:  # seen once: what it set up (events, windows, communicators) is there now
@@ -133,9 +134,25 @@ def run_overlapped(
         _enqueue(prep, a, weight, ex, (group, tail_group), caller, window, (out, buffer, recv, result), timeout)
     if tape is not None:  # (False: a step that is not a native call, on every call like it)
         prep.programs[key] = tape.program() if tape.usable else False
+    if key is not None or not torch.cuda.is_current_stream_capturing():  # (a graph's owner synchronises its replays)
+        _watch(ex, (a.shape[0], prep.plan.n, a.shape[1]), group, peers, window, caller, device)
     if timeout is not None:
         signal.raise_on_timeout(prep.report, plan.num_groups, timeout)
     return result
+
+
+def _watch(ex: Exchange, shape: tuple, group, peers, window, caller: torch.cuda.Stream, device: torch.device) -> None:
+    """Hand the call to the watchdog: its end on the caller's stream and, for pulls, the claim for the
+    next call on the communication stream (it waits for the other ranks, and no later call of this
+    process may come to wait behind it)."""
+    path = "pulls" if peers is not None else "an NCCL window" if window is not None else _nccl_path(group)
+    watchdog.track(caller, ex.collective, shape, path, group)
+    if peers is not None:
+        watchdog.track(side_stream(device), ex.collective, shape, path, group)
+
+
+def _nccl_path(group) -> str:
+    return "NCCL's C API" if isinstance(group, comm.Direct) else "c10d"
 
 
 def _carved(prep: Prepared, ex: Exchange, window: comm.nccl.Window, carve: Callable[[], object]):

@@ -93,6 +93,11 @@ def of(group: dist.ProcessGroup | None) -> GroupState:
     return found
 
 
+def all_states() -> list[GroupState]:
+    """Every group's state (a copy: another thread may read it, the watchdog's)."""
+    return list(_states.values())
+
+
 def kept(group: dist.ProcessGroup | None) -> GroupState | None:
     """``group``'s state where it has one (None: the default group's), else None; makes none."""
     return _states.get(group if group is not None else dist.group.WORLD)

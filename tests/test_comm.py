@@ -1,6 +1,7 @@
 """comm on the CPU (gloo): plan agreement across ranks, exchange validation."""
 
 import contextlib
+import datetime
 import os
 import tempfile
 from types import SimpleNamespace
@@ -11,6 +12,7 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
+from flashoverlap import comm
 from flashoverlap.comm import agree, exchange, rows_rotation
 
 
@@ -362,3 +364,13 @@ def test_a_pull_scatter_sums_each_share_once_and_gathers_the_others(world):
         assert peers[rank].said == list(range(plan.num_groups))
         assert torch.equal(out.view(-1), calls[0][0].view(-1))  # the same bits on every rank
         assert torch.allclose(out.view(-1).float(), want, rtol=2e-2, atol=2e-2)
+
+
+def test_a_group_s_timeout_is_its_backend_s(tmp_path):
+    store = dist.FileStore(str(tmp_path / "store"), 1)
+    dist.init_process_group("gloo", store=store, rank=0, world_size=1, timeout=datetime.timedelta(seconds=42))
+    try:
+        assert comm.group_timeout(None) == 42.0
+        assert comm.group_timeout(dist.new_group([0], timeout=datetime.timedelta(seconds=7))) == 7.0
+    finally:
+        dist.destroy_process_group()

@@ -77,6 +77,7 @@ def decides_on(monkeypatch, views: tuple[peer.Rank, ...], shape, seen: list) -> 
     monkeypatch.setattr(torch.cuda, "device", lambda device: contextlib.nullcontext())
     monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (9, 0))
     monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: False)
+    monkeypatch.setattr(runtime, "side_stream", lambda device, role="comm": role)
     monkeypatch.setattr(decision, "one_wave", lambda *args: False)
     lookup = registry.lookup
     monkeypatch.setattr(registry, "lookup", lambda *key, **kw: seen.append(("lookup", key[3])) or lookup(*key, **kw))
@@ -353,6 +354,9 @@ def overlapped(monkeypatch, path: str):
     monkeypatch.setattr(torch.cuda, "current_stream", lambda device=None: SimpleNamespace(cuda_stream=1))
     monkeypatch.setattr(runtime, "replay_key", lambda *args: None)
     monkeypatch.setattr(runtime, "_enqueue", lambda *args: enqueued.append(args[-2]))
+    monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: False)
+    monkeypatch.setattr(runtime, "side_stream", lambda device, role="comm": role)
+    monkeypatch.setattr(runtime.watchdog, "track", lambda stream, *call: enqueued.append(("watched", *call)))
     a, w = bf16(m, 64), bf16(n, 64)
     return (lambda: runtime.run_overlapped(prep, a, w, ex, group)), allocations, enqueued, prep, kept
 
@@ -372,7 +376,7 @@ def test_memory_running_out_inside_a_call_leaves_nothing_half_done(monkeypatch, 
     allocations.fail = fail
     with pytest.raises(torch.OutOfMemoryError, match=f"allocation {fail}|ncclMemAlloc failed"):
         call()
-    assert enqueued == [] and prep.programs == {}
+    assert enqueued == [] and prep.programs == {}  # (nothing for the watchdog either)
     if kept is not None:
         assert kept.regions == ([] if fail == 1 else [kept.memory])
         for region, _ in prep.window_views.values():
@@ -381,6 +385,11 @@ def test_memory_running_out_inside_a_call_leaves_nothing_half_done(monkeypatch, 
         assert kept.targets == () and (kept.memory is None or as_claimed(kept))
     allocations.fail = None
     result = call()
+    watched = [e for e in enqueued if e[0] == "watched"]  # its end, and a pull's claim for the next call
+    named = {"nccl": "c10d", "window": "an NCCL window", "pull": "pulls"}[path]
+    group = kept if path == "pull" else "budget"
+    assert [e[1:] for e in watched] == [("all_reduce", (512, 512, 64), named, group)] * (1 + (path == "pull"))
+    enqueued = [e for e in enqueued if e[0] != "watched"]
     assert len(enqueued) == 1 and result.shape == (512, 512)
     out, buffer, recv, _ = enqueued[0]
     if path == "pull":

@@ -9,6 +9,7 @@ copy engines where the ranks have peer access (:mod:`comm.peer`: NCCL's kernels 
 
 from __future__ import annotations
 
+import datetime
 import hashlib
 import os
 import warnings
@@ -45,6 +46,8 @@ from .moves import restore as restore
 from .nccl import CTA_POLICY_ZERO, Direct, cuda_backend, unavailable
 from .peer import Peers as Peers
 from .peer import Pulls
+
+DEFAULT_TIMEOUT_S = 600.0  # a group whose backend says no timeout (torch's NCCL default)
 
 VECTOR = 8  # elements a share of a group is made of (16-byte vectors of bf16 / fp16: fo_sum's loads, the copies)
 SLACK = 2  # vectors per rank and group that a pull_scatter's staging has beyond the groups' length (comm.staging)
@@ -110,8 +113,23 @@ def _own_group(
     """A private NCCL communicator over ``group``'s ranks, kept in its state under ``key`` (every
     member rank creates it, in the same order)."""
     ranks = dist.get_process_group_ranks(group)
-    made = dist.new_group(ranks, backend="nccl", pg_options=options, use_local_synchronization=True)
+    timeout = datetime.timedelta(seconds=group_timeout(group))  # (torch's watchdog and ours: the group's)
+    made = dist.new_group(ranks, timeout, backend="nccl", pg_options=options, use_local_synchronization=True)
     state.of(group).own(key, made)
+
+
+def group_timeout(group: dist.ProcessGroup | None) -> float:
+    """The timeout of ``group``'s collectives in seconds (its backend's options; torch's NCCL default
+    where it says none)."""
+    pg = group if group is not None else dist.group.WORLD
+    for device in ("cuda", "cpu"):
+        try:
+            timeout = pg._get_backend(torch.device(device)).options._timeout
+        except (AttributeError, RuntimeError, ValueError):
+            continue
+        if isinstance(timeout, datetime.timedelta) and timeout.total_seconds() > 0:
+            return timeout.total_seconds()
+    return DEFAULT_TIMEOUT_S
 
 
 def process_group(group: dist.ProcessGroup | Direct | None) -> dist.ProcessGroup:

@@ -35,6 +35,7 @@ _SIGNATURES = {  # argument types of the calls made per group (ctypes converts p
     "ncclRecv": [_P, _N, _I, _I, _P, _P],
     "ncclGroupStart": [],
     "ncclGroupEnd": [],
+    "ncclCommGetAsyncError": [_P, _P],  # (the watchdog's, not per group)
 }
 
 

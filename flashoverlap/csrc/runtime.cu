@@ -234,6 +234,14 @@ int fo_write_value(void* flag, unsigned value, void* stream) {
   return stream_value("cuStreamWriteValue32", fn, flag, value, CU_STREAM_WRITE_VALUE_DEFAULT, stream);
 }
 
+// Lets the calling thread make calls CUDA counts unsafe while another thread captures a graph in
+// the global mode (cudaEventQuery): the watchdog's thread polls events whatever the application's
+// threads capture (flashoverlap.watchdog), as torch's NCCL watchdog does.
+int fo_relaxed_capture_mode() {
+  cudaStreamCaptureMode mode = cudaStreamCaptureModeRelaxed;
+  return check(cudaThreadExchangeStreamCaptureMode(&mode), "capture_mode");
+}
+
 int fo_record_event(void* event, void* stream) {
   return check(cudaEventRecord(static_cast<cudaEvent_t>(event), static_cast<cudaStream_t>(stream)), "record_event");
 }
