@@ -46,7 +46,7 @@ log = logging.getLogger(__name__)
 
 POLLS_PER_TIMEOUT = 4  # how often the oldest call is looked at, per timeout
 MAX_POLL_S = 2.0  # ... and at least this often (async NCCL errors end the process this soon)
-ABORT_WAIT_S = 10.0  # how long the communicators' abort may take before the process ends anyway
+ABORT_WAIT_S = 5.0  # how long the communicators' abort may take before the process ends anyway
 
 
 class Call(NamedTuple):
@@ -221,13 +221,31 @@ def _ranks(group) -> object:
 
 def abort_communicators() -> None:
     """Abort every NCCL communicator flashoverlap made (their kernels stop waiting for peers), as
-    torch's watchdog aborts its own before it ends the process."""
-    for group_state in state.all_states():
-        for communicator in list(group_state.communicators.values()):
-            try:
-                communicator.abort()
-            except Exception as exc:  # (already aborted or destroyed: the others still go)
-                log.debug("abort of a communicator failed: %s", exc)
+    torch's watchdog aborts its own before it ends the process: together, inside one NCCL group,
+    since one abort's device synchronisation could otherwise wait on another's hung kernel."""
+    communicators = [c for group_state in state.all_states() for c in group_state.communicators.values()]
+    backend = _nccl_backend(communicators)
+    if backend is not None:
+        backend._group_start()
+    for communicator in communicators:
+        try:
+            communicator.abort()
+        except Exception as exc:  # (already aborted or destroyed: the others still go)
+            log.debug("abort of a communicator failed: %s", exc)
+    if backend is not None:
+        backend._group_end()
+
+
+def _nccl_backend(communicators: list) -> object | None:
+    """An NCCL backend among ``communicators`` whose group calls frame the aborts, None if none."""
+    for communicator in communicators:
+        try:
+            backend = communicator._get_backend(torch.device("cuda"))
+        except (AttributeError, RuntimeError):
+            continue
+        if hasattr(backend, "_group_start") and hasattr(backend, "_group_end"):
+            return backend
+    return None
 
 
 _watchdog: Watchdog | None = None

@@ -25,7 +25,12 @@ one row per rank (exit code, seconds from the fault to exit, outcome, last stder
 summary per case (the slowest survivor), writes them to ``--csv``, and exits non-zero if a rank
 hung, a case never reached its fault, or a survivor took longer than ``timeout + 60`` s.
 Outcomes: watchdog, torch (torch's NCCL watchdog / timeout), raised (a Python traceback),
-finished (exit 0), killed (the injected SIGKILL), hang, other (any other exit, e.g. a signal).
+finished (exit 0), killed (the injected SIGKILL), hang, other (any other exit, e.g. a signal), and
+for the faulty rank ``exit hang``: hung after its calls were done (it printed "finished" or raised),
+in torch's teardown (``destroy_process_group`` or the process groups' destructors at exit, which
+flush collectives its gone peers will never join: torch expects a hang there from a program that
+skipped a call). That is the faulty program's own, not a call that hung, and does not fail the run;
+a launcher such as torchrun ends that rank once the others have exited.
 """
 
 from __future__ import annotations
@@ -46,7 +51,7 @@ from pathlib import Path
 PATHS = ("direct", "c10d", "symmetric", "pull", "a2a_pull")
 CASES = ("kill", "raise", "skip", "nccl_error")
 NO_NCCL = ("pull", "a2a_pull")  # paths whose calls run no NCCL collective: nccl_error is n/a there
-OUTCOMES = ("watchdog", "torch", "raised", "finished", "killed", "hang", "other", "n/a")
+OUTCOMES = ("watchdog", "torch", "raised", "finished", "killed", "hang", "exit hang", "other", "n/a")
 
 SIZE = 4096  # M = N = K of the operands (bf16)
 WARMUP = 5
@@ -121,6 +126,16 @@ def classify(returncode: int | None, stderr: str, *, hung: bool, injected_kill: 
     if any(text in stderr for text in TORCH_WEAK):
         return "torch"
     return "other"
+
+
+def past_its_calls(stdout: Path, stderr: Path) -> bool:
+    """Whether a rank got past its stream of calls: it printed "finished" or raised (read whole: a
+    traceback's first line is far from the end of a long one)."""
+
+    def text(path: Path) -> str:
+        return path.read_text(errors="replace") if path.exists() else ""
+
+    return " finished (" in text(stdout) or TRACEBACK_TEXT in text(stderr)
 
 
 def last_line(lines: Sequence[str], limit: int = LAST_LINE_CHARS) -> str:
@@ -380,6 +395,9 @@ class CaseRun:
             outcome = classify(
                 proc.returncode, "\n".join(lines), hung=rank in self.hung, injected_kill=faulty and self.case == "kill"
             )
+            logs = (self.dir / f"rank{rank}.out", self.dir / f"rank{rank}.err")
+            if outcome == "hang" and faulty and past_its_calls(*logs):
+                outcome = "exit hang"
             last = last_line(lines)
             if rank in self.hung and stamped is None:  # (not ready: stuck in init, compilation or warm-up)
                 ready = "ready" if (self.dir / f"ready.{rank}").exists() else "not ready"
@@ -492,8 +510,9 @@ def summary(rows: Sequence[Result], timeout: float) -> str:
 
 
 def failures(results: Sequence[Result], timeout: float) -> list[str]:
-    """Why the run fails (empty: it passes): a rank hung, a case never reached its fault (so it
-    tested nothing), or a survivor took longer than ``timeout + SLOW_MARGIN_S`` to end."""
+    """Why the run fails (empty: it passes): a rank hung (not an ``exit hang``), a case never
+    reached its fault (so it tested nothing), or a survivor took longer than ``timeout +
+    SLOW_MARGIN_S`` to end."""
     why = []
     for r in results:
         if r.outcome == "n/a":

@@ -41,6 +41,15 @@ if do == "raise":
     raise RuntimeError("injected fault")
 if do in ("hang", "nofault"):
     time.sleep(1000)
+if do == "exithang":  # its calls done, stuck in teardown
+    print(f"[rank {rank}] finished ((8, 8))", flush=True)
+    time.sleep(1000)
+if do == "raisehang":  # raised (a long traceback), then stuck in teardown at exit
+    print("Traceback (most recent call last):", file=sys.stderr)
+    for i in range(200):
+        print(f"  frame {i}", file=sys.stderr)
+    print("RuntimeError: no process group", file=sys.stderr, flush=True)
+    time.sleep(1000)
 print("finished", flush=True)
 """
 
@@ -293,6 +302,19 @@ def test_supervisor_kills_a_hang_after_timeout_and_grace(tmp_path):
     assert rows[1].returncode == 1 and rows[1].last_line == "RuntimeError: injected fault"
     assert took < 10
     assert fi.failures(rows, 0.3) == ["world 2 direct raise rank 0: hung"]
+
+
+def test_a_faulty_rank_stuck_after_its_calls_is_an_exit_hang_not_a_failure(tmp_path):
+    """The faulty rank hanging in torch's teardown after its calls (a skipped call leaves its peers'
+    collectives unjoined) is reported apart; one hanging inside its calls fails the run."""
+    rows = run_fake(tmp_path, "watchdog,exithang", cases=("skip",))
+    assert [r.outcome for r in rows] == ["watchdog", "exit hang"] and rows[1].returncode is None
+    assert fi.failures(rows, 0.3) == []
+    rows = run_fake(tmp_path / "raised", "watchdog,raisehang", cases=("nccl_error",))
+    assert [r.outcome for r in rows] == ["watchdog", "exit hang"] and fi.failures(rows, 0.3) == []
+    rows = run_fake(tmp_path / "inside", "watchdog,hang", cases=("skip",))
+    assert [r.outcome for r in rows] == ["watchdog", "hang"]
+    assert fi.failures(rows, 0.3) == ["world 2 direct skip rank 1: hung"]
 
 
 def test_a_crash_before_the_fault_starts_the_clock(tmp_path):

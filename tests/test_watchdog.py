@@ -159,3 +159,18 @@ def test_the_thread_fires_within_a_poll_of_the_timeout(monkeypatch, no_communica
     assert fired.wait(5.0)
     dog.thread.join(5.0)
     assert not dog.thread.is_alive()
+
+
+def test_the_aborts_run_inside_one_nccl_group(monkeypatch):
+    """Aborted one by one, a communicator's abort can wait on another's hung kernel: NCCL's group
+    semantics abort them together."""
+    said = []
+    backend = SimpleNamespace(_group_start=lambda: said.append("start"), _group_end=lambda: said.append("end"))
+
+    def communicator(name):
+        return SimpleNamespace(_get_backend=lambda device: backend, abort=lambda: said.append(name))
+
+    communicators = {"budget": communicator("budget"), "tail": communicator("tail")}
+    monkeypatch.setattr(state, "all_states", lambda: [SimpleNamespace(communicators=communicators)])
+    watchdog.abort_communicators()
+    assert said == ["start", "budget", "tail", "end"]

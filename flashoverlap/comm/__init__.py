@@ -114,6 +114,8 @@ def _own_group(
     member rank creates it, in the same order)."""
     ranks = dist.get_process_group_ranks(group)
     timeout = datetime.timedelta(seconds=group_timeout(group))  # (torch's watchdog and ours: the group's)
+    if options is not None:
+        options._timeout = timeout  # (else torch warns that the kwarg overrides it)
     made = dist.new_group(ranks, timeout, backend="nccl", pg_options=options, use_local_synchronization=True)
     state.of(group).own(key, made)
 
