@@ -41,6 +41,7 @@ import torch.distributed as dist
 
 from . import jit, state
 from .comm import group_timeout
+from .signal import env_timeout
 
 log = logging.getLogger(__name__)
 
@@ -62,20 +63,6 @@ class Call(NamedTuple):
 
 def enabled() -> bool:
     return os.environ.get("FLASHOVERLAP_WATCHDOG", "1") != "0"
-
-
-def env_timeout() -> float | None:
-    """``FLASHOVERLAP_TIMEOUT_S`` in seconds, None where unset."""
-    text = os.environ.get("FLASHOVERLAP_TIMEOUT_S")
-    if text is None:
-        return None
-    try:
-        seconds = float(text)
-    except ValueError:
-        seconds = -1.0
-    if not seconds > 0:
-        raise ValueError(f"FLASHOVERLAP_TIMEOUT_S must be a positive number of seconds, got {text!r}")
-    return seconds
 
 
 class Watchdog:

@@ -78,11 +78,12 @@ def _probe(device: int) -> tuple[bool, bool]:
     return True, captured
 
 
-def debug_timeout() -> float | None:
-    """Seconds a wait may take in debug mode (``FLASHOVERLAP_DEBUG=1``); None outside it."""
-    if os.environ.get("FLASHOVERLAP_DEBUG") != "1":
+def env_timeout() -> float | None:
+    """``FLASHOVERLAP_TIMEOUT_S`` in seconds (a debug-mode wait's limit, the watchdog's), None where
+    unset."""
+    text = os.environ.get("FLASHOVERLAP_TIMEOUT_S")
+    if text is None:
         return None
-    text = os.environ.get("FLASHOVERLAP_TIMEOUT_S", "10")
     try:
         seconds = float(text)
     except ValueError:
@@ -90,6 +91,15 @@ def debug_timeout() -> float | None:
     if not seconds > 0:
         raise ValueError(f"FLASHOVERLAP_TIMEOUT_S must be a positive number of seconds, got {text!r}")
     return seconds
+
+
+def debug_timeout() -> float | None:
+    """Seconds a wait may take in debug mode (``FLASHOVERLAP_DEBUG=1``; ``FLASHOVERLAP_TIMEOUT_S``,
+    default 10); None outside it."""
+    if os.environ.get("FLASHOVERLAP_DEBUG") != "1":
+        return None
+    seconds = env_timeout()
+    return 10.0 if seconds is None else seconds
 
 
 def wait_geq(
