@@ -114,7 +114,8 @@ def build_parser() -> argparse.ArgumentParser:
         nargs="+",
         choices=NCCL_PATHS,
         help="how flashoverlap calls NCCL (FLASHOVERLAP_NCCL): each config is measured with each path "
-        "(default: the path a call takes, comm.uses_direct)",
+        "(default: the path a call takes, comm.uses_direct); with several, each path's decided call runs "
+        "as decided, without the public call's lookup",
     )
     parser.add_argument(
         "--graphs",
@@ -246,19 +247,18 @@ def bench_shape(shape: tuple[int, int, int], args: argparse.Namespace, inputs: s
     nccl = args.nccl or ["direct" if comm.uses_direct() else "c10d"]  # none given: the path a call takes
     runs = [(j, path) for j in range(len(cfgs)) for path in nccl]
     for j, path in runs:
-        # "registry" variants call without config=, as a user would (the lookup is part of the call)
-
-        def call(i, cfg=cfgs[j], path=path):
-            if os.environ.get("FLASHOVERLAP_NCCL") != path:  # read as a call is decided (comm.direct)
-                os.environ["FLASHOVERLAP_NCCL"] = path
-                state.forget_decisions()
-            return overlapped(a[i % sets], w[i % sets], config=cfg)
-
-        variants[f"fo{j}{path}"] = call
-        got, want = call(0).float(), seq(0).float()  # a call without config= decides here (timed if untuned)
+        if os.environ.get("FLASHOVERLAP_NCCL") != path:  # read as a call is decided (comm.direct)
+            os.environ["FLASHOVERLAP_NCCL"] = path
+            state.forget_decisions()
+        # a call without config= decides here (timed if untuned); what it runs, as it decided
+        got, want = overlapped(a[0], w[0], config=cfgs[j]).float(), seq(0).float()
         errors[j, path] = ((got - want).norm() / want.norm()).item()
-        # what that call runs, as it decided
-        cfg = picked[j, path] = cfgs[j] or decide(a[0], w[0], collective).config or OverlapConfig(sequential=True)
+        decided = decide(a[0], w[0], collective, None, cfgs[j])
+        if len(nccl) > 1:  # each path's decision, kept: switching paths inside the timing would decide again
+            variants[f"fo{j}{path}"] = lambda i, run=decided.run: run(a[i % sets], w[i % sets])
+        else:  # "registry" variants call without config=, as a user would (the lookup is part of the call)
+            variants[f"fo{j}{path}"] = lambda i, cfg=cfgs[j]: overlapped(a[i % sets], w[i % sets], config=cfg)
+        cfg = picked[j, path] = cfgs[j] or decided.config or OverlapConfig(sequential=True)
         if not cfg.sequential and cfg not in kernels:
             kernels[cfg] = f"kernel{len(kernels)}"
             segments = comm.interleave(ex, cfg.layout)
