@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # On a GPU machine: install, build, then the chosen steps (default: all; ~25 min on 2x H200, so
 # run a few steps per call where calls are time-limited).
-#   bash bench/gpu_check.sh [tests] [stress] [bench] [sm80] [swizzle] [tune] [brute] [suite] [graphs] [host] [symm]
+#   bash bench/gpu_check.sh [tests] [stress] [bench] [sm80] [swizzle] [tune] [brute] [suite] [graphs] [small] [host] [symm]
 # Logs and CSVs in $OUT/flashoverlap-results.tgz ($OUT default /tmp/flashoverlap-check). Wheels the machine lacks
 # (nvidia-cutlass) may sit in .whl/; a prebuilt kernel cache in .kcache/ (python -m flashoverlap.precompile).
 #   tests   GPU and multi-GPU tests (both kernel families; GPU_TESTS=0: multi-GPU ones only)
@@ -19,6 +19,9 @@
 #           for SUITE_COLLECTIVES (all_reduce), NVLink and P2P off (TRANSPORTS), INPUTS (rotated; hot, both)
 #   graphs  bench/suite.yaml with the registry and CONFIGS, c10d and direct NCCL, every block of calls one
 #           CUDA graph replay (GPU time only), for SUITE_COLLECTIVES (all_reduce), TRANSPORTS (nvlink pcie)
+#   small   bench/small.yaml (M 8-2048) for every collective, eager and as CUDA graphs, hot and rotated
+#           inputs, the registry's path (untuned: timed on first use) and the forced fallback beside seq
+#           (SMALL_COLLECTIVES, SMALL_MODES); NVLink
 #   host    host time per call of each path on a host-bound shape, and where it goes (bench/host_profile.py)
 #   symm    NCCL ring vs symmetric-memory vs copy-engine kernels on a few CTAs beside the GEMM
 #           (bench/symmetric_probe.py; NCCL's kernel choices in symm.log)
@@ -122,6 +125,15 @@ for step in $steps; do
           --nccl c10d direct --csv "$OUT/$name.csv"
       done
     done ;;
+  small)
+    for collective in ${SMALL_COLLECTIVES:-all_reduce reduce_scatter all_to_all}; do
+      for mode in ${SMALL_MODES:-eager graphs}; do
+        name=small_${collective}_$mode
+        graphs=(); [ "$mode" = graphs ] && graphs=(--graphs)
+        BENCH_TIMEOUT=300 bench "$name" -- "${graphs[@]}" --collective "$collective" --shapes-file bench/small.yaml \
+          --rounds "${ROUNDS:-15}" --configs registry --inputs both --csv "$OUT/$name.csv"
+      done
+    done ;;
   host)
     timeout 120 torchrun --nproc-per-node "$NGPU" bench/host_profile.py > "$OUT/host.log" 2>&1
     grep "us per call" "$OUT/host.log" ;;
@@ -129,6 +141,6 @@ for step in $steps; do
     NCCL_DEBUG=INFO NCCL_DEBUG_SUBSYS=INIT,TUNING timeout 300 torchrun --nproc-per-node "$NGPU" \
       bench/symmetric_probe.py > "$OUT/symm.log" 2>&1
     grep -E "of cublas|Error|error" "$OUT/symm.log" | head -60; grep -m 8 -E "Symmetric|CE" "$OUT/symm.log" ;;
-  *) echo "unknown step $step (tests stress bench sm80 swizzle tune brute suite graphs host symm)"; exit 2 ;;
+  *) echo "unknown step $step (tests stress bench sm80 swizzle tune brute suite graphs small host symm)"; exit 2 ;;
   esac
 done

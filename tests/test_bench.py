@@ -4,6 +4,7 @@ import argparse
 import os
 import shutil
 import subprocess
+from pathlib import Path
 
 import pytest
 
@@ -118,6 +119,17 @@ def test_shape_files(tmp_path):
         bad.write_text(text)
         with pytest.raises(ValueError, match=message):
             bench.load_shapes(str(bad))
+
+
+def test_the_shipped_shape_files_load_and_the_small_one_covers_decode_and_small_prefill():
+    """bench/small.yaml: the sizes a call must never lose on (M 8-2048, every size at least twice,
+    N 4k-8k, K 2k-14k), each M divisible by the world sizes reduce-scatter runs on (up to 8)."""
+    root = Path(__file__).resolve().parent.parent / "bench"
+    assert bench.load_shapes(str(root / "suite.yaml"))
+    small = bench.load_shapes(str(root / "small.yaml"))
+    assert len(small) >= 16 and len(set(small)) == len(small)
+    assert sorted({m for m, _, _ in small}) == [8, 64, 256, 512, 1024, 2048]
+    assert all(4096 <= n <= 8192 and 2048 <= k <= 14336 and m % 8 == 0 for m, n, k in small)
 
 
 def test_overlap_efficiency():
