@@ -18,7 +18,11 @@ collectives' time (plain - bound) that the overlap removed.
 
 The first flashoverlap call of each GEMM shape times its candidates (and, on a fresh machine,
 compiles its kernels: ``python -m flashoverlap.precompile --registry`` beforehand keeps that out);
-it happens during warm-up.
+it happens during warm-up. To tune for them instead, the shapes the patched projections run
+(``--shapes-for-tp``, no GPU needed) go to the tuner:
+
+    python -m flashoverlap.bench_model --models llama3-70b --tokens 2048 8192 --shapes-for-tp 4 > shapes.yaml
+    torchrun --nproc-per-node 4 -m flashoverlap.tune --shapes-file shapes.yaml --output my_configs/h200_x4.yaml
 """
 
 from __future__ import annotations
@@ -86,7 +90,28 @@ def build_parser() -> argparse.ArgumentParser:
         help="the overlapped calls' config: JSON fields or a YAML path (default: the registry's for each shape)",
     )
     parser.add_argument("--csv", help="write one row per model and length here (rank 0)")
+    parser.add_argument(
+        "--shapes-for-tp",
+        type=positive,
+        metavar="TP",
+        help="print the models' row-parallel GEMM shapes (MxNxK) at TP ranks for --tokens as a YAML list and "
+        "exit, no GPU needed: the input of python -m flashoverlap.tune --shapes-file",
+    )
     return parser
+
+
+def row_parallel_shapes(name: str, tp: int, tokens: Sequence[int]) -> list[tuple[int, int, int]]:
+    """The GEMMs the overlapped calls of model ``name`` run at ``tp`` ranks, per prefill length: the
+    attention output (K: this rank's heads) and the MLP down projection (K: its share of the MLP),
+    N the hidden size; a TP size the model does not split over is refused (:func:`model_config`'s rule)."""
+    shape = MODELS[name]
+    for what in ("num_attention_heads", "num_key_value_heads", "intermediate_size"):
+        if shape[what] % tp:
+            raise ValueError(f"{name}: {what}={shape[what]} does not split over {tp} ranks")
+    hidden = shape["hidden_size"]
+    head_dim = hidden // shape["num_attention_heads"]
+    ks = (shape["num_attention_heads"] // tp * head_dim, shape["intermediate_size"] // tp)
+    return [(m, hidden, k) for m in tokens for k in dict.fromkeys(ks)]
 
 
 def model_config(name: str, layers: int, world: int):
@@ -94,10 +119,8 @@ def model_config(name: str, layers: int, world: int):
     shape does not divide (heads, KV heads, MLP width)."""
     from transformers import AutoConfig
 
+    row_parallel_shapes(name, world, [])  # (refuses a TP size the model does not split over)
     shape = dict(MODELS[name])
-    for what in ("num_attention_heads", "num_key_value_heads", "intermediate_size"):
-        if shape[what] % world:
-            raise ValueError(f"{name}: {what}={shape[what]} does not split over {world} ranks")
     model_type = shape.pop("model_type")
     return AutoConfig.for_model(model_type, num_hidden_layers=layers, max_position_embeddings=131072, **shape)
 
@@ -177,6 +200,14 @@ def format_row(row: dict) -> str:
 
 def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
+    if args.shapes_for_tp is not None:
+        try:
+            shapes = [s for name in args.models for s in row_parallel_shapes(name, args.shapes_for_tp, args.tokens)]
+        except ValueError as exc:
+            print(exc, file=sys.stderr)
+            return 2
+        print("\n".join(f"- {m}x{n}x{k}" for m, n, k in dict.fromkeys(shapes)))
+        return 0
     if not torch.cuda.is_available():
         print("flashoverlap.bench_model needs CUDA GPUs (one per rank): none is visible here", file=sys.stderr)
         return 2

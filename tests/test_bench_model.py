@@ -35,6 +35,31 @@ def test_model_shapes_split_over_two_and_four_ranks_not_three(name):
         bench_model.model_config(name, 3, 3)
 
 
+def test_row_parallel_shapes_are_the_patched_projections_gemms():
+    """Llama-3-70B at TP 4: attention output K = 64 heads / 4 x 128, MLP down K = 28672 / 4."""
+    assert bench_model.row_parallel_shapes("llama3-70b", 4, [2048, 8192]) == [
+        (2048, 8192, 2048),
+        (2048, 8192, 7168),
+        (8192, 8192, 2048),
+        (8192, 8192, 7168),
+    ]
+    assert bench_model.row_parallel_shapes("qwen2.5-72b", 2, [512]) == [(512, 8192, 4096), (512, 8192, 14784)]
+    with pytest.raises(ValueError, match="does not split over 3 ranks"):
+        bench_model.row_parallel_shapes("qwen2.5-72b", 3, [512])
+
+
+def test_shapes_for_tp_print_a_tuner_shapes_file_without_gpus(capsys, tmp_path):
+    from flashoverlap import bench
+
+    args = ["--models", "llama3-70b", "qwen2.5-72b", "--tokens", "2048", "--shapes-for-tp", "4"]
+    assert bench_model.main(args) == 0
+    path = tmp_path / "shapes.yaml"
+    path.write_text(capsys.readouterr().out)
+    assert bench.load_shapes(str(path)) == [(2048, 8192, 2048), (2048, 8192, 7168), (2048, 8192, 7392)]
+    assert bench_model.main(["--models", "llama3-70b", "--shapes-for-tp", "3"]) == 2
+    assert "does not split over 3 ranks" in capsys.readouterr().err
+
+
 @pytest.mark.skipif(torch.cuda.is_available(), reason="checks the message where no GPU is visible")
 def test_without_gpus_it_says_so(capsys):
     assert bench_model.main(["--tokens", "128"]) == 2
