@@ -94,8 +94,12 @@ def with_gradients(
 ) -> torch.Tensor:
     """``collective(a @ W^T)`` (``weight_layout`` "nk"; ``a @ W`` for "kn") with autograd: on CUDA the
     overlapped call, on the CPU (flashoverlap.nn's plain path, e.g. over gloo) matmul then the collective.
-    Backward: the rows' gradient ``comm.adjoint`` of the result's, then plain matmuls for a and W."""
+    Backward: the rows' gradient ``comm.adjoint`` of the result's, then plain matmuls for a and W.
+    On CUDA where no gradient is wanted (inference: the layers and patched models call this on
+    every forward) the call itself, without the autograd function's host time."""
     call = (a, weight, collective, group, config, weight_layout, splits, output_splits, rows_per_rank)
+    if a.is_cuda and not (torch.is_grad_enabled() and (a.requires_grad or weight.requires_grad)):
+        return _gemm_collective(*call)
     return _WithGradients.apply(*call)
 
 

@@ -1,6 +1,8 @@
 """The public calls on the CPU: bad input rejected before anything is launched, torch.compile's
 operator, autograd, and a repeated call's way past its decision (gloo)."""
 
+from types import SimpleNamespace
+
 import pytest
 import torch
 import torch.distributed as dist
@@ -199,6 +201,30 @@ def test_gradients_of_every_collective(world):
     gradients of one global loss against those of the unsharded problem, every collective and
     all-to-all's ways of giving its counts."""
     spawn_ranks(world, gradient_worker, timeout=240)
+
+
+def test_with_gradients_enters_autograd_only_where_a_gradient_is_wanted(monkeypatch):
+    """The layers and patched models call with_gradients on every forward: on CUDA without a
+    gradient to compute (inference) it is the plain call, without the autograd function's host time."""
+    from flashoverlap import overlap
+
+    said = []
+    monkeypatch.setattr(overlap, "_gemm_collective", lambda *call: said.append("call"))
+    monkeypatch.setattr(overlap._WithGradients, "apply", lambda *call: said.append("autograd"))
+
+    def operand(cuda: bool, grad: bool):
+        return SimpleNamespace(is_cuda=cuda, requires_grad=grad)
+
+    for cuda, grad, enabled, path in (
+        (True, False, True, "call"),  # inference weights, no_grad or not
+        (True, True, False, "call"),  # under torch.no_grad
+        (True, True, True, "autograd"),  # training
+        (False, False, True, "autograd"),  # the CPU's plain path
+    ):
+        said.clear()
+        with torch.set_grad_enabled(enabled):
+            overlap.with_gradients(operand(cuda, False), operand(cuda, grad), "all_reduce")
+        assert said == [path], (cuda, grad, enabled)
 
 
 def test_a_call_that_needs_gradients_still_refuses_cpu_tensors(one_rank_group):
