@@ -94,10 +94,18 @@ class Watchdog:
         self.thread.start()
 
     def _run(self) -> None:
-        relax_capture_mode()
+        # A thread that dies on an exception dies silently: say so, once, and what is lost
+        try:
+            relax_capture_mode()
+        except Exception as exc:
+            log.warning("flashoverlap watchdog: its polls may break a global-mode CUDA graph capture (%s)", exc)
         while not self.fired:
             time.sleep(self.poll_interval())
-            overdue = self.poll()
+            try:
+                overdue = self.poll()
+            except Exception as exc:
+                log.warning("flashoverlap watchdog: polling failed (%s); hung calls are no longer detected", exc)
+                return
             if overdue is not None:
                 self.fire(overdue)
 

@@ -167,3 +167,19 @@ def test_the_aborts_run_inside_one_nccl_group(monkeypatch):
     monkeypatch.setattr(state, "all_states", lambda: [SimpleNamespace(communicators=communicators)])
     watchdog.abort_communicators()
     assert said == ["start", "budget", "tail", "end"]
+
+
+def test_a_poll_that_fails_is_said_not_swallowed(monkeypatch, caplog):
+    """An exception would end the daemon thread silently: it is logged, with what it costs."""
+    dog = watchdog.Watchdog(0.1)
+    monkeypatch.setattr(watchdog, "relax_capture_mode", lambda: None)
+
+    def broken():
+        raise RuntimeError("driver gone")
+
+    monkeypatch.setattr(dog, "poll", broken)
+    with caplog.at_level(logging.WARNING, logger="flashoverlap"):
+        dog._start()
+        dog.thread.join(5.0)
+    assert not dog.thread.is_alive()
+    assert "polling failed (driver gone); hung calls are no longer detected" in caplog.text
