@@ -4,8 +4,10 @@
     python -m flashoverlap.precompile --gpu-arch sm_89 '{"collective": "reduce_scatter", "dtype": "float16"}'
 
 Each item is a JSON object of :class:`~flashoverlap.config.OverlapConfig` fields plus, optionally,
-``collective`` (default all_reduce), ``dtype`` (bfloat16) and ``weight_layout`` (nk: weight
-[N, K] as in torch Linear; kn: [K, N]); ``--file`` reads a YAML list of them. ``--registry`` adds
+``collective`` (default all_reduce), ``dtype`` (bfloat16: the output's), ``input_dtype`` (the
+operands': ``dtype``, or float8_e4m3fn / float8_e5m2 for the Hopper FP8 kernels, not yet callable
+from the public API) and ``weight_layout`` (nk: weight [N, K] as in torch Linear; kn: [K, N]);
+``--file`` reads a YAML list of them. ``--registry`` adds
 every tuned config of the registry (the package's ``configs/*.yaml`` and ``FLASHOVERLAP_CONFIG_DIRS``, whatever
 GPU they were tuned on; those the target GPU has no kernel for are skipped, as items are with
 ``--skip-unsupported``). Kernels land in the on-disk cache the runtime reads
@@ -31,11 +33,11 @@ import yaml
 from . import jit, registry
 from .config import OverlapConfig, cli_config, resolve
 from .gemm import GemmSpec, generate
-from .gemm.generator import DTYPES, WEIGHT_LAYOUTS
+from .gemm.generator import DTYPES, INPUT_DTYPES, WEIGHT_LAYOUTS
 from .rules import COLLECTIVES, kernel_spec, resolutions
 
 GPU_ARCHS = {"sm_80": (8, 0), "sm_86": (8, 6), "sm_89": (8, 9), "sm_90": (9, 0)}
-CALL_KEYS = {"collective": "all_reduce", "dtype": "bfloat16", "weight_layout": "nk"}
+CALL_KEYS = {"collective": "all_reduce", "dtype": "bfloat16", "input_dtype": None, "weight_layout": "nk"}
 log = logging.getLogger("flashoverlap.precompile")  # not __name__: "__main__" under python -m
 
 
@@ -45,12 +47,14 @@ def load_items(path: str) -> list[dict[str, Any]]:
     except yaml.YAMLError as exc:
         raise ValueError(f"{path}: malformed YAML: {exc}") from None
     if not isinstance(data, list) or not all(isinstance(item, dict) for item in data):
-        raise ValueError(f"{path}: expected a YAML list of mappings (config fields, collective, dtype, weight_layout)")
+        raise ValueError(
+            f"{path}: expected a YAML list of mappings (config fields and the call's: {', '.join(CALL_KEYS)})"
+        )
     return data
 
 
-def call_and_configs(item: dict[str, Any]) -> tuple[dict[str, str], tuple[OverlapConfig, ...]]:
-    """Split an item into its call (collective, dtype, weight_layout) and the configs it may run,
+def call_and_configs(item: dict[str, Any]) -> tuple[dict[str, str | None], tuple[OverlapConfig, ...]]:
+    """Split an item into its call (collective, dtype, input_dtype, weight_layout) and the configs it may run,
     resolved for the collective (an ``auto`` layout of a reduce-scatter / all-to-all: ``segments``
     and ``cols``, which one depends on the call); raises ``ValueError`` for what no GPU could run."""
     call = {key: item.get(key, default) for key, default in CALL_KEYS.items()}
@@ -58,18 +62,20 @@ def call_and_configs(item: dict[str, Any]) -> tuple[dict[str, str], tuple[Overla
         raise ValueError(f"collective must be one of {list(COLLECTIVES)}, got {call['collective']!r}")
     if call["dtype"] not in DTYPES:
         raise ValueError(f"dtype must be one of {sorted(DTYPES)}, got {call['dtype']!r}")
+    if call["input_dtype"] is not None and call["input_dtype"] not in INPUT_DTYPES:
+        raise ValueError(f"input_dtype must be one of {sorted(INPUT_DTYPES)}, got {call['input_dtype']!r}")
     if call["weight_layout"] not in WEIGHT_LAYOUTS:
         raise ValueError(f"weight_layout must be one of {sorted(WEIGHT_LAYOUTS)}, got {call['weight_layout']!r}")
     cfg = resolve({key: value for key, value in item.items() if key not in CALL_KEYS})
     return call, resolutions(cfg, call["collective"])
 
 
-def spec_for(call: dict[str, str], cfg: OverlapConfig, capability: tuple[int, int]) -> GemmSpec | None:
+def spec_for(call: dict[str, str | None], cfg: OverlapConfig, capability: tuple[int, int]) -> GemmSpec | None:
     """The GEMM instance ``cfg`` runs for ``call`` on a GPU of ``capability`` (None: sequential);
     raises ``ValueError`` where that GPU has no kernel for it."""
     if cfg.sequential:
         return None
-    return kernel_spec(cfg, call["dtype"], call["weight_layout"], capability)[1]
+    return kernel_spec(cfg, call["dtype"], call["weight_layout"], capability, call["input_dtype"])[1]
 
 
 def main(argv: Sequence[str] | None = None) -> int:

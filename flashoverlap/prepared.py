@@ -48,9 +48,10 @@ class Prepared:
         buffer: torch.Tensor,
         stream: torch.cuda.Stream,
         counters: torch.Tensor | None = None,
+        alpha: torch.Tensor | None = None,
     ) -> None:
         """Enqueue the signal GEMM on ``stream``, writing the plan's slots of ``buffer``, bumping
-        ``counters`` (default: the plan's own)."""
+        ``counters`` (default: the plan's own); ``alpha``: the scale of the product (SignalGemm.run)."""
         self.kernel.run(
             a,
             weight,
@@ -66,6 +67,7 @@ class Prepared:
             self.plan.interleave,
             (self.plan.keep, self.plan.after),
             stream,
+            alpha,
         )
 
 

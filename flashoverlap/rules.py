@@ -18,7 +18,7 @@ import torch
 
 from .config import PULLS as PULLS
 from .config import REDUCTIONS, ROW_MAJOR, OverlapConfig, family_problems, gemm_instance
-from .gemm.generator import FAMILIES, GemmSpec
+from .gemm.generator import FAMILIES, FP8_DTYPES, FP8_TILE_K, GemmSpec
 from .plan import late_after, rotation_rows, scheduled_tiles, spare_sms
 
 COLLECTIVES = ("all_reduce", "reduce_scatter", "all_to_all")
@@ -135,20 +135,25 @@ def for_device(cfg: OverlapConfig, capability: tuple[int, int]) -> tuple[Overlap
 
 
 def kernel_spec(
-    cfg: OverlapConfig, dtype: str, weight_layout: str, capability: tuple[int, int]
+    cfg: OverlapConfig, dtype: str, weight_layout: str, capability: tuple[int, int], input_dtype: str | None = None
 ) -> tuple[OverlapConfig, GemmSpec]:
-    """``cfg`` resolved for the device (:func:`for_device`) and the GEMM instance it runs there."""
+    """``cfg`` resolved for the device (:func:`for_device`) and the GEMM instance it runs there;
+    ``input_dtype``: the operands' (None: ``dtype``)."""
+    # FP8 kernels' K tile where the config leaves it (128 bytes, as the 16-bit ones' 64); configs
+    # validate tile_k for 16-bit operands, so the resolved config keeps its own
+    fp8_k = input_dtype in FP8_DTYPES and cfg.tile_k is None
     cfg, arch = for_device(cfg, capability)
     spec = GemmSpec(
         dtype=dtype,
         weight_layout=weight_layout,
         tile_m=cfg.tile_m,
         tile_n=cfg.tile_n,
-        tile_k=cfg.tile_k,
+        tile_k=FP8_TILE_K[0] if fp8_k else cfg.tile_k,
         cluster_m=cfg.cluster_m,
         scheduler=cfg.scheduler,
         epilogue=cfg.epilogue,
         arch=arch,
+        input_dtype=input_dtype,
     )
     return cfg, spec
 

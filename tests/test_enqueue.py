@@ -21,7 +21,7 @@ def test_signatures_match_the_replay_loop():
     assert all(set(s) <= set("puin") for s in enqueue.SIGNATURES)
     # every NCCL call a Direct communicator makes can be noted
     assert {enqueue.signature(argtypes) for argtypes in nccl._SIGNATURES.values()} <= set(enqueue.SIGNATURES)
-    assert enqueue.signature([ctypes.c_void_p] * 6 + [ctypes.c_int] * 13 + [ctypes.c_void_p]) in enqueue.SIGNATURES
+    assert enqueue.signature([ctypes.c_void_p] * 7 + [ctypes.c_int] * 13 + [ctypes.c_void_p]) in enqueue.SIGNATURES
 
 
 def test_pointers_are_noted_relative_to_the_per_call_value_they_lie_in():

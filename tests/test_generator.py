@@ -1,3 +1,4 @@
+import dataclasses
 import re
 import shutil
 
@@ -33,6 +34,42 @@ def test_spec_rejects_what_it_cannot_generate():
         GemmSpec(arch="sm_89")
     with pytest.raises(ValueError, match=r"cluster_m 2 not in \(1,\).*scheduler 'streamk'"):
         GemmSpec(tile_k=32, cluster_m=2, scheduler="streamk", epilogue="direct", arch="sm_80")
+
+
+FP8 = GemmSpec(input_dtype="float8_e4m3fn", tile_k=128)
+
+
+def test_16_bit_instances_keep_their_names():
+    """Caches, precompile lists and bench/kernels.yaml name 16-bit kernels as before FP8."""
+    assert GemmSpec().name == "fo_gemm_bfloat16_nk_128x256x64_c1x1_persistent_tma_sm_90a"
+    assert GemmSpec(dtype="float16", input_dtype="float16") == GemmSpec(dtype="float16")
+    assert GemmSpec(dtype="float16").name == "fo_gemm_float16_nk_128x256x64_c1x1_persistent_tma_sm_90a"
+    assert FP8.name == "fo_gemm_float8_e4m3fn_bfloat16_nk_128x256x128_c1x1_persistent_tma_sm_90a"
+
+
+def test_fp8_source_reads_fp8_operands_and_writes_the_output_dtype():
+    src = generate(FP8)
+    assert "using ElementIn = cutlass::float_e4m3_t;" in src and "using Element = cutlass::bfloat16_t;" in src
+    assert "Shape<_128, _256, _128>" in src
+    assert "constexpr int kAlignmentIn = 16;" in src and "constexpr int kAlignment = 8;" in src  # 16 bytes each
+    assert "ElementIn, LayoutA, kAlignmentIn" in src and "ElementIn, LayoutB, kAlignmentIn" in src
+    assert "KernelTmaWarpSpecializedCooperative>" in src  # the accurate FP8 mainloop, not FP8FastAccum
+    e5m2 = generate(GemmSpec(dtype="float16", input_dtype="float8_e5m2", tile_k=128, epilogue="direct"))
+    assert "using ElementIn = cutlass::float_e5m2_t;" in e5m2 and "using Element = cutlass::half_t;" in e5m2
+    assert "kAlignmentIn = 8;" in generate(GemmSpec())
+
+
+def test_fp8_spec_rejects_what_its_kernels_cannot_do():
+    with pytest.raises(ValueError, match=r"FP8 needs the sm90 kernels on Hopper; Ada \(sm_89\) FP8 kernels"):
+        GemmSpec(input_dtype="float8_e4m3fn", tile_k=32, epilogue="direct", arch="sm_89")
+    with pytest.raises(ValueError, match=r"tile_k 64 not in \(128,\).*weight_layout 'nk'.*got 'kn'"):
+        GemmSpec(input_dtype="float8_e4m3fn", weight_layout="kn")
+    with pytest.raises(ValueError, match=r"input_dtype 'int8' not in"):
+        GemmSpec(input_dtype="int8")
+    with pytest.raises(ValueError, match="16-bit inputs give their own dtype"):
+        GemmSpec(input_dtype="float16")
+    with pytest.raises(ValueError, match=r"tile_k 128 not in \(64,\)"):  # 16-bit kernels keep their K tile
+        GemmSpec(tile_k=128)
 
 
 def test_sm80_source_uses_cutlass_2x_and_fits_consumer_shared_memory():
@@ -93,6 +130,15 @@ needs_nvcc = pytest.mark.skipif(shutil.which("nvcc") is None, reason="needs nvcc
     ids=["tma", "direct"],
 )
 def test_generated_source_compiles_for_sm90a(spec, tmp_path):
+    obj = jit.build(spec.name, generate(spec), arch=spec.arch, cutlass=True, object_only=True, output=tmp_path / "k.o")
+    assert obj.stat().st_size > 0
+
+
+@pytest.mark.nvcc
+@needs_nvcc
+@pytest.mark.parametrize("spec", [FP8, dataclasses.replace(FP8, epilogue="direct")], ids=["tma", "direct"])
+def test_fp8_source_compiles_for_sm90a(spec, tmp_path):
+    """CUTLASS's FP8 mainloop under each signal epilogue, alpha read from the device (~1 min each)."""
     obj = jit.build(spec.name, generate(spec), arch=spec.arch, cutlass=True, object_only=True, output=tmp_path / "k.o")
     assert obj.stat().st_size > 0
 

@@ -11,8 +11,9 @@ import torch.distributed as dist
 
 from flashoverlap import OverlapConfig, comm, decision, enqueue, signal, state
 from flashoverlap.comm import restore
-from flashoverlap.prepared import prepare
-from flashoverlap.rules import alternative, for_collective, pulled
+from flashoverlap.gemm import get_kernel
+from flashoverlap.prepared import Prepared, _plan, prepare
+from flashoverlap.rules import alternative, for_collective, kernel_spec, pulled
 from flashoverlap.runtime import run_overlapped
 
 from .helpers import ENTRY_POINTS, no_host_sync, rel_err, runs_on_this_gpu
@@ -141,6 +142,80 @@ def test_interleaved_schedules_store_every_tile_at_its_slot(cfg, segments):
     assert plan.interleave == segments and plan.num_groups > 1
     index = torch.from_numpy(plan.buffer_index()).to(a.device)
     assert rel_err(launched_alone(prep, a, w)[index].view(m, n), ref) < 1e-2
+
+
+@pytest.mark.parametrize(
+    "cfg", [OverlapConfig(), OverlapConfig(epilogue="direct"), OverlapConfig(kernel="sm80")], ids=str
+)
+def test_alpha_from_the_device_scales_the_product(cfg):
+    """fo_run's alpha pointer (FP8's scale_a * scale_b) reaches every epilogue; a 16-bit GEMM here."""
+    if not runs_on_this_gpu(cfg):
+        pytest.skip(f"no kernel for {cfg} on this GPU")
+    m, n, k = 1000, 1032, 520
+    a, w, ref = operands(m, n, k, torch.bfloat16, "nk")
+    prep = prepare(m, n, k, torch.bfloat16, "nk", a.device, for_collective(cfg, "all_reduce"))
+    buffer = torch.full((prep.plan.numel,), float("nan"), dtype=a.dtype, device="cuda")
+    alpha = torch.tensor([0.25], device="cuda")
+    prep.launch(a, w, buffer, torch.cuda.current_stream(), alpha=alpha)
+    torch.cuda.synchronize()
+    assert prep.counters.tolist() == list(prep.targets)
+    prep.counters.zero_()
+    assert prep.plan.in_place  # (all-reduce's rows layout)
+    assert rel_err(buffer.view(m, n), 0.25 * ref) < 1e-2
+
+
+FP8_MAX = {"float8_e4m3fn": 448.0, "float8_e5m2": 57344.0}
+FP8_SHAPES = [(4096, 4096, 4096), (1000, 1040, 208), (333, 528, 272)]  # N % 16 == 0: torch._scaled_mm's
+
+
+def fp8_operand(rows: int, k: int, dtype: str, gen: torch.Generator) -> tuple[torch.Tensor, torch.Tensor]:
+    """A random [rows, k] matrix quantized per tensor: (fp8 values, float32 scale), x ~= values * scale."""
+    x = torch.randn(rows, k, device="cuda", generator=gen)
+    scale = x.abs().max() / FP8_MAX[dtype]
+    return (x / scale).to(getattr(torch, dtype)), scale
+
+
+@pytest.mark.parametrize(
+    "input_dtype, out_dtype, epilogue",
+    [
+        ("float8_e4m3fn", "bfloat16", "tma"),
+        ("float8_e4m3fn", "bfloat16", "direct"),
+        ("float8_e4m3fn", "float16", "tma"),
+        ("float8_e5m2", "bfloat16", "tma"),
+    ],
+)
+@pytest.mark.parametrize("shape", FP8_SHAPES, ids=str)
+def test_fp8_signal_gemm_with_per_tensor_scales(shape, input_dtype, out_dtype, epilogue):
+    """The Hopper FP8 signal GEMM alone, scale_a * scale_b as the epilogue's alpha on the device:
+    torch._scaled_mm's result within FP8 tolerance, every group's counter at its target."""
+    if torch.cuda.get_device_capability() != (9, 0):
+        pytest.skip("the FP8 signal GEMMs are Hopper (sm_90a) kernels")
+    m, n, k = shape
+    out_torch = getattr(torch, out_dtype)
+    gen = torch.Generator(device="cuda").manual_seed(0)
+    a, scale_a = fp8_operand(m, k, input_dtype, gen)
+    w, scale_b = fp8_operand(n, k, input_dtype, gen)  # [N, K]: K-major, as FP8 WGMMA reads B
+    ref = (a.float() * scale_a) @ (w.float() * scale_b).t()
+    cfg = for_collective(OverlapConfig(epilogue=epilogue), "all_reduce")
+    cfg, spec = kernel_spec(cfg, out_dtype, "nk", (9, 0), input_dtype)
+    assert spec.tile_k == 128 and spec.input_dtype == input_dtype
+    kernel = get_kernel(spec)
+    sm_count = torch.cuda.get_device_properties(0).multi_processor_count - cfg.comm_sms
+    plan = _plan(kernel, cfg, sm_count, shape, a.device)
+    slots = torch.from_numpy(plan.slot_table().view("u1")).to(a.device)
+    counters = torch.zeros(plan.num_groups, dtype=torch.int32, device="cuda")
+    targets = plan.counter_targets(kernel.signals_per_tile)
+    prep = Prepared(plan, kernel, slots, counters, workspace=None, targets=targets, sm_count=sm_count, report=None)
+    buffer = torch.full((plan.numel,), float("nan"), dtype=out_torch, device="cuda")
+    prep.launch(a, w, buffer, torch.cuda.current_stream(), alpha=(scale_a * scale_b).reshape(1))
+    torch.cuda.synchronize()
+    assert counters.tolist() == list(prep.targets)
+    assert plan.in_place and not torch.isnan(buffer).any(), "unwritten output elements"
+    out = buffer.view(m, n)
+    assert rel_err(out, ref) < 2e-2
+    if input_dtype == "float8_e4m3fn":  # (torch has no e5m2 x e5m2 _scaled_mm)
+        scaled = torch._scaled_mm(a, w.t(), scale_a=scale_a, scale_b=scale_b, out_dtype=out_torch)
+        assert rel_err(out, scaled.float()) < 1e-2
 
 
 @pytest.fixture(scope="module")

@@ -4,7 +4,7 @@
 //   tiles[mt * tiles_n + nt] = {offset, ld, group}: the tile's rows*cols valid elements go to
 //   out[offset + r * ld + c]; once every consumer warp has stored its part, each warp adds 1
 //   to counters[group] with release semantics (group < 0: no signal). A group is complete when
-//   its counter reaches tiles_in_group * kSignalsPerTile.
+//   its counter reaches tiles_in_group * kSignalsPerTile. Accumulators are scaled by *alpha (null: 1).
 // Nothing else differs from a plain GEMM: the mainloop is CUTLASS's, untouched.
 #pragma once
 
@@ -44,14 +44,15 @@ class SignalEpilogue {
     uint32_t* counters = nullptr;
     int tiles_m = 0;
     int tiles_n = 0;
+    float const* alpha = nullptr;
   };
   using Params = Arguments;
 
   // out is the group buffer; tiles[] places each tile in it (M, N only bound the tiles; every slot is
   // read, so rows are where the slots say in any case).
-  static Arguments make_arguments(Element* out, TileSlot const* tiles, uint32_t* counters, int, int, int tiles_m,
-                                  int tiles_n, bool) {
-    return {out, tiles, counters, tiles_m, tiles_n};
+  static Arguments make_arguments(Element* out, TileSlot const* tiles, uint32_t* counters, float const* alpha, int,
+                                  int, int tiles_m, int tiles_n, bool) {
+    return {out, tiles, counters, tiles_m, tiles_n, alpha};
   }
 
   template <class ProblemShape>
@@ -97,6 +98,7 @@ class SignalEpilogue {
     int const rows = min(kBM, int(get<0>(problem_shape_mnkl)) - mt * kBM);
     int const cols = min(kBN, int(get<1>(problem_shape_mnkl)) - nt * kBN);
     Element* const out = params_.out + slot.offset;
+    float const alpha = params_.alpha != nullptr ? *params_.alpha : 1.0f;  // x 1.0f: exact
 
     // Tile-local (row, col) of every accumulator element this thread holds.
     Tensor coords = tiled_mma.get_thread_slice(thread_idx).partition_C(make_identity_tensor(take<0, 2>(blk_shape_mnk)));
@@ -113,8 +115,8 @@ class SignalEpilogue {
       int const c = get<1>(coords(i));
       if (r < rows && c < cols) {
         cutlass::Array<float, 2> acc;
-        acc[0] = accumulators(i);
-        acc[1] = accumulators(i + 1);
+        acc[0] = alpha * accumulators(i);
+        acc[1] = alpha * accumulators(i + 1);
         auto v = convert(acc);
         *reinterpret_cast<Pair*>(out + int64_t(r) * slot.ld + c) = reinterpret_cast<Pair const&>(v);
       }

@@ -50,6 +50,7 @@ struct Sm80SignalGemm {
     Element* out;
     TileSlot const* tiles;
     uint32_t* counters;
+    float const* alpha;  // the accumulators' scale on the device (null: 1)
     int tiles_m;
     int tiles_n;
     int along_m;
@@ -89,7 +90,9 @@ struct Sm80SignalGemm {
       typename Epilogue::OutputTileIterator iterator_out(params_out, p.out + slot.offset, {rows, cols}, thread_idx,
                                                          cutlass::MatrixCoord{0, 0});
       Epilogue epilogue(smem.epilogue, thread_idx, warp_idx, lane_idx);
-      OutputOp output_op(typename OutputOp::Params(1.0f, 0.0f));  // beta 0: the source is never read
+      typename OutputOp::Params scale(1.0f, 0.0f);  // beta 0: the source is never read
+      scale.alpha_ptr = p.alpha;                    // read on the device where given (else alpha 1)
+      OutputOp output_op(scale);
       epilogue(output_op, iterator_out, accumulators, iterator_out);
 
       // Every thread's stores visible at gpu scope before the one release of the counter.
@@ -188,9 +191,9 @@ int fo_stream_k_tiles(int, int, int, int, int, int, int) { return 0; }
 
 long long fo_workspace_size(int, int, int, int, int, int, int) { return 0; }
 
-int fo_run(void const* a, void const* b, void* out, void const* tiles, unsigned* counters, void*, int M, int N, int K,
-           int tiles_m, int tiles_n, int sm_count, int, int along_m, int swizzle, int rotate_m, int interleave,
-           int keep, int, void* stream) {
+int fo_run(void const* a, void const* b, void* out, void const* tiles, unsigned* counters, void*, float const* alpha,
+           int M, int N, int K, int tiles_m, int tiles_n, int sm_count, int, int along_m, int swizzle, int rotate_m,
+           int interleave, int keep, int, void* stream) {
   if (keep != 0) {  // two resident blocks per SM: CTAs that stop would free no whole SM
     return fail("launch", "a late SM budget needs the sm90 kernels");
   }
@@ -208,6 +211,7 @@ int fo_run(void const* a, void const* b, void* out, void const* tiles, unsigned*
   params.out = static_cast<typename Kernel::Element*>(out);
   params.tiles = static_cast<flashoverlap::TileSlot const*>(tiles);
   params.counters = counters;
+  params.alpha = alpha;
   params.tiles_m = tiles_m;
   params.tiles_n = tiles_n;
   params.along_m = along_m;

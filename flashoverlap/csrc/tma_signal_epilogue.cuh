@@ -44,10 +44,12 @@ class TmaSignalEpilogue : public Base {
     bool remap_rows;
   };
 
-  // C[M, N] row-major; no source operand (beta = 0), alpha = 1.
-  static Arguments make_arguments(Element* out, TileSlot const* tiles, uint32_t* counters, int M, int N, int tiles_m,
-                                  int tiles_n, bool remap_rows) {
+  // C[M, N] row-major; no source operand (beta = 0); alpha read from the device (null: 1), through the
+  // fusion's own alpha_ptr, so the stores and the signal are untouched.
+  static Arguments make_arguments(Element* out, TileSlot const* tiles, uint32_t* counters, float const* alpha, int M,
+                                  int N, int tiles_m, int tiles_n, bool remap_rows) {
     Arguments args{};
+    args.thread.alpha_ptr = alpha;
     args.ptr_C = nullptr;
     args.ptr_D = out;
     args.dD = cute::make_stride(int64_t(N), cute::Int<1>{}, int64_t(M) * N);

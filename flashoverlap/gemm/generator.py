@@ -1,6 +1,6 @@
 """Generate the C++ source of one signal-GEMM instance from a :class:`GemmSpec`.
 
-The generated file only names CUTLASS types (tile, cluster, layouts, element); the epilogues
+The generated file only names CUTLASS types (tile, cluster, layouts, elements); the epilogues
 (`csrc/tma_signal_epilogue.cuh`, `csrc/signal_epilogue.cuh`) and the C entry points
 (`csrc/launcher.cuh`) are fixed code.
 """
@@ -36,7 +36,14 @@ FAMILIES = {
 }
 MAX_TILE_ELEMENTS = 128 * 256
 SM80_SMEM_BUDGET = 80 * 1024  # mainloop stages within consumer GPUs' ~99 KB per block
-DTYPES = {"bfloat16": "cutlass::bfloat16_t", "float16": "cutlass::half_t"}
+DTYPES = {"bfloat16": "cutlass::bfloat16_t", "float16": "cutlass::half_t"}  # outputs, and 16-bit inputs
+# FP8 operands (torch.float8_e4m3fn is CUTLASS's float_e4m3_t: finite, NaN but no infinity). Hopper's
+# FP8 WGMMA reads both operands K-major from shared memory, so the weight is [N, K] ("nk"); a K tile
+# of 128 elements is 128 bytes, the 16-bit kernels' 64 x 2 (one 128-byte swizzle atom per row).
+# The output stays bf16 / fp16 (``dtype``); per-tensor scales reach the epilogue as alpha.
+FP8_DTYPES = {"float8_e4m3fn": "cutlass::float_e4m3_t", "float8_e5m2": "cutlass::float_e5m2_t"}
+INPUT_DTYPES = {**DTYPES, **FP8_DTYPES}
+FP8_TILE_K = (128,)
 WEIGHT_LAYOUTS = {
     # weight [N, K] (torch Linear): B is K-major
     "nk": "cutlass::layout::ColumnMajor",
@@ -64,7 +71,8 @@ EPILOGUES = {
 
 @dataclass(frozen=True)
 class GemmSpec:
-    """One compiled GEMM: C[M, N] = A[M, K] @ B, bf16/fp16 in, fp32 accumulate."""
+    """One compiled GEMM: C[M, N] = alpha * A[M, K] @ B, fp32 accumulate, ``dtype`` out (bf16 / fp16);
+    ``input_dtype`` (A and B): ``dtype`` itself (None) or FP8 (Hopper kernels, weight "nk")."""
 
     dtype: str = "bfloat16"
     weight_layout: str = "nk"
@@ -75,18 +83,38 @@ class GemmSpec:
     scheduler: str = "persistent"
     epilogue: str = "tma"
     arch: str = "sm_90a"
+    input_dtype: str | None = None  # None: dtype (normalised, so that equal instances compare equal)
 
     def __post_init__(self) -> None:
+        if self.input_dtype is None:
+            object.__setattr__(self, "input_dtype", self.dtype)
         family = family_of(self.arch)
         if family is None:
             archs = [a for f in FAMILIES.values() for a in f["archs"]]
             raise ValueError(f"invalid GEMM instance: arch {self.arch!r} not in {archs}")
-        problems = validate_instance(self.tile_m, self.tile_n, self.tile_k, self.cluster_m, self.scheduler, family)
+        if self.input_dtype in FP8_DTYPES and family != "sm90":
+            raise ValueError(
+                "invalid GEMM instance: FP8 needs the sm90 kernels on Hopper; Ada (sm_89) FP8 kernels are not built yet"
+            )
+        problems = validate_instance(
+            self.tile_m, self.tile_n, self.tile_k, self.cluster_m, self.scheduler, family, self.input_dtype
+        )
         epilogues = list(FAMILIES[family]["epilogues"])
         if self.epilogue not in epilogues:
             problems.append(f"epilogue {self.epilogue!r} not in {epilogues} ({family} kernels)")
         if self.dtype not in DTYPES:
             problems.append(f"dtype {self.dtype!r} not in {sorted(DTYPES)}")
+        if self.input_dtype in FP8_DTYPES:
+            if self.weight_layout != "nk":
+                problems.append(
+                    f"FP8 inputs need weight_layout 'nk' (K-major B for FP8 WGMMA), got {self.weight_layout!r}"
+                )
+        elif self.input_dtype not in INPUT_DTYPES:
+            problems.append(f"input_dtype {self.input_dtype!r} not in {sorted(INPUT_DTYPES)}")
+        elif self.input_dtype != self.dtype:
+            problems.append(
+                f"16-bit inputs give their own dtype: input_dtype {self.input_dtype!r}, dtype {self.dtype!r}"
+            )
         if self.weight_layout not in WEIGHT_LAYOUTS:
             problems.append(f"weight_layout {self.weight_layout!r} not in {sorted(WEIGHT_LAYOUTS)}")
         if problems:
@@ -98,8 +126,10 @@ class GemmSpec:
 
     @property
     def name(self) -> str:
+        # 16-bit instances keep the names they had before FP8 (caches, precompile lists)
+        types = self.dtype if self.input_dtype == self.dtype else f"{self.input_dtype}_{self.dtype}"
         return (
-            f"fo_gemm_{self.dtype}_{self.weight_layout}_{self.tile_m}x{self.tile_n}x{self.tile_k}"
+            f"fo_gemm_{types}_{self.weight_layout}_{self.tile_m}x{self.tile_n}x{self.tile_k}"
             f"_c{self.cluster_m}x1_{self.scheduler}_{self.epilogue}_{self.arch}"
         )
 
@@ -110,10 +140,19 @@ def family_of(arch: str) -> str | None:
 
 
 def validate_instance(
-    tile_m: int, tile_n: int, tile_k: int, cluster_m: int, scheduler: str, family: str = "sm90"
+    tile_m: int,
+    tile_n: int,
+    tile_k: int,
+    cluster_m: int,
+    scheduler: str,
+    family: str = "sm90",
+    input_dtype: str | None = None,
 ) -> list[str]:
-    """Reasons the generator cannot make this instance of ``family`` (empty when it can)."""
+    """Reasons the generator cannot make this instance of ``family`` (empty when it can);
+    ``input_dtype`` None: 16-bit operands."""
     allowed = FAMILIES[family]
+    if input_dtype in FP8_DTYPES:
+        allowed = {**allowed, "tile_k": FP8_TILE_K}
     problems = []
     for name, value, key in (
         ("tile_m", tile_m, "tile_m"),
@@ -153,6 +192,11 @@ using CollectiveEpilogue = cutlass::epilogue::collective::detail::Sm90TmaWarpSpe
               "one signal per consumer warp");
 """
     header = EPILOGUES[spec.epilogue].rsplit("/", 1)[1]
+    # With FP8 operands the builder takes CUTLASS's FP8 mainloop: every 4 K-blocks (mma_promotion_interval)
+    # the tensor cores' partial sums are added into separate fp32 accumulators (torch._scaled_mm's default,
+    # use_fast_accum=False). KernelTmaWarpSpecializedCooperativeFP8FastAccum skips that: fewer registers
+    # (a 128x256 tile then spills none), less accurate over long K; an option for after GPU measurements.
+    alignment_in = 16 if spec.input_dtype in FP8_DTYPES else 8  # elements of A and B in 16 bytes
     return f"""// Generated by flashoverlap.gemm.generator for {spec.name}. Do not edit.
 #include "{header}"
 
@@ -167,19 +211,22 @@ using CollectiveEpilogue = cutlass::epilogue::collective::detail::Sm90TmaWarpSpe
 
 namespace {{
 using namespace cute;
-using Element = {DTYPES[spec.dtype]};
+using Element = {DTYPES[spec.dtype]};  // C
+using ElementIn = {INPUT_DTYPES[spec.input_dtype]};  // A and B
 using LayoutA = cutlass::layout::RowMajor;
 using LayoutB = {WEIGHT_LAYOUTS[spec.weight_layout]};
 using TileShape = Shape<_{spec.tile_m}, _{spec.tile_n}, _{spec.tile_k}>;
 using ClusterShape = Shape<_{spec.cluster_m}, _1, _1>;
-constexpr int kAlignment = 8;  // 16 bytes: TMA needs 16-byte aligned strides
+// 16 bytes: TMA needs 16-byte aligned strides
+constexpr int kAlignment = 8;
+constexpr int kAlignmentIn = {alignment_in};
 
 {epilogue}
 
 using CollectiveMainloop = typename cutlass::gemm::collective::CollectiveBuilder<
     cutlass::arch::Sm90, cutlass::arch::OpClassTensorOp,
-    Element, LayoutA, kAlignment,
-    Element, LayoutB, kAlignment,
+    ElementIn, LayoutA, kAlignmentIn,
+    ElementIn, LayoutB, kAlignmentIn,
     float, TileShape, ClusterShape,
     cutlass::gemm::collective::StageCountAutoCarveout<
         static_cast<int>(sizeof(typename CollectiveEpilogue::SharedStorage))>,

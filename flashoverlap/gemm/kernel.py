@@ -21,7 +21,7 @@ class SignalGemm:
         for fn in (lib.fo_num_ctas, lib.fo_stream_k_tiles, lib.fo_workspace_size):
             fn.argtypes = [ctypes.c_int] * 7
         lib.fo_workspace_size.restype = ctypes.c_longlong
-        lib.fo_run.argtypes = [ctypes.c_void_p] * 6 + [ctypes.c_int] * 13 + [ctypes.c_void_p]
+        lib.fo_run.argtypes = [ctypes.c_void_p] * 7 + [ctypes.c_int] * 13 + [ctypes.c_void_p]
         self._lib = lib
         self.signals_per_tile: int = lib.fo_signals_per_tile()
 
@@ -53,14 +53,20 @@ class SignalGemm:
         interleave: int,
         late: tuple[int, int],
         stream: torch.cuda.Stream,
+        alpha: torch.Tensor | None = None,
     ) -> None:
-        """C = a @ B into ``out`` at the tile slots given by ``slots``, bumping ``counters``.
+        """C = alpha * a @ B into ``out`` at the tile slots given by ``slots``, bumping ``counters``.
 
         ``tiles`` is the (tiles_m, tiles_n) grid; ``workspace`` holds :meth:`workspace_size` bytes;
         ``rotate``, ``interleave``: the tile row the schedule starts at and the segments it
         interleaves (plan.schedule_order); ``late``: (keep, after), the CTAs that go on after
-        ``after`` waves of the whole grid ((0, 0): all of them; plan.late_after).
+        ``after`` waves of the whole grid ((0, 0): all of them; plan.late_after); ``alpha``: a float32
+        scalar on the device, read by the kernel (FP8's scale_a * scale_b; None: 1).
         """
+        if alpha is not None and (alpha.dtype != torch.float32 or alpha.numel() != 1 or alpha.device != a.device):
+            raise ValueError(
+                f"alpha must be one float32 on {a.device}, got {alpha.dtype} {list(alpha.shape)} on {alpha.device}"
+            )
         m, k = a.shape
         n = weight.shape[0] if self.spec.weight_layout == "nk" else weight.shape[1]
         args = (
@@ -70,6 +76,7 @@ class SignalGemm:
             slots.data_ptr(),
             counters.data_ptr(),
             None if workspace is None else workspace.data_ptr(),
+            None if alpha is None else alpha.data_ptr(),
             m,
             n,
             k,
