@@ -98,9 +98,14 @@ def with_gradients(
     On CUDA where no gradient is wanted (inference: the layers and patched models call this on
     every forward) the call itself, without the autograd function's host time."""
     call = (a, weight, collective, group, config, weight_layout, splits, output_splits, rows_per_rank)
-    if a.is_cuda and not (torch.is_grad_enabled() and (a.requires_grad or weight.requires_grad)):
+    if a.is_cuda and not _wants_gradients(a, weight):
         return _gemm_collective(*call)
     return _WithGradients.apply(*call)
+
+
+def _wants_gradients(a: torch.Tensor, weight: torch.Tensor) -> bool:
+    """Whether autograd records a call on these operands (the one test both entries to it ask)."""
+    return torch.is_grad_enabled() and (a.requires_grad or weight.requires_grad)
 
 
 class _WithGradients(torch.autograd.Function):
@@ -163,7 +168,7 @@ def _gemm_collective(
     decided before (:func:`_call_key`) runs what it decided straight away. ``exchanged``: where given,
     the call's :class:`Exchange` is appended to it (for the gradients; not where traced)."""
     tensors = isinstance(a, torch.Tensor) and isinstance(weight, torch.Tensor)
-    if tensors and torch.is_grad_enabled() and a.is_cuda and (a.requires_grad or weight.requires_grad):
+    if tensors and a.is_cuda and _wants_gradients(a, weight):
         return with_gradients(a, weight, collective, group, config, weight_layout, splits, output_splits, rows_per_rank)
     if torch.compiler.is_compiling():
         counts = [None if s is None else [int(c) for c in s] for s in (splits, output_splits, rows_per_rank)]
