@@ -39,7 +39,7 @@ from typing import Any, NamedTuple
 import torch
 import torch.distributed as dist
 
-from . import jit, state
+from . import comm, jit, state
 from .comm import group_timeout
 from .signal import env_timeout
 
@@ -138,7 +138,7 @@ class Watchdog:
     def _group_timeout(self, group) -> float:
         key = id(group)
         if key not in self.timeouts:
-            self.timeouts[key] = group_timeout(_process_group(group))
+            self.timeouts[key] = group_timeout(comm.process_group(group))
         return self.timeouts[key]
 
     def fire(self, message: str) -> None:
@@ -162,14 +162,9 @@ def relax_capture_mode() -> None:
     jit.check(jit.runtime_library(), jit.runtime_library().fo_relaxed_capture_mode(), "fo_runtime_error")
 
 
-def _process_group(group) -> dist.ProcessGroup | None:
-    """The process group behind a call's communicator (comm.Direct and comm.Peers keep theirs)."""
-    return getattr(group, "group", group)
-
-
 def overdue_message(call: Call, age: float, limit: float, from_env: bool, pending: int) -> str:
     m, n, k = call.shape
-    ranks = _ranks(_process_group(call.group))
+    ranks = _ranks(comm.process_group(call.group))
     where = "FLASHOVERLAP_TIMEOUT_S" if from_env else "the process group's timeout"
     return (
         f"a {call.collective} call ({m}x{n}x{k}, {call.path}, ranks {ranks}) has not completed "
@@ -180,7 +175,7 @@ def overdue_message(call: Call, age: float, limit: float, from_env: bool, pendin
 
 
 def waits_for(path: str) -> str:
-    if path in ("pulls", "pull_scatter"):
+    if path == "pulls":
         return "the other ranks' group counters and flags in their memory (pulls)"
     return f"its tile groups' NCCL collectives ({path})"
 
@@ -206,10 +201,10 @@ def _async_error(direct) -> int | None:
     return result.value if result.value not in (0, _IN_PROGRESS) else None
 
 
-def _ranks(group) -> object:
-    """``group``'s global ranks (None: the default group's), for a message that must not fail."""
+def _ranks(group: dist.ProcessGroup) -> object:
+    """``group``'s global ranks, for a message that must not fail."""
     try:
-        return dist.get_process_group_ranks(group if group is not None else dist.group.WORLD)
+        return dist.get_process_group_ranks(group)
     except (RuntimeError, ValueError, KeyError, AttributeError):
         return "unknown"
 

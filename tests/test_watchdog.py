@@ -6,7 +6,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from flashoverlap import state, watchdog
+from flashoverlap import comm, state, watchdog
 
 
 class Clock:
@@ -81,7 +81,8 @@ def test_the_clock_of_a_queued_call_starts_when_the_one_before_completes(no_comm
 def test_without_flashoverlap_timeout_s_the_call_s_group_timeout_applies(no_communicators, monkeypatch):
     clock = Clock()
     dog = watchdog.Watchdog(None, clock)
-    group = SimpleNamespace(group="a process group")  # a comm.Direct: its process group inside
+    group = comm.Direct.__new__(comm.Direct)  # (no communicator made: only its process group read)
+    group.group = "a process group"
     monkeypatch.setattr(watchdog, "group_timeout", lambda pg: {"a process group": 30.0}[pg])
     dog.pending.append(call(clock, Event(), group=group))
     clock.now += 29

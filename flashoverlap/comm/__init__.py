@@ -134,9 +134,10 @@ def group_timeout(group: dist.ProcessGroup | None) -> float:
     return DEFAULT_TIMEOUT_S
 
 
-def process_group(group: dist.ProcessGroup | Direct | None) -> dist.ProcessGroup:
-    """The process group behind ``group`` (None: the default group)."""
-    if isinstance(group, Direct):
+def process_group(group: dist.ProcessGroup | Direct | Peers | None) -> dist.ProcessGroup:
+    """The process group behind ``group`` (a communicator or a pull's peers: theirs; None: the
+    default group)."""
+    if isinstance(group, (Direct, Peers)):
         return group.group
     return group if group is not None else dist.group.WORLD
 
