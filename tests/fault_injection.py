@@ -36,7 +36,6 @@ a launcher such as torchrun ends that rank once the others have exited.
 from __future__ import annotations
 
 import argparse
-import csv
 import os
 import signal
 import socket
@@ -47,6 +46,8 @@ import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
+
+from flashoverlap import report
 
 PATHS = ("direct", "c10d", "symmetric", "pull", "a2a_pull")
 CASES = ("kill", "raise", "skip", "nccl_error")
@@ -536,14 +537,6 @@ def table(results: Sequence[Result]) -> str:
     return "\n".join(lines)
 
 
-def write_csv(results: Sequence[Result], path: Path) -> None:
-    with open(path, "w", newline="") as f:
-        writer = csv.DictWriter(f, fieldnames=FIELDS)
-        writer.writeheader()
-        for r in results:
-            writer.writerow(r.row())
-
-
 # --- the worker ----------------------------------------------------------------------------------
 
 
@@ -721,7 +714,7 @@ def main(argv: Sequence[str] | None = None, command: CommandFn = worker_command)
     for path, case, _ in matrix:
         print(summary([r for r in results if (r.path, r.case) == (path, case)], args.timeout))
     if args.csv is not None:
-        write_csv(results, args.csv)
+        report.write_csv(str(args.csv), [r.row() for r in results])
         print(f"wrote {args.csv}")
     why = failures(results, args.timeout)
     print(f"{len(matrix)} cases in {time.monotonic() - start:.0f} s; logs in {log_dir}")
