@@ -23,7 +23,7 @@ from typing import NamedTuple
 import torch
 import torch.distributed as dist
 
-from . import comm, registry, runtime, signal, state, timing
+from . import comm, registry, runtime, signal, state, timing, watchdog
 from .comm import Exchange
 from .comm.nccl import group_fact
 from .config import OverlapConfig, differences, resolve
@@ -203,7 +203,9 @@ def _decide(
 def _overlapped(
     ex: Exchange, cfg: OverlapConfig, prep: Prepared, budget: Communicator, tail: dist.ProcessGroup | comm.Direct | None
 ) -> Decision:
-    """The decision to run ``prep`` overlapped with these communicators."""
+    """The decision to run ``prep`` overlapped with these communicators (the watchdog that will
+    watch its calls made, its settings checked, before any of them runs)."""
+    watchdog.get()
 
     def run(a: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
         return runtime.run_overlapped(prep, a, weight, ex, budget, tail_group=tail)

@@ -62,7 +62,11 @@ class Call(NamedTuple):
 
 
 def enabled() -> bool:
-    return os.environ.get("FLASHOVERLAP_WATCHDOG", "1") != "0"
+    """``FLASHOVERLAP_WATCHDOG`` (1, the default, or 0), checked."""
+    value = os.environ.get("FLASHOVERLAP_WATCHDOG", "1")
+    if value not in ("0", "1"):
+        raise ValueError(f"FLASHOVERLAP_WATCHDOG must be 1 (on) or 0 (off), got {value!r}")
+    return value == "1"
 
 
 class Watchdog:
@@ -243,7 +247,8 @@ _lock = threading.Lock()
 
 
 def get() -> Watchdog | None:
-    """This process's watchdog (made on first use), None where ``FLASHOVERLAP_WATCHDOG=0``."""
+    """This process's watchdog (made on first use, its settings checked: decision asks for it before
+    a call that it would watch runs), None where ``FLASHOVERLAP_WATCHDOG=0``."""
     global _watchdog
     if _watchdog is None and enabled():
         with _lock:

@@ -6,7 +6,9 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from flashoverlap import comm, state, watchdog
+from flashoverlap import comm, decision, state, watchdog
+
+from .helpers import bf16
 
 
 class Clock:
@@ -184,3 +186,20 @@ def test_a_poll_that_fails_is_said_not_swallowed(monkeypatch, caplog):
         dog.thread.join(5.0)
     assert not dog.thread.is_alive()
     assert "polling failed (driver gone); hung calls are no longer detected" in caplog.text
+
+
+@pytest.mark.parametrize("name, value", [("FLASHOVERLAP_TIMEOUT_S", "soon"), ("FLASHOVERLAP_WATCHDOG", "off")])
+def test_bad_watchdog_settings_are_refused_before_an_overlapped_call_runs(
+    one_rank_group, monkeypatch, fresh_state, name, value
+):
+    """Read where a call is decided overlapped, not at its end (once its work is enqueued)."""
+    from .test_faults import decides_on, ranks_on
+
+    monkeypatch.setattr(watchdog, "_watchdog", None)
+    decides_on(monkeypatch, ranks_on("a", "a"), (4096, 8192, 64), [])
+    monkeypatch.setenv(name, value)
+    with pytest.raises(ValueError, match=name):
+        decision.decide(bf16(4096, 64), bf16(8192, 64), "all_reduce", config={"comm_sms": 8})
+    monkeypatch.delenv(name)
+    assert decision.decide(bf16(4096, 64), bf16(8192, 64), "all_reduce", config={"comm_sms": 8}).prep is not None
+    assert watchdog._watchdog is not None
