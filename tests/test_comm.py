@@ -295,11 +295,11 @@ def test_a_pull_all_reduce_adds_its_own_partial_sums_from_its_buffer(world):
 
 
 @pytest.mark.parametrize("world", [2, 3, 4, 8])
-def test_pull_scatter_shares_and_their_staging_tile_every_group(world):
+def test_pull_scatter_shares_tile_every_group_and_need_no_staging(world):
     """``pull_scatter``: the ranks' shares of a group cover it once, each whole 16-byte vectors where
-    the group is; each rank's staging of the others' partial sums of its share lies inside its
-    group's part of ``recv`` (as comm.buffers sizes it), apart from every other group's."""
-    from flashoverlap.comm import VECTOR, buffers, shares, staging
+    the group is (fo_sum's loads); the others' partial sums are read where they are, so a call has
+    no staging buffer."""
+    from flashoverlap.comm import VECTOR, buffers, shares
     from flashoverlap.plan import make_plan
 
     rng = np.random.default_rng(world)
@@ -307,28 +307,19 @@ def test_pull_scatter_shares_and_their_staging_tile_every_group(world):
         m, n = int(rng.integers(1, 2000)), 8 * int(rng.integers(1, 64))
         plan = make_plan(m, n, tile_m=64, tile_n=64, cluster_m=1, ctas=int(rng.integers(1, 9)), layout="rows")
         ex = exchange("all_reduce", m, world, reduction="pull_scatter")
-        _, _, recv = buffers(ex, plan, torch.empty)
-        for rank in range(world):
-            used = torch.zeros(recv.numel(), dtype=torch.int32)
-            for g in range(plan.num_groups):
-                bounds = shares(plan.bounds[g], plan.bounds[g + 1], world)
-                assert bounds[0] == plan.bounds[g] and bounds[-1] == plan.bounds[g + 1]
-                assert all(lo <= hi and lo % VECTOR == 0 for lo, hi in zip(bounds, bounds[1:]))
-                for r, part in enumerate(staging(recv, bounds, rank, g)):
-                    assert (part is None) == (r == rank)
-                    if part is not None:
-                        start = part.data_ptr() // recv.element_size() - recv.data_ptr() // recv.element_size()
-                        assert part.numel() == bounds[rank + 1] - bounds[rank] and start + part.numel() <= recv.numel()
-                        used[start : start + part.numel()] += 1
-            assert used.max() <= 1, (m, n, rank)
+        assert buffers(ex, plan, torch.empty)[2] is None
+        for g in range(plan.num_groups):
+            bounds = shares(plan.bounds[g], plan.bounds[g + 1], world)
+            assert bounds[0] == plan.bounds[g] and bounds[-1] == plan.bounds[g + 1]
+            assert all(lo <= hi and lo % VECTOR == 0 for lo, hi in zip(bounds, bounds[1:]))
 
 
 @pytest.mark.parametrize("world", [2, 4])
 def test_a_pull_scatter_sums_each_share_once_and_gathers_the_others(world):
-    """Each rank sums its share of a group from its own buffer and the others' partial sums (staged)
-    into its buffer, where the others copy it from, and into its result; after every rank's gather
-    each holds the whole sum."""
-    from flashoverlap.comm import buffers, finish_group, gather_group, shares, staging
+    """Each rank sums its share of a group from its own buffer and the others' partial sums (read in
+    their buffers) into its buffer, where the others copy it from, and into its result; after every
+    rank's gather each holds the whole sum."""
+    from flashoverlap.comm import buffers, finish_group, gather_group
     from flashoverlap.plan import make_plan
 
     plan = make_plan(512, 264, tile_m=128, tile_n=128, cluster_m=1, ctas=2, layout="rows")
@@ -339,22 +330,20 @@ def test_a_pull_scatter_sums_each_share_once_and_gathers_the_others(world):
         buffer.copy_(partial)
 
     class Peers(SimpleNamespace):
+        def at(self, r, chunk):  # rank r's buffer at the place of chunk in this rank's
+            start = chunk.storage_offset() - calls[self.rank][1].storage_offset()
+            return calls[r][1][start : start + chunk.numel()]
+
         def summed(self, g):
             self.said.append(g)
 
-        def sums(self, g, parts):  # (rank r's buffer at the place of parts[r] in this rank's)
+        def sums(self, g, parts):
             for r in range(world):
                 if r != self.rank:
-                    start = parts[r].storage_offset() - calls[self.rank][1].storage_offset()
-                    yield r, calls[r][1][start : start + parts[r].numel()]
+                    yield r, self.at(r, parts[r])
 
     peers = [Peers(rank=r, world=world, said=[]) for r in range(world)]
     for g in range(plan.num_groups):
-        bounds = shares(plan.bounds[g], plan.bounds[g + 1], world)
-        for rank, (_, _, recv) in enumerate(calls):  # the pulls of this rank's share
-            for r, into in enumerate(staging(recv, bounds, rank, g)):
-                if into is not None:
-                    into.copy_(partials[r, bounds[rank] : bounds[rank + 1]])
         for rank, (out, buffer, recv) in enumerate(calls):
             finish_group(ex, plan, g, buffer, recv, out, peers[rank])
         for rank, (out, buffer, _) in enumerate(calls):

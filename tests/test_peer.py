@@ -89,17 +89,21 @@ class _Stream(SimpleNamespace):
     """A stream of the model: the ops enqueued on it, in order."""
 
 
-def _streams(peers: list, calls: int, targets: tuple[int, ...], scatter: bool = False) -> list[list]:
+def _streams(peers: list, calls: int, targets: tuple[int, ...], adds: str = "copied") -> list[list]:
     """Every rank's calls, as ops on its streams, recorded from :class:`peer.Peers`' methods as
-    runtime._enqueue orders them: comm (after the caller's previous work, each group's pulls --
-    from each other rank on a lane of its own where there are several, joined back -- and, but for
-    the last group, the wait for this rank's own rows; then ``copied`` and the next call's claim);
-    gemm (the caller's: after the previous call's work and the claim's ``claimed`` event, each
-    group's rows then its counter, then its end); finish (each group's add of its own rows, after
-    the group's pulls -- the last group's also after the GEMM's end; with ``scatter`` then
-    ``summed``); with ``scatter`` (``pull_scatter``) a lane per other rank for its sums (after the
-    first group's pulls), joined into comm before ``copied``."""
+    runtime._enqueue orders them, for ``adds`` of copies (``copied``: a ``pull`` all-reduce), of the
+    other ranks' rows read where they are (``read``: a ``pull`` reduce-scatter) or of shares read so
+    and their sums copied (``scatter``: ``pull_scatter``): comm (after the caller's previous work,
+    each group's pulls -- ``copied``: from each other rank on a lane of its own where there are
+    several, joined back; else only their waits -- and, but for the last group, the wait for this
+    rank's own rows; then ``copied`` -- but for ``copied`` after finish's reads -- and the next
+    call's claim); gemm (the caller's: after the previous call's work and the claim's ``claimed``
+    event, each group's rows then its counter, then its end); finish (each group's add of its own
+    rows -- and but for ``copied`` the others' --, after the group's pulls -- the last group's also
+    after the GEMM's end; with ``scatter`` then ``summed``); with ``scatter`` a lane per other rank
+    for its sums (after the first group's pulls), joined into comm before ``copied``."""
     streams, claims, current = [], {}, [None]
+    scatter, in_place = adds == "scatter", adds != "copied"
 
     def record(event, stream):  # Peers.claim's ``claimed``, numbered per rank
         rank = next(p.rank for p in peers if p.claimed is event)
@@ -119,7 +123,7 @@ def _streams(peers: list, calls: int, targets: tuple[int, ...], scatter: bool = 
         mp.setattr(torch.cuda, "is_current_stream_capturing", lambda: False)
         for p in peers:
             comm, gemm, finish = (_Stream(ops=[]) for _ in range(3))
-            several = len(p.others) > 1
+            several = len(p.others) > 1 and not in_place  # (reads in place: their waits on comm, no copies there)
             lanes = tuple(_Stream(ops=[]) for _ in p.others) if several else ()
             sum_lanes = tuple(_Stream(ops=[]) for _ in p.others) if scatter else ()
             p.lanes = tuple(SimpleNamespace(cuda_stream=lane) for lane in lanes)
@@ -137,7 +141,8 @@ def _streams(peers: list, calls: int, targets: tuple[int, ...], scatter: bool = 
                     gemm.ops += [("rows", p.rank, g, call), ("count", p._flag(p.rank, g), target)]
                     on(comm)
                     for r, _ in p.arrivals(g, p.memory[p.flag_bytes :]):
-                        current[0].ops.append(("copy", r, g, call))
+                        if not in_place:
+                            current[0].ops.append(("copy", r, g, call))
                     for j, lane in enumerate(lanes):
                         lane.ops.append(("event", (p.rank, call, g, j)))
                         comm.ops.append(("after", (p.rank, call, g, j)))
@@ -147,6 +152,8 @@ def _streams(peers: list, calls: int, targets: tuple[int, ...], scatter: bool = 
                         finish.ops.append(("after", (p.rank, call, "gemm done")))
                     comm.ops.append(("event", (p.rank, call, g)))
                     finish.ops += [("after", (p.rank, call, g)), ("copy", p.rank, g, call)]
+                    if in_place:  # the others' rows read where they are by the add
+                        finish.ops += [("copy", r, g, call) for r in p.others]
                     if scatter:
                         on(finish).append(("sum", p.rank, g, call))
                         p.summed(g)
@@ -161,6 +168,8 @@ def _streams(peers: list, calls: int, targets: tuple[int, ...], scatter: bool = 
                     lane.ops.append(("event", (p.rank, call, "summed", j)))
                     comm.ops.append(("after", (p.rank, call, "summed", j)))
                     gemm.ops.append(("after", (p.rank, call, "summed", j)))
+                if in_place:
+                    comm.ops.append(("after", (p.rank, call, "finished")))
                 on(comm)
                 p.copied()
                 p.claim()
@@ -215,15 +224,15 @@ def _run(streams: list[list], memory: _Memory, seed: int) -> None:
             events.add(op[1])
 
 
-@pytest.mark.parametrize("scatter", [False, True])
+@pytest.mark.parametrize("adds", ["copied", "read", "scatter"])
 @pytest.mark.parametrize("world", [2, 3, 4, 8])
-def test_pulls_copy_every_group_of_their_own_call_whatever_the_interleaving(world, scatter):
+def test_pulls_copy_every_group_of_their_own_call_whatever_the_interleaving(world, adds):
     """The flags of comm.peer on a model of the ranks' streams: each rank's copies of another's
     group wait for that rank's counter (in its memory) of the same call, never the previous call's
     counts (zeroed after every rank copied: ``done``; waited on after the zeroing: ``fresh``), and
-    no GEMM overwrites rows another rank has yet to copy; with ``scatter`` (``pull_scatter``) each
-    copy of another rank's sum waits for that rank's ``summed`` flag of the same call, and no GEMM
-    overwrites a sum another rank has yet to copy."""
+    no GEMM overwrites rows another rank has yet to copy (or, ``read``, to read in place); with
+    ``scatter`` (``pull_scatter``) each copy of another rank's sum waits for that rank's ``summed``
+    flag of the same call, and no GEMM overwrites a sum another rank has yet to copy."""
     regions = [torch.zeros(4096, dtype=torch.uint8) for _ in range(world)]
     peers = []
     for rank in range(world):
@@ -233,7 +242,7 @@ def test_pulls_copy_every_group_of_their_own_call_whatever_the_interleaving(worl
         p.fresh, p.device, p.peers, p.memory = peer.DONE + world, None, regions, regions[rank]
         p.flag_bytes = 4 * (p.fresh + world)
         peers.append(p)
-    streams = _streams(peers, 3, (2, 1, 3), scatter)
+    streams = _streams(peers, 3, (2, 1, 3), adds)
     for seed in range(300 if world <= 4 else 60):
         memory = _Memory(regions)
         for rank in range(world):  # as Peers._grow leaves the flags

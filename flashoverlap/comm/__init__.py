@@ -4,7 +4,8 @@ Communication is plain torch.distributed (NCCL on GPUs, gloo in the CPU referenc
 one contiguous range per group, so any backend and transport works; on flashoverlap's own NCCL
 communicators through NCCL's C API where torch's NCCL allows (:mod:`comm.nccl`, ``FLASHOVERLAP_NCCL``).
 The exception, ``reduction: pull`` / ``pull_scatter``: copies out of the other ranks' memory on the
-copy engines where the ranks have peer access (:mod:`comm.peer`: NCCL's kernels take SMs from the GEMM).
+copy engines (and a ``pull_scatter``'s sums reading it in place) where the ranks have peer access
+(:mod:`comm.peer`: NCCL's kernels take SMs from the GEMM).
 """
 
 from __future__ import annotations
@@ -13,7 +14,6 @@ import datetime
 import hashlib
 import os
 import warnings
-from collections.abc import Sequence
 
 import torch
 import torch.distributed as dist
@@ -50,7 +50,6 @@ from .peer import Pulls
 DEFAULT_TIMEOUT_S = 600.0  # a group whose backend says no timeout (torch's NCCL default)
 
 VECTOR = 8  # elements a share of a group is made of (16-byte vectors of bf16 / fp16: fo_sum's loads, the copies)
-SLACK = 2  # vectors per rank and group that a pull_scatter's staging has beyond the groups' length (comm.staging)
 # how an overlapped call's per-group collectives reach NCCL (FLASHOVERLAP_NCCL), the default first:
 # its C API (:class:`comm.nccl.Direct`: ~25 against ~80-100 us of host time per collective through
 # c10d on the H100 host, for the same GPU time) or c10d
@@ -267,26 +266,23 @@ def buffers(
     """(out, buffer, recv) of one call: the [ex.rows, n] result, the flat buffer the GEMM writes
     (``out`` itself for an all-reduce in the ``rows`` layout; ``shared`` where given: a ``pull``
     all-reduce's, in memory every rank maps) and the flat buffer received rows land in: for an
-    all-reduce None, or with a ``local`` / ``pull`` reduction every rank's partial sums, group
-    by group ([world, group size] each), with ``pull_scatter`` the other ranks' partial sums of this
-    rank's share of each group (:func:`staging`); in the ``rows`` layout, the partial sums a reduce-scatter
+    all-reduce None (also with ``pull_scatter``: its sums read the other ranks' memory in place), or
+    with a ``local`` / ``pull`` reduction every rank's partial sums, group by group ([world, group
+    size] each); in the ``rows`` layout, the partial sums a reduce-scatter
     receives beyond the first (which lands in ``out``): world - 2 segments, else None; in the
     ``segments`` layout None for a reduce-scatter, for an all-to-all the rows received, group by
     group ([world, group rows] each).
     ``alloc(shape)`` makes a tensor."""
     out = alloc((ex.rows, plan.n))
     if ex.collective == "all_reduce":
-        gathered = alloc((len(ex.recv) * plan.numel,)) if ex.reduction != "nccl" else None
-        if ex.reduction == "pull_scatter":
-            gathered = alloc((plan.numel + SLACK * len(ex.recv) * VECTOR * plan.num_groups,))
+        gathered = alloc((len(ex.recv) * plan.numel,)) if ex.reduction in ("local", "pull") else None
         in_place = plan.in_place and ex.reduction not in PULLS  # (whose buffer others read while this rank adds)
         return out, shared if shared is not None else out.view(-1) if in_place else alloc((plan.numel,)), gathered
     if plan.layout == "rows":
         extra = len(ex.send) - 2 if ex.collective == "reduce_scatter" else 0
         return out, alloc((plan.numel,)), alloc((extra * ex.rows * plan.n,)) if extra > 0 else None
-    if ex.reduction == "pull":  # this rank's segment rows of every rank's group pulled (into place: all-to-all)
-        gathered = alloc((plan.numel,)) if ex.collective == "reduce_scatter" else None
-        return out, shared if shared is not None else alloc((plan.numel,)), gathered
+    if ex.reduction == "pull":  # this rank's segment rows of every rank's group: pulled into place (all-to-all)
+        return out, shared if shared is not None else alloc((plan.numel,)), None  # or summed where they are
     if plan.layout == "segments" and ex.collective == "reduce_scatter":  # each group's sums land in place
         return out, alloc((plan.numel,)), None
     return out, alloc((plan.numel,)), alloc((ex.rows * plan.n,))
@@ -361,11 +357,10 @@ def communicate_group(
     if ex.reduction != "nccl" and ex.collective != "all_reduce":  # (a pull: this rank's segment rows)
         _pull_segment(ex, plan, g, chunk, recv, out, group)
         return
-    if ex.reduction == "pull_scatter":  # the other ranks' partial sums of this rank's share
-        bounds = shares(plan.bounds[g], plan.bounds[g + 1], group.world)
-        into = staging(recv, bounds, group.rank, g)
-        for r, theirs in group.arrivals(g, buffer[bounds[group.rank] : bounds[group.rank + 1]]):
-            copy_2d(into[r].view(1, -1), theirs.view(1, -1))
+    if ex.reduction == "pull_scatter":  # the waits for the other ranks' partial sums of this rank's
+        bounds = shares(plan.bounds[g], plan.bounds[g + 1], group.world)  # share: finish_group reads them there
+        for _ in group.arrivals(g, buffer[bounds[group.rank] : bounds[group.rank + 1]]):
+            pass
         return
     if ex.reduction != "nccl":  # every rank's partial sums of the group, rank after rank
         into = recv[len(ex.recv) * plan.bounds[g] : len(ex.recv) * plan.bounds[g + 1]]
@@ -400,22 +395,6 @@ def shares(lo: int, hi: int, world: int) -> list[int]:
     return [lo + vectors * q // world * VECTOR for q in range(world)] + [hi]
 
 
-def staging(recv: torch.Tensor, bounds: Sequence[int], rank: int, g: int) -> list[torch.Tensor | None]:
-    """Where the other ranks' partial sums of ``rank``'s share of group ``g`` land (``pull_scatter``;
-    ``bounds``: :func:`shares`), per rank (None for ``rank`` itself: its own stay in its buffer): one
-    after another from the group's start in ``recv``, moved on by :data:`SLACK` w vectors per earlier
-    group (w - 1 shares of at most 1 / w of a group and 2 vectors each fit in its length and that)."""
-    length, world = bounds[rank + 1] - bounds[rank], len(bounds) - 1
-    into, start = [], bounds[0] + SLACK * world * VECTOR * g
-    for r in range(world):
-        if r == rank:
-            into.append(None)
-            continue
-        into.append(recv[start : start + length])
-        start += length
-    return into
-
-
 def _pull(group: Pulls, g: int, chunk: torch.Tensor, into: torch.Tensor) -> None:
     """Every other rank r's ``chunk`` of group ``g`` (the same bytes of its memory) into row r of
     ``into`` on the copy engines, each as soon as r says the group is there (comm.peer)."""
@@ -434,20 +413,29 @@ def _pull_segment(
 ) -> None:
     """Group ``g`` of a ``pull`` reduce-scatter / all-to-all (layout ``segments``: the group is
     [world, rows, n], block q the rows of rank q's segment): every rank's block of this rank's
-    segment, row q of ``into`` ([world, rows * n]) from rank q: a reduce-scatter's into the
-    group's range of ``recv`` (its own block stays in the buffer: finish_group adds it), an
-    all-to-all's straight into ``out``, at the group's rows of source q's segment (its own copied
-    too, once written: the pulls wait only for the other ranks' rows)."""
+    segment from rank q: a reduce-scatter's only waited for here (finish_group sums the blocks where
+    they are, its own in its buffer: ``group.at``), an all-to-all's copied straight into ``out``, row
+    q of [world, rows * n] at the group's rows of source q's segment (its own copied too, once
+    written: the pulls wait only for the other ranks' rows)."""
     world, (r0, r1) = len(ex.recv), plan.segment_rows(g)
-    if ex.collective == "reduce_scatter":
-        into = recv[plan.bounds[g] : plan.bounds[g + 1]].view(world, -1)
-    else:
-        into = out.view(world, -1)[:, r0 * plan.n : r1 * plan.n]
     mine = chunk.view(world, -1)
+    if ex.collective == "reduce_scatter":
+        for _ in group.arrivals(g, mine[group.rank]):
+            pass
+        return
+    into = out.view(world, -1)[:, r0 * plan.n : r1 * plan.n]
     _pull(group, g, mine[group.rank], into)
     if ex.collective == "all_to_all":
         group.mine(g)
         copy_2d(into[group.rank].view(1, -1), mine[group.rank].view(1, -1))
+
+
+def reads_in_place(ex: Exchange) -> bool:
+    """Whether a pull's adds read the other ranks' partial sums in their memory (:meth:`Pulls.at`)
+    rather than copies of them: a ``pull_scatter`` all-reduce's and a ``pull`` reduce-scatter's
+    (SM loads over NVLink read every link at once; a copy engine's copies queue one after another
+    and the adds then read them again)."""
+    return ex.reduction == "pull_scatter" or ex.reduction == "pull" and ex.collective == "reduce_scatter"
 
 
 def finishes(ex: Exchange, plan: Plan) -> bool:
@@ -471,8 +459,8 @@ def finish_group(
     own, so it never holds up the next collective): a ``local`` / ``pull`` all-reduce adds the
     world's partial sums of the group (in ``recv``) straight into ``out``'s rows in the ``rows``
     layout (its groups are row bands of C), else into the group's range of ``buffer``; a ``pull``
-    reduce-scatter every rank's rows of this rank's segment (``recv``: [world, rows * n] per group)
-    into ``out``'s rows of the group (:func:`_pull_segment`); then in the ``cols`` layout the
+    reduce-scatter every rank's rows of this rank's segment, read in each rank's buffer
+    (``peers.at``), into ``out``'s rows of the group (:func:`_pull_segment`); then in the ``cols`` layout the
     group's [ex.rows, c1 - c0] block (of ``buffer`` after an all-reduce, local or not, else of
     ``recv``) is copied into its columns of ``out``; a ``segments`` all-to-all copies the rows each
     rank sent into that rank's segment of ``out``. Nothing for any other call (:func:`finishes`).
@@ -480,35 +468,34 @@ def finish_group(
     ``buffer`` holds this rank's partial sums (copying them next to the others' on the copy engines
     ran at ~90 GB/s beside the GEMM and held up the pulls behind it); the rows are then
     added in rank order as a ``local`` reduction's (:func:`add_rows`). A ``pull_scatter`` adds only its
-    share (:func:`shares`) of every rank's partial sums, into its own buffer, where the other ranks
-    pull the sum from (:func:`gather_group`) once it says so (``peers.summed``), and into ``out``."""
+    share (:func:`shares`) of every rank's partial sums, the others' read where they are (``peers.at``:
+    ``recv`` is None), into its own buffer, where the other ranks pull the sum from
+    (:func:`gather_group`) once it says so (``peers.summed``), and into ``out``."""
     if not finishes(ex, plan):
         return
     lo, hi = plan.bounds[g], plan.bounds[g + 1]
     if ex.reduction == "pull_scatter":
         bounds, me = shares(lo, hi, peers.world), peers.rank
-        mine, into = buffer[bounds[me] : bounds[me + 1]], staging(recv, bounds, me, g)
-        add_rows(
-            [mine if r == me else into[r] for r in range(peers.world)], mine, out.view(-1)[bounds[me] : bounds[me + 1]]
-        )
+        mine = buffer[bounds[me] : bounds[me + 1]]
+        parts = [mine if r == me else peers.at(r, mine) for r in range(peers.world)]
+        add_rows(parts, mine, out.view(-1)[bounds[me] : bounds[me + 1]])
         peers.summed(g)
         return
+    world = len(ex.recv)
+    if ex.reduction == "pull" and ex.collective == "reduce_scatter":  # this rank's segment rows of every rank's group
+        (r0, r1), mine = plan.segment_rows(g), buffer[lo:hi].view(world, -1)[peers.rank]
+        add_rows([mine if r == peers.rank else peers.at(r, mine) for r in range(world)], out[r0:r1].view(-1))
+        return
     if ex.reduction != "nccl":
-        world = len(ex.recv)
-        if ex.collective == "reduce_scatter":  # a pull: this rank's segment rows of every rank's group
-            r0, r1 = plan.segment_rows(g)
-            into, parts = out[r0:r1].view(-1), recv[lo:hi].view(world, -1)
-            mine = buffer[lo:hi].view(world, -1)[peers.rank]  # (a pull: always with its peers)
-        else:
-            into = (out.view(-1) if plan.layout == "rows" else buffer)[lo:hi]
-            parts, mine = recv[world * lo : world * hi].view(world, hi - lo), buffer[lo:hi]
+        into = (out.view(-1) if plan.layout == "rows" else buffer)[lo:hi]
+        parts, mine = recv[world * lo : world * hi].view(world, hi - lo), buffer[lo:hi]
         add_rows(parts if peers is None else [mine if r == peers.rank else parts[r] for r in range(world)], into)
     if plan.layout == "cols":
         c0, c1 = plan.columns(g)
         block = buffer if ex.collective == "all_reduce" else recv
         copy_2d(out[:, c0:c1], block[ex.rows * c0 : ex.rows * c1].view(ex.rows, c1 - c0))
     elif plan.layout == "segments" and ex.collective == "all_to_all":
-        (r0, r1), world = plan.segment_rows(g), len(ex.recv)
+        r0, r1 = plan.segment_rows(g)
         copy_2d(out.view(world, -1)[:, r0 * plan.n : r1 * plan.n], recv[lo:hi].view(world, -1))
 
 

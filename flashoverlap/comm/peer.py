@@ -8,21 +8,26 @@ beside it at no cost to it (0.80 ms for both, 0.21 alone; bench/symmetric_probe.
 the GEMM writes its groups into memory every rank maps (torch symmetric memory: CUDA IPC over
 NVLink or PCIe P2P), each rank copies the other ranks' partial sums of a group into its own
 memory once they say the group is there, and adds them to its own (comm.finish_group) on the SMs
-the GEMM leaves (``comm_sms``) or as it retires; a reduce-scatter / all-to-all copies its own
-segment's rows only (comm._pull_segment). With ``reduction: pull_scatter`` each rank copies and adds
-only its share of each group (a reduce-scatter), and then copies the other ranks' summed shares out
-of their memory (an all-gather): 2 (w - 1) / w of a group per rank, where copying every rank's whole
-group is w - 1 (the same on two ranks, 3 against 1.5 on four), and 1 / w of the adds. Ordered by
-stream memory operations (no SM, no host):
+the GEMM leaves (``comm_sms``) or as it retires; a reduce-scatter / all-to-all takes its own
+segment's rows only (comm._pull_segment: an all-to-all copies them, a reduce-scatter sums them
+where they are, as below). With ``reduction: pull_scatter`` each rank adds only its share of each
+group (a reduce-scatter), reading the other ranks' partial sums of it straight out of their memory
+(SM loads over NVLink, :meth:`Pulls.at`: one kernel reads every link at once, where copies into
+staging queued one after another on a copy engine and the sum then read them again; on 4x H200
+beside a GEMM, a 16 MiB group's reduce-scatter ended 0.18 ms after the GEMM's start this way on 16
+SMs against 0.28 copied first, bench/peer_sum_probe.py), and then copies the other ranks' summed
+shares out of their memory (an all-gather): 2 (w - 1) / w of a group per rank, where copying every
+rank's whole group is w - 1 (the same on two ranks, 3 against 1.5 on four), and 1 / w of the adds.
+Ordered by stream memory operations (no SM, no host):
 each rank writes its own memory and waits on the others' (a wait on another GPU's memory over
 NVLink answered in ~5 us on 2x H200, one on the GPU's own memory in ~9), so in
 rank r's memory:
 
 - ``counters[g]``: the GEMM's group counters (its kernel bumps them as for any call); every other
-  rank waits for group g's target there, then copies the group;
+  rank waits for group g's target there, then copies (or, ``pull_scatter``, reads) the group;
 - ``summed[g]`` (``pull_scatter``): r has added its share of group g in its buffer; every other rank
   waits for it there, then copies that share (zeroed with the counters);
-- ``done[q]``: r has copied all of a call's groups out of q's memory; q waits for it (and clears
+- ``done[q]``: r has copied (or read) all of a call's groups out of q's memory; q waits for it (and clears
   it) at the end of its call (Peers.claim: beside its last adds), then zeroes its counters for its
   next call, whose GEMM overwrites the groups;
 - ``fresh[q]``: r's counters are zeroed for r's next call; q waits for it (and clears it) before it
@@ -55,8 +60,8 @@ COUNTERS, SUMMED, DONE = 0, MAX_GROUPS, 2 * MAX_GROUPS
 
 class Pulls:
     """What comm's pulls need of a group of ranks: ``rank``, ``world``, ``others`` (every rank but
-    this one), :meth:`arrivals`, :meth:`mine` and (``pull_scatter``) :meth:`summed` and :meth:`sums`;
-    :class:`Peers` on GPUs, :class:`Gathered` on gloo."""
+    this one), :meth:`arrivals`, :meth:`mine` and (``pull_scatter``) :meth:`at`, :meth:`summed` and
+    :meth:`sums`; :class:`Peers` on GPUs, :class:`Gathered` on gloo."""
 
     rank: int
     world: int
@@ -64,6 +69,11 @@ class Pulls:
     memory: torch.Tensor  # this rank's memory the chunks are views of
 
     def arrivals(self, g: int, chunk: torch.Tensor) -> Iterator[tuple[int, torch.Tensor]]:
+        raise NotImplementedError
+
+    def at(self, rank: int, chunk: torch.Tensor) -> torch.Tensor:
+        """Rank ``rank``'s bytes at ``chunk``'s place in its memory, to be read where they are (a
+        ``pull_scatter``'s sums), on a stream ordered after :meth:`arrivals`' wait for the group."""
         raise NotImplementedError
 
     def mine(self, g: int) -> None:
@@ -89,17 +99,22 @@ class Gathered(Pulls):
     """:class:`Peers`' steps on a gloo group (the CPU reference executor): each :meth:`arrivals`
     all-gathers every rank's ``memory`` (a flat tensor the chunks are views of) and yields the
     other ranks' bytes at ``chunk``'s place in it, as a pull copies them. Every rank asks for the
-    same groups in the same order, so the gathers pair up, and a gather orders like the flags."""
+    same groups in the same order, so the gathers pair up, and a gather orders like the flags;
+    :meth:`at` reads what the last one saw."""
 
     def __init__(self, group: dist.ProcessGroup, memory: torch.Tensor) -> None:
         self.group, self.memory = group, memory
         self.rank, self.world = dist.get_rank(group), dist.get_world_size(group)
         self.others = [r for r in range(self.world) if r != self.rank]
+        self._seen: list[torch.Tensor] = []  # every rank's memory as the last arrivals gathered it
 
     def arrivals(self, g: int, chunk: torch.Tensor) -> Iterator[tuple[int, torch.Tensor]]:
-        every = self._every()
+        self._seen = self._every()
         for r in self.others:
-            yield r, self._at(every[r], chunk)
+            yield r, self._at(self._seen[r], chunk)
+
+    def at(self, rank: int, chunk: torch.Tensor) -> torch.Tensor:
+        return self._at(self._seen[rank], chunk)
 
     def sums(self, g: int, parts: list[torch.Tensor]) -> Iterator[tuple[int, torch.Tensor]]:
         every = self._every()
@@ -212,6 +227,9 @@ class Peers(Window, Pulls):
                 self._take(r, self.fresh + self.rank)
             signal.wait_at(stream, self._flag(r, COUNTERS + g), self.targets[g])
             yield r, self._at(self.peers[r], chunk)
+
+    def at(self, rank: int, chunk: torch.Tensor) -> torch.Tensor:
+        return self._at(self.peers[rank], chunk)
 
     def _on_lanes(self, lanes: tuple) -> Iterator[tuple[torch.cuda.Stream, int]]:
         """(stream, rank) for each other rank: its lane in ``lanes`` (empty: the current stream), the
