@@ -87,13 +87,14 @@ def summarize(rows: list[dict]) -> str:
             f"{statistics.mean(_num(r, 'efficiency') for r in group):>5.2f} "
             f"{statistics.mean(_num(r, 'of_ideal') for r in group):>8.2f}  {wins}/{len(group)}"
         )
-    fallback = {(r["m"], r["n"], r["k"]): _num(r, "fallback_speedup") for r in rows}
-    fallback = {shape: v for shape, v in fallback.items() if not math.isnan(v)}
-    if fallback:  # (one per shape: every variant of a shape shares it)
-        lines.append(
-            f"forced fallback (config sequential) against seq: worst {min(fallback.values()):.3f}, "
-            f"mean {statistics.mean(fallback.values()):.3f} over {len(fallback)} shape{'s' * (len(fallback) > 1)}"
-        )
+    for key, what in (("fallback_speedup", "forced fallback (config sequential)"), ("noise_speedup", "seq itself")):
+        per_shape = {(r["m"], r["n"], r["k"]): _num(r, key) for r in rows}
+        per_shape = {shape: v for shape, v in per_shape.items() if not math.isnan(v)}
+        if per_shape:  # (one per shape: every variant of a shape shares it)
+            lines.append(
+                f"{what} against seq: worst {min(per_shape.values()):.3f}, mean "
+                f"{statistics.mean(per_shape.values()):.3f} over {len(per_shape)} shape{'s' * (len(per_shape) > 1)}"
+            )
     beyond = sum(_num(r, "of_ideal") > 1 for r in rows)
     if beyond:  # the bound is timed with one whole collective on the default communicator
         lines.append(

@@ -66,6 +66,10 @@ def test_summary_per_variant(tmp_path, capsys):
     assert lines[2].split()[-5:] == ["1.200", "1.200", "0.50", "0.90", "1/1"]
     # the forced fallback against seq, once per shape
     assert lines[3] == "forced fallback (config sequential) against seq: worst 0.970, mean 0.985 over 2 shapes"
+    # and seq against itself (the noise floor), where the rows have it (not in older CSVs)
+    assert not any(line.startswith("seq itself") for line in lines)
+    noisy = [row(noise_speedup=0.96), row(m=8192, noise_speedup=1.01)]
+    assert report.summarize(noisy).splitlines()[-1] == "seq itself against seq: worst 0.960, mean 0.985 over 2 shapes"
     # whatever the registry picked per shape is one method
     picks = [row(config='registry:{"sequential": true}', speedup=0.99), row(config="registry:{}", speedup=1.21)]
     assert report.summarize(picks).splitlines()[1].split() == [
