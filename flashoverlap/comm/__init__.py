@@ -268,10 +268,11 @@ def buffers(
     all-reduce's, in memory every rank maps) and the flat buffer received rows land in: for an
     all-reduce None (also with ``pull_scatter``: its sums read the other ranks' memory in place), or
     with a ``local`` / ``pull`` reduction every rank's partial sums, group by group ([world, group
-    size] each); in the ``rows`` layout, the partial sums a reduce-scatter
-    receives beyond the first (which lands in ``out``): world - 2 segments, else None; in the
-    ``segments`` layout None for a reduce-scatter, for an all-to-all the rows received, group by
-    group ([world, group rows] each).
+    size] each); in the ``rows`` layout, the partial sums a reduce-scatter receives beyond the first
+    (which lands in ``out``): world - 2 segments, else None; in the ``segments`` layout None for a
+    reduce-scatter (by pulls too: its sums read the other ranks' rows in place), for an all-to-all
+    the rows received, group by group ([world, group rows] each), but None by pulls (they land in
+    ``out``)).
     ``alloc(shape)`` makes a tensor."""
     out = alloc((ex.rows, plan.n))
     if ex.collective == "all_reduce":
