@@ -12,11 +12,13 @@ measured, the time by size of each way of communicating is built here from per-G
   links bound a ring) and every extra ring step adds ``hop_ms`` (:func:`ring_steps`). On ``c`` CTAs
   beside the GEMM the ring gets the share of its bus bandwidth measured on that many CTAs.
 * Pulls: every copy out of a peer's memory goes through the GPU's one copy engine, one after
-  another (``copy_gap_ms`` between copies), and the partial sums are added on the SMs the GEMM
-  leaves (per-SM rate) or, after the GEMM, on all of them (:func:`pull_counts`: copies, bytes copied
-  and bytes the adds read and write, per byte of output, by reduction and world size). While the
-  GEMM runs the copies of one group overlap the adds of the one before (the slower sets the
-  pace); the last group's copies and adds run one after the other.
+  another (``copy_gap_ms`` between copies); sums that read the other ranks' memory in place
+  (``pull_scatter``'s, a reduce-scatter's) read it at the rate measured for that many SMs beside
+  the GEMM (``peer_read``) or, after it, on every SM; a ``pull`` all-reduce's local adds run on the
+  SMs the GEMM leaves (per-SM rate) or, after the GEMM, on all of them (:func:`pull_counts`: copies,
+  bytes copied, bytes read in place and bytes added locally, per byte of output, by reduction and
+  world size). While the GEMM runs the copy engine's work on one group overlaps the SMs' on
+  another (the slower sets the pace); the last group's run one after the other.
 
 The GEMM runs at one rate per GPU (cuBLAS alone) and, for flashoverlap's persistent kernel, in
 whole waves of tiles at the same rate per SM. Host time is left out (calls replayed natively
@@ -30,6 +32,7 @@ import statistics
 import sys
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import NamedTuple
 
 import numpy as np
 
@@ -61,6 +64,13 @@ class Gpu:
     copy_gap_ms: float
     add_bytes_per_ms_per_sm: float
     add_bytes_per_ms: float
+    peer_read: tuple[tuple[int, float], ...]  # (SMs beside the GEMM, bytes per ms read in place), interpolated
+    peer_read_alone: float  # bytes per ms read in place on every SM, after the GEMM
+
+    def read_bytes_per_ms(self, sms: int) -> float:
+        """The rate a rank's sums read the other ranks' memory in place: on ``sms`` SMs beside the
+        GEMM (interpolated, flat beyond the last measured count), or with 0 on every SM after it."""
+        return float(np.interp(sms, *zip(*self.peer_read))) if sms else self.peer_read_alone
 
 
 H200 = Gpu(
@@ -83,10 +93,15 @@ H200 = Gpu(
     # peer copies on 4x H200, one at a time on one copy engine: 150-280 GB/s each, 7-10 us apart
     copy_bytes_per_ms=215 * GB_S,
     copy_gap_ms=0.0085,
-    # pull_scatter's sums on the 4 SMs the GEMM leaves, 4x H200: ~47 GB/s per SM read and written
+    # sums of rows in local memory on the 4 SMs the GEMM leaves, 4x H200: ~47 GB/s per SM read and written
     add_bytes_per_ms_per_sm=47 * GB_S,
     # fo_sum of four rows after the GEMM, one H200: 64 MB of sum in 161 us (~2 TB/s read and written)
     add_bytes_per_ms=2000 * GB_S,
+    # fo_sum reading three peers' 16 MiB shares in place, 4x H200 (bench/peer_sum_probe.py, 64 MiB per
+    # rank): 48 MiB read in 0.84 / 0.51 / 0.30 ms beside a 4096x8192x8192 GEMM on 4 / 8 / 16 SMs,
+    # 0.216 ms alone; assumed the same per rank on eight (each reads seven smaller shares)
+    peer_read=((4, 60 * GB_S), (8, 99 * GB_S), (16, 167 * GB_S)),
+    peer_read_alone=233 * GB_S,
 )
 GPUS = {"h200": H200}
 
@@ -100,7 +115,7 @@ CANDIDATES = {
         {"comm_sms": 8},
         {"late_budget": True},
         {"reduction": "pull", "comm_sms": PULL_SMS},
-        {"reduction": "pull_scatter", "comm_sms": PULL_SMS},
+        *({"reduction": "pull_scatter", "comm_sms": sms} for sms in (PULL_SMS, 8, 16)),  # as the tuner's
     ),
     "reduce_scatter": (
         {"layout": "segments"},
@@ -110,6 +125,8 @@ CANDIDATES = {
     ),
 }
 CANDIDATES["all_to_all"] = CANDIDATES["reduce_scatter"]
+# a reduce-scatter's pulled rows are summed in place: more SMs for the sums, as the tuner tries
+CANDIDATES["reduce_scatter"] += tuple({"layout": "segments", "reduction": "pull", "comm_sms": sms} for sms in (8, 16))
 
 
 def ring_share(collective: str, world: int) -> float:
@@ -139,32 +156,43 @@ def nccl_comm(gpu: Gpu, collective: str, world: int, ctas: int = 0) -> CommModel
     return CommModel(latency, bus / ring_share(collective, world))
 
 
-def pull_counts(collective: str, reduction: str, world: int) -> tuple[int, float, float]:
-    """Per group of pulls: the copies made, the bytes they copy and the bytes the adds read and
-    write, per byte of the group's output. ``pull`` all-reduce: the ``w - 1`` other ranks' groups
-    copied, ``w`` summed into one; ``pull_scatter``: a ``1 / w`` share from each other rank, its ``w``
-    partial sums added (written twice: the sum and this rank's result), then the ``w - 1`` other
-    shares' sums copied; reduce-scatter / all-to-all: this rank's ``1 / w`` of each other rank's
-    group (a reduce-scatter adds the ``w`` of them)."""
+class PullBytes(NamedTuple):
+    """What a group of pulls moves, per byte of the group's output (:func:`pull_counts`)."""
+
+    copies: int  # copy-engine copies, one after another
+    copied: float  # bytes they copy
+    read: float  # bytes the sums read out of the other ranks' memory in place
+    added: float  # bytes local adds read and write
+
+
+def pull_counts(collective: str, reduction: str, world: int) -> PullBytes:
+    """Per group of pulls, per byte of the group's output. ``pull`` all-reduce: the ``w - 1`` other
+    ranks' groups copied, ``w`` summed into one locally; ``pull_scatter``: a ``1 / w`` share of each
+    other rank's group read in place by the sum, then the ``w - 1`` other shares' sums copied;
+    reduce-scatter: this rank's ``1 / w`` of each other rank's group read in place by the sum;
+    all-to-all: the same copied."""
     if collective == "all_reduce" and reduction == "pull":
-        return world - 1, float(world - 1), float(world + 1)
+        return PullBytes(world - 1, float(world - 1), 0.0, float(world + 1))
+    share = (world - 1) / world
     if collective == "all_reduce":
-        return 2 * (world - 1), 2 * (world - 1) / world, (world + 2) / world
-    adds = (world + 1) / world if collective == "reduce_scatter" else 0.0
-    return world - 1, (world - 1) / world, adds
+        return PullBytes(world - 1, share, share, 0.0)
+    if collective == "reduce_scatter":
+        return PullBytes(0, 0.0, share, 0.0)
+    return PullBytes(world - 1, share, 0.0, 0.0)
 
 
 def pull_comm(gpu: Gpu, collective: str, reduction: str, world: int, sms: int = 0) -> CommModel:
-    """A group of pulls by bytes of output: the copies on the one copy engine, the adds on ``sms``
-    SMs beside the GEMM (overlapping the next group's copies: the slower sets the pace) or, with 0,
-    on every SM after it (after the copies)."""
-    copies, copied, added = pull_counts(collective, reduction, world)
-    copy_ms = copied / gpu.copy_bytes_per_ms
+    """A group of pulls by bytes of output: the copies on the one copy engine, the sums (reads in
+    place, local adds) on ``sms`` SMs beside the GEMM (overlapping another group's copies: the slower
+    sets the pace) or, with 0, on every SM after it (one after the other)."""
+    moved = pull_counts(collective, reduction, world)
+    copy_ms = moved.copied / gpu.copy_bytes_per_ms
+    read_ms = moved.read / gpu.read_bytes_per_ms(sms)
     if sms:
-        per_byte = max(copy_ms, added / (sms * gpu.add_bytes_per_ms_per_sm))
+        per_byte = max(copy_ms, read_ms + moved.added / (sms * gpu.add_bytes_per_ms_per_sm))
     else:
-        per_byte = copy_ms + added / gpu.add_bytes_per_ms
-    return CommModel(copies * gpu.copy_gap_ms, 1.0 / per_byte)
+        per_byte = copy_ms + read_ms + moved.added / gpu.add_bytes_per_ms
+    return CommModel(moved.copies * gpu.copy_gap_ms, 1.0 / per_byte)
 
 
 def gemm_ms(gpu: Gpu, shape: tuple[int, int, int]) -> float:

@@ -313,14 +313,17 @@ def test_partitions_enumerate_every_split_once():
 def test_ring_bytes_per_rank_grow_with_the_world():
     assert [ring_share("all_reduce", w) for w in (2, 4, 8)] == [1.0, 1.5, 1.75]
     assert [ring_share(c, 8) for c in ("reduce_scatter", "all_to_all")] == [0.875, 0.875]
-    # pull_scatter moves a ring's bytes, pull every other rank's whole group; reduce-scatter / all-to-all
-    # pulls this rank's share of every other rank's group: the ring's bytes too
+    # pull_scatter moves a ring's bytes (half read in place by the sums, half copied), pull every
+    # other rank's whole group; reduce-scatter / all-to-all take this rank's share of every other
+    # rank's group: the ring's bytes too (a reduce-scatter's read in place, an all-to-all's copied)
     for w in (2, 4, 8):
-        assert pull_counts("all_reduce", "pull_scatter", w)[1] == pytest.approx(ring_share("all_reduce", w))
-        assert pull_counts("all_reduce", "pull", w)[:2] == (w - 1, w - 1)
-        for collective in ("reduce_scatter", "all_to_all"):
-            assert pull_counts(collective, "pull", w)[1] == pytest.approx(ring_share(collective, w))
-    assert pull_counts("all_to_all", "pull", 8)[2] == 0.0  # nothing to add
+        scatter = pull_counts("all_reduce", "pull_scatter", w)
+        assert scatter.copied + scatter.read == pytest.approx(ring_share("all_reduce", w))
+        assert scatter.copied == scatter.read and scatter.copies == w - 1 and scatter.added == 0.0
+        assert pull_counts("all_reduce", "pull", w)[:3] == (w - 1, w - 1, 0.0)
+        rs, a2a = (pull_counts(c, "pull", w) for c in ("reduce_scatter", "all_to_all"))
+        assert rs.read == a2a.copied == pytest.approx(ring_share("reduce_scatter", w))
+        assert rs.copies == 0 and a2a.read == a2a.added == 0.0
 
 
 def test_nccl_is_the_measured_fit_where_measured_and_extrapolated_beyond():
@@ -352,10 +355,27 @@ def test_pulls_serialize_on_one_copy_engine():
         during = pull_comm(H200, "all_reduce", "pull", w, 4)
         slower = max(copies, (w + 1) * nbytes / (4 * H200.add_bytes_per_ms_per_sm))
         assert during.time_ms(nbytes) == pytest.approx(tail.latency_ms + slower)
-    # on eight ranks pull_scatter's 14 copies of a ring's bytes beat pull's 7 whole groups, though
-    # twice the gaps
+    # on eight ranks pull_scatter's reads in place and 7 copies of shares beat pull's 7 whole groups
     scatter = pull_comm(H200, "all_reduce", "pull_scatter", 8)
-    assert scatter.latency_ms == pytest.approx(2 * tail.latency_ms) and scatter.time_ms(nbytes) < tail.time_ms(nbytes)
+    assert scatter.latency_ms == pytest.approx(tail.latency_ms) and scatter.time_ms(nbytes) < tail.time_ms(nbytes)
+
+
+def test_sums_read_in_place_at_the_rate_of_their_sms():
+    """A reduce-scatter's (and pull_scatter's) sums read the other ranks' memory at the rate measured
+    for that many SMs beside the GEMM (interpolated, flat beyond), on every SM after it; beside the
+    GEMM pull_scatter's copies of the sums overlap the reads (the slower sets the pace)."""
+    nbytes, share = 64 << 20, 3 / 4
+    for sms, rate in H200.peer_read:
+        rs = pull_comm(H200, "reduce_scatter", "pull", 4, sms)
+        assert rs.latency_ms == 0.0 and rs.time_ms(nbytes) == pytest.approx(share * nbytes / rate)
+    assert H200.read_bytes_per_ms(12) == pytest.approx((H200.read_bytes_per_ms(8) + H200.read_bytes_per_ms(16)) / 2)
+    assert H200.read_bytes_per_ms(64) == H200.read_bytes_per_ms(16)  # flat beyond the last measured count
+    assert H200.read_bytes_per_ms(0) == H200.peer_read_alone
+    reads, copies = share * nbytes / H200.read_bytes_per_ms(8), share * nbytes / H200.copy_bytes_per_ms
+    during = pull_comm(H200, "all_reduce", "pull_scatter", 4, 8)
+    assert during.time_ms(nbytes) == pytest.approx(3 * H200.copy_gap_ms + max(reads, copies))
+    after = pull_comm(H200, "all_reduce", "pull_scatter", 4)
+    assert after.time_ms(nbytes) == pytest.approx(3 * H200.copy_gap_ms + share * nbytes / H200.peer_read_alone + copies)
 
 
 def test_prediction_per_world():
