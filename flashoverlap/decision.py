@@ -41,6 +41,7 @@ from .rules import (
     resolutions,
     rotation_unit,
     takes_every_call,
+    wider_reads,
     without_pull,
     without_window,
 )
@@ -321,7 +322,8 @@ def _candidates(
 ) -> tuple[list[OverlapConfig], list[Prepared]]:
     """The configs a call may run, and their plans: ``cfg`` (planned: ``preps``), and where the call
     is timed the same with NCCL's SMs taken differently (rules.alternative) and, where the ranks
-    can pull, as a pull (rules.pulled); only those of more than one group. On the shape every rank
+    can pull, as a pull (rules.pulled; where its sums read the others' memory in place, also with
+    more SMs for them: rules.wider_reads); only those of more than one group. On the shape every rank
     decides on: candidates that differ by rank would hang in NCCL."""
     candidates = [cfg]
     others = []
@@ -333,7 +335,7 @@ def _candidates(
         # every rank's view, a host sync)
         pull = pulled(cfg, collective, shape, total, dist.get_world_size(full))
         if pull is not None and _trial_runs() and comm.peer.unavailable(full, device) is None:
-            others.append(pull)
+            others += [pull, wider_reads(pull, collective)]
     for other in others:
         if other is not None and (other_prep := planned(other)).plan.num_groups > 1:
             candidates.append(other)

@@ -5,7 +5,7 @@ Every choice of how a call runs asks here: which layouts a config resolves to fo
 rank sees it: :func:`carries`), what a config runs on a GPU (:func:`for_device`,
 :func:`kernel_spec`), what a call's groups communicate (:func:`comm_pattern`) and where their
 last group may go (:func:`tail_apart`), and the configs a call without a tuned one also times
-(:func:`alternative`, :func:`pulled`). Nothing here communicates or launches anything.
+(:func:`alternative`, :func:`pulled`, :func:`wider_reads`). Nothing here communicates or launches anything.
 """
 
 from __future__ import annotations
@@ -247,6 +247,17 @@ FEWEST_COMM_SMS = 4  # NCCL's CTAs beside an Ampere/Ada GEMM when a call without
 
 
 PULL_SMS = 4  # the most SMs a pull candidate leaves for its adds (the tuner's pick on 2x H100)
+# SMs a pull whose sums read the other ranks' memory in place is also timed with (4x H100: the best
+# of 4 / 8 / 16 on 4 of 7 all-reduce and 4 of 6 reduce-scatter shapes; the GEMM loses waves)
+READ_SMS = 16
+
+
+def reads_in_place(collective: str, reduction: str) -> bool:
+    """Whether a pull's sums read the other ranks' partial sums in their memory (comm.peer.Pulls.at)
+    rather than copies of them: a ``pull_scatter`` all-reduce's and a ``pull`` reduce-scatter's
+    (SM loads over NVLink read every link at once; a copy engine's copies queue one after another
+    and the sums then read them again)."""
+    return reduction == "pull_scatter" or reduction == "pull" and collective == "reduce_scatter"
 
 
 @functools.lru_cache(maxsize=1024)  # every call of a timed shape asks (a replace() validates)
@@ -262,7 +273,7 @@ def pulled(
     moves w - 1 groups per rank, 3 on four ranks against 1.5 for NCCL's ring and ``pull_scatter``; a
     reduce-scatter / all-to-all in the ``segments`` layout pulls its own segment's rows (``pull``:
     picked on 9 of 10 shapes on four H200s). None for a pull already or another layout (``rows``
-    for all-reduce)."""
+    for all-reduce). Where its sums read in place, :func:`wider_reads` is timed too."""
     if cfg.reduction in PULLS or cfg.layout != PULL_LAYOUTS[collective]:
         return None
     m, n, _ = shape
@@ -275,6 +286,16 @@ def pulled(
         comm_sms=min(spare, PULL_SMS),
         partition=None,
     )
+
+
+def wider_reads(pull: OverlapConfig | None, collective: str) -> OverlapConfig | None:
+    """The pull candidate ``pull`` (:func:`pulled`) with :data:`READ_SMS` SMs for its sums, where they
+    read the other ranks' memory in place (:func:`reads_in_place`): on large calls reading faster
+    pays for the GEMM's lost waves, on small ones it does not, so the trial times both. None for
+    none, for copies, or where ``pull`` has as many already."""
+    if pull is None or not reads_in_place(collective, pull.reduction) or pull.comm_sms >= READ_SMS:
+        return None
+    return dataclasses.replace(pull, comm_sms=READ_SMS)
 
 
 @functools.lru_cache(maxsize=1024)  # every call of a timed shape asks (a replace() validates)

@@ -238,9 +238,10 @@ def _enqueue(
     if shared is not None:
         shared.acquire(caller)
     join(stream, caller, device)  # operands ready; earlier users of the buffers done
+    in_place = comm.reads_in_place(ex.collective, ex.reduction)  # (sums that read the other ranks' memory)
     if peers is not None:  # the pulls from each other rank on a lane of its own where there are several
-        others = len(peers.others)  # (adds that read in place copy nothing there: their waits go on `stream`)
-        peers.lanes = lanes(device, others) if others > 1 and not comm.reads_in_place(ex) else ()
+        others = len(peers.others)  # (sums that read in place copy nothing there: their waits go on `stream`)
+        peers.lanes = lanes(device, others) if others > 1 and not in_place else ()
         # a pull_scatter's copies of the sums on one stream of their own: apart, so that their waits for
         # the other ranks' sums never hold up the next group's pulls; one, so that no more than one of them
         # queues for the copy engine ahead of the pulls the next sums wait for (a lane per rank: 0.86x
@@ -303,7 +304,7 @@ def _enqueue(
     sum_lanes = tuple(dict.fromkeys(peers.sum_lanes)) if peers is not None else ()
     for lane in sum_lanes:  # copied (done) once the sums are too
         join(stream, lane, device)
-    if peers is not None and comm.reads_in_place(ex):  # and once the adds have read the others' memory
+    if peers is not None and in_place:  # and once the sums have read the others' memory
         join(stream, finisher, device)
     if peers is not None:  # (every group on `stream`: comm.tail_apart; its counters zeroed by Peers.claim)
         with _On(stream, caller):

@@ -9,7 +9,7 @@ import torch
 import torch.distributed as dist
 
 import flashoverlap
-from flashoverlap import comm, decision, registry, runtime, state, timing
+from flashoverlap import comm, decision, registry, rules, runtime, state, timing
 from flashoverlap.config import OverlapConfig
 from flashoverlap.prepared import Prepared
 from flashoverlap.registry import Found
@@ -203,6 +203,40 @@ def test_where_the_ranks_can_pull_a_timed_all_reduce_times_the_pull_too(one_rank
     monkeypatch.setattr(comm.peer, "unavailable", lambda group, device: "no peer access")
     flashoverlap.gemm_all_reduce(bf16(m, 64), bf16(n, 64))
     assert seen[-1] == ["overlapped, comm_sms 16", "overlapped, comm_sms 16 late", "sequential"]
+
+
+def test_on_four_ranks_a_timed_all_reduce_times_its_pull_with_more_sms_for_the_sums(one_rank_group, monkeypatch):
+    """On more than two ranks the pull candidate is a pull_scatter, whose sums read the other ranks'
+    memory in place: it is also timed with rules.READ_SMS SMs for them, and may win."""
+    from flashoverlap.rules import READ_SMS
+
+    m, n = 4096, 8192
+    ran = []
+    untuned_all_reduce(monkeypatch, m, n)
+    monkeypatch.setattr(decision, "world_size", lambda group: 4)
+    four = rules.pulled  # (the pull candidate as four ranks' group would make it)
+    monkeypatch.setattr(
+        decision, "pulled", lambda cfg, collective, shape, total, world: four(cfg, collective, shape, total, 4)
+    )
+    monkeypatch.setattr(decision, "budget_communicator", lambda cfg, *args: f"budget {cfg.reduction} {cfg.comm_sms}")
+    monkeypatch.setattr(comm, "tail_group", lambda *args: "tail")
+    monkeypatch.setattr(comm.peer, "unavailable", lambda group, device: None)
+    monkeypatch.setattr(
+        runtime, "run_overlapped", lambda prep, a, w, ex, b, tail_group: ran.append((ex, b, tail_group))
+    )
+    times = {
+        "sequential": 1.0,
+        "overlapped, comm_sms 16": 0.95,
+        "overlapped, comm_sms 16 late": 0.9,
+        "overlapped, comm_sms 4 pull_scatter": 0.88,
+        f"overlapped, comm_sms {READ_SMS} pull_scatter": 0.8,
+    }
+    seen = []
+    timings(monkeypatch, lambda variants, *args, **kw: seen.append(sorted(variants)) or {v: times[v] for v in variants})
+    flashoverlap.gemm_all_reduce(bf16(m, 64), bf16(n, 64))
+    assert seen == [sorted(times)]
+    ((ex, budget, tail),) = ran
+    assert ex.reduction == "pull_scatter" and budget == f"budget pull_scatter {READ_SMS}" and tail is None
 
 
 @pytest.mark.parametrize("p2p_disabled", [False, True])

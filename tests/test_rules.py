@@ -10,6 +10,7 @@ from flashoverlap import comm
 from flashoverlap.config import OverlapConfig
 from flashoverlap.rules import (
     FEWEST_COMM_SMS,
+    READ_SMS,
     alternative,
     check_layout,
     for_call,
@@ -17,9 +18,11 @@ from flashoverlap.rules import (
     for_device,
     one_wave,
     pulled,
+    reads_in_place,
     resolutions,
     rotation_unit,
     takes_every_call,
+    wider_reads,
 )
 
 
@@ -76,6 +79,24 @@ def test_a_pull_candidate_leaves_the_adds_what_the_grid_spares(m, spare):
     for collective in ("reduce_scatter", "all_to_all"):  # their own segment's rows, on any world size
         found = pulled(segments, collective, (m, 8192, 64), 132, 4)
         assert (found.reduction, found.layout, found.comm_sms) == ("pull", "segments", spare)
+
+
+def test_sums_that_read_in_place_are_also_timed_with_more_sms():
+    """rules.wider_reads: a pull_scatter's or a reduce-scatter's pull (sums reading the other ranks'
+    memory) again with READ_SMS SMs; nothing for copies (a pull all-reduce, an all-to-all) or none."""
+    shape = (4096, 8192, 64)
+    cfg = for_collective(OverlapConfig(), "all_reduce")
+    scatter = pulled(cfg, "all_reduce", shape, 132, 4)
+    wider = wider_reads(scatter, "all_reduce")
+    assert (wider.reduction, wider.comm_sms) == ("pull_scatter", READ_SMS) and scatter.comm_sms < READ_SMS
+    assert wider_reads(wider, "all_reduce") is None  # as many already
+    assert wider_reads(pulled(cfg, "all_reduce", shape, 132, 2), "all_reduce") is None  # copies
+    segments = for_collective(OverlapConfig(layout="segments"), "reduce_scatter")
+    assert wider_reads(pulled(segments, "reduce_scatter", shape, 132, 4), "reduce_scatter").comm_sms == READ_SMS
+    assert wider_reads(pulled(segments, "all_to_all", shape, 132, 4), "all_to_all") is None
+    assert wider_reads(None, "all_reduce") is None
+    assert [reads_in_place(c, r) for c, r in [("all_reduce", "pull"), ("all_reduce", "pull_scatter")]] == [False, True]
+    assert [reads_in_place(c, "pull") for c in ("reduce_scatter", "all_to_all")] == [True, False]
 
 
 HOPPER, ADA, AMPERE, BLACKWELL = (9, 0), (8, 9), (8, 0), (12, 0)

@@ -28,6 +28,7 @@ from ..rules import PULLS as PULLS
 from ..rules import REDUCTIONS as REDUCTIONS
 from ..rules import check_layout as check_layout
 from ..rules import comm_pattern as comm_pattern
+from ..rules import reads_in_place as reads_in_place
 from ..rules import rows_carry as rows_carry
 from ..rules import tail_apart as tail_apart
 from .exchange import Exchange as Exchange
@@ -429,14 +430,6 @@ def _pull_segment(
     if ex.collective == "all_to_all":
         group.mine(g)
         copy_2d(into[group.rank].view(1, -1), mine[group.rank].view(1, -1))
-
-
-def reads_in_place(ex: Exchange) -> bool:
-    """Whether a pull's adds read the other ranks' partial sums in their memory (:meth:`Pulls.at`)
-    rather than copies of them: a ``pull_scatter`` all-reduce's and a ``pull`` reduce-scatter's
-    (SM loads over NVLink read every link at once; a copy engine's copies queue one after another
-    and the adds then read them again)."""
-    return ex.reduction == "pull_scatter" or ex.reduction == "pull" and ex.collective == "reduce_scatter"
 
 
 def finishes(ex: Exchange, plan: Plan) -> bool:
