@@ -1,15 +1,15 @@
 """Reduce-scatter by SM loads out of the other GPUs' memory, against copy-engine pulls and NCCL.
 
 Can a reduce-scatter's sum read the other ranks' shares straight out of their memory (SM loads over
-NVLink: one kernel, every link at once, no copy engine) instead of copying them in first?
-``pull_scatter`` on 4x H200 loses to NCCL because each rank's peer copies run one at a time on one
-copy engine and the sums then run on the few SMs the GEMM leaves (docs/experiments.md, "Pulls over
-peer memory"). For each buffer size S (bf16 per rank: a group's size, 16 MiB = a 4096x8192 output
+NVLink: one kernel, every link at once, no copy engine) instead of copying them in first? (It can:
+``pull_scatter`` and reduce-scatter by pulls now sum so; copied first, each rank's peer copies ran
+one at a time on one copy engine and lost to NCCL on 4x H200: docs/experiments.md, "Pulls over peer
+memory".) For each buffer size S (bf16 per rank: a group's size, 16 MiB = a 4096x8192 output
 in 4 groups), rank r's share is elements [r S/w, (r+1) S/w) of every rank's buffer (torch symmetric
 memory, mapped as comm/peer.py maps it). Variants, timed on every rank:
 
   ce+sum      w-1 cudaMemcpyAsync copies of the other ranks' share-r slices into local staging on
-              one stream (as pull_scatter today), then one fo_sum (csrc/runtime.cu) of the w slices
+              one stream (as pull_scatter did), then one fo_sum (csrc/runtime.cu) of the w slices
   peer-sum    one fo_sum whose inputs are the local slice and the w-1 peer pointers (no staging);
               fo_sum as it is (a thread loads one 16-byte vector per input in turn): torch-rs shows
               what a kernel made for remote loads gets
