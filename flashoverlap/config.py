@@ -17,11 +17,12 @@ import yaml
 from .gemm.generator import EPILOGUES, FAMILIES, validate_instance
 from .plan import LAYOUTS, SWIZZLES
 
-# "local" and "pull" gather every rank's partial sums, then add; "pull_scatter" pulls and adds one
-# share of every group per rank, then pulls the other shares' sums (a reduce-scatter and an
-# all-gather per group by copies: 2 (w - 1) / w of a group per rank, as a ring, where "pull" moves w - 1)
+# "local" and "pull" gather every rank's partial sums, then add; "pull_scatter" sums one share of
+# every group per rank, reading the others' partial sums in their memory, then copies the other
+# shares' sums (a reduce-scatter and an all-gather per group: 2 (w - 1) / w of a group per rank, as
+# a ring, where "pull" moves w - 1)
 REDUCTIONS = ("nccl", "local", "pull", "pull_scatter")
-PULLS = ("pull", "pull_scatter")  # the reductions that copy out of the other ranks' memory (comm.peer)
+PULLS = ("pull", "pull_scatter")  # the reductions that take from the other ranks' memory (comm.peer)
 ROW_MAJOR = ("rows", "segments")  # layouts whose buffer is row-major tile rows (the TMA epilogue's)
 
 
@@ -66,13 +67,13 @@ class OverlapConfig:
       (CUDA peer access through torch symmetric memory, no NCCL, no SM: comm.peer), which keep
       their pace beside a GEMM on every SM where NCCL's copy-engine all-gather does not; ranks with
       peer access only (NVLink or PCIe P2P), layout ``rows``, no NCCL window (``symmetric``).
-      Reduce-scatter / all-to-all (layout ``segments``) pull too: each rank copies only its own
-      segment's rows of every other rank's group, and adds them (reduce-scatter) or has its result
-      rows (all-to-all). Or ``pull_scatter`` (all-reduce,
-      layout ``rows``): as ``pull``, but each rank copies and adds only its 1 / w share of each
-      group, and then copies the other ranks' summed shares: a reduce-scatter and an all-gather
-      per group by copies, 2 (w - 1) / w of a group per rank as NCCL's ring (``pull``: w - 1) and
-      1 / w of the adds; for four and more ranks.
+      Reduce-scatter / all-to-all (layout ``segments``) pull too: each rank takes only its own
+      segment's rows of every other rank's group, and sums them where they are (reduce-scatter:
+      SM loads of the other GPUs' memory) or copies them into its result (all-to-all). Or
+      ``pull_scatter`` (all-reduce, layout ``rows``): each rank sums only its 1 / w share of each
+      group, reading the other ranks' partial sums where they are, and then copies the other
+      ranks' summed shares: a reduce-scatter and an all-gather per group, 2 (w - 1) / w of a group
+      per rank as NCCL's ring (``pull``: w - 1) and 1 / w of the adds; for four and more ranks.
     """
 
     tile_m: int = 128

@@ -243,9 +243,9 @@ def _enqueue(
         others = len(peers.others)  # (sums that read in place copy nothing there: their waits go on `stream`)
         peers.lanes = lanes(device, others) if others > 1 and not in_place else ()
         # a pull_scatter's copies of the sums on one stream of their own: apart, so that their waits for
-        # the other ranks' sums never hold up the next group's pulls; one, so that no more than one of them
-        # queues for the copy engine ahead of the pulls the next sums wait for (a lane per rank: 0.86x
-        # against 1.09x on 16384x8192x4096, four H200s)
+        # the other ranks' sums never hold up the next group's waits and sums; one, so that they queue
+        # for the copy engine one at a time (a lane per rank, when the shares were still copied into
+        # staging too: 0.86x against 1.09x on 16384x8192x4096, four H200s; not measured since)
         peers.sum_lanes = (side_stream(device, "sums"),) * others if ex.reduction == "pull_scatter" else ()
         if len(prep.lane_done) != len(peers.lanes):
             prep.lane_done = [[torch.cuda.Event() for _ in prep.targets] for _ in peers.lanes]

@@ -138,7 +138,7 @@ def tune_shape(
         raise RuntimeError(f"{m}x{n}x{k}: no candidate could be modelled (see the messages above)")
     plain = candidates.index({}) if {} in candidates and problems[candidates.index({})] is not None else None
     defaults = [prep.plan.partition for prep in preps]
-    finalists = pick_finalists(choices, problems, defaults, top, plain, patterns)
+    finalists = pick_finalists(choices, problems, defaults, top, plain, finalist_kinds(collective, cfgs, patterns))
     current = _runnable(current, ex, shape, dtype, a[0].device)
     rows = _confirm(shape, collective, candidates, finalists, current, a, w, ex, rounds, graphs)
     if brute_force:
@@ -169,6 +169,15 @@ def _widened(candidates, ex, shape, dtype, device) -> tuple[list[dict], list, li
         preps.append(prepare(m, n, k, dtype, "nk", device, cfgs[-1], interleave=segments))
         candidates.append(wider)
     return candidates, cfgs, preps
+
+
+def finalist_kinds(collective: str, cfgs: Sequence[OverlapConfig], patterns: Sequence[str]) -> list[str]:
+    """Each candidate's kind for tune_model.pick_finalists (the best predicted of every kind is
+    measured): its way of communicating (``patterns``: rules.comm_pattern); for sums that read the
+    other ranks' memory in place, with its SM count too: they run faster on more SMs, which the pull
+    model (measured alone, one for every ``comm_sms``) cannot see, so only the GEMM's lost waves would
+    rank them."""
+    return [f"{p} {c.comm_sms}" if comm.reads_in_place(collective, c.reduction) else p for c, p in zip(cfgs, patterns)]
 
 
 def _problems(shape, collective, cfgs, patterns, preps, first, a, w, ex, dtype, rounds, graphs) -> tuple[list, float]:

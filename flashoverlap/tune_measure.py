@@ -64,9 +64,9 @@ def comm_model(pattern: str, comm_sms: int, dtype, rounds: int, symmetric: bool 
     rules.comm_pattern) on the whole world: on the communicator an overlapped call uses while
     its GEMM runs, NCCL held to ``comm_sms`` SMs (0 without ``symmetric``: the default communicator,
     as for the last group), buffers in a symmetric window where ``symmetric`` (all-to-all and
-    all-gather then on the copy engines, as the runtime does); ``pull``: the other ranks' partial
-    sums copied out of their memory as each says they are there (comm.peer: no NCCL, no SM, whatever
-    ``comm_sms``). The same for every shape, so measured once per run."""
+    all-gather then on the copy engines, as the runtime does); ``pull`` / ``pull_scatter``: a pull
+    all-reduce's group alone (:func:`pull_model`: no NCCL; one model whatever ``comm_sms``). The same
+    for every shape, so measured once per run."""
 
     if pattern in comm.PULLS:  # (one model for every comm_sms: each measurement maps memory on every rank)
         return pull_model(dtype, rounds, pattern)
@@ -106,8 +106,10 @@ def comm_model(pattern: str, comm_sms: int, dtype, rounds: int, symmetric: bool 
 
 @functools.cache
 def pull_model(dtype, rounds: int, reduction: str = "pull") -> CommModel:
-    """Time by size of a ``pull`` / ``pull_scatter`` all-reduce's copies (:func:`_pulls`), measured
-    once per run."""
+    """Time by size of a ``pull`` / ``pull_scatter`` all-reduce's group (:func:`_pulls`), measured
+    once per run, alone (on every SM). A reduce-scatter's pull is priced from the ``pull`` all-reduce's
+    copies (its sums read in place instead): the tuner measures its finalists, one per SM count
+    (tune.finalist_kinds)."""
     return fit_sizes(reduction, _pulls(dtype, reduction), rounds)
 
 
@@ -117,8 +119,9 @@ def _pulls(dtype, reduction: str = "pull"):
     own, each time claimed, counted (as the GEMM would) and released as a call does (Peers.claim /
     mark / copied): without that a rank ran a measurement ahead, set a flag the other had not cleared
     yet (one signal lost), and the other waited for it forever (the tuner hung so on 2x H100 and
-    2x H200). A ``pull_scatter``'s one group: its share's copies, their sum and the other shares'
-    copies, one after another (comm.communicate_group, finish_group, gather_group)."""
+    2x H200). A ``pull_scatter``'s one group: the waits, its share's sum reading the other ranks'
+    memory in place and the other shares' copies, one after another (comm.communicate_group,
+    finish_group, gather_group)."""
 
     device, elem = torch.device("cuda", torch.cuda.current_device()), torch.finfo(dtype).bits // 8
 
@@ -130,7 +133,7 @@ def _pulls(dtype, reduction: str = "pull"):
         # one group of 1024-element rows: a plan of one wave
         plan = make_plan(chunk.numel() // 1024, 1024, tile_m=128, tile_n=128, cluster_m=1, ctas=1 << 20, layout="rows")
         ex = comm.exchange("all_reduce", plan.m, peers.world, reduction=reduction)
-        _, _, staged = comm.buffers(ex, plan, lambda shape: torch.empty(shape, dtype=dtype, device=device), chunk)
+        _, _, recv = comm.buffers(ex, plan, lambda shape: torch.empty(shape, dtype=dtype, device=device), chunk)
         out = torch.empty(plan.m, plan.n, dtype=dtype, device=device)
 
         def call(i: int) -> None:
@@ -138,8 +141,8 @@ def _pulls(dtype, reduction: str = "pull"):
             if reduction == "pull":
                 comm._pull(peers, 0, chunk, into)
             else:
-                comm.communicate_group(ex, plan, 0, chunk, staged, out, peers)
-                comm.finish_group(ex, plan, 0, chunk, staged, out, peers)
+                comm.communicate_group(ex, plan, 0, chunk, recv, out, peers)
+                comm.finish_group(ex, plan, 0, chunk, recv, out, peers)
                 comm.gather_group(ex, plan, 0, chunk, out, peers)
             peers.copied()
             peers.claim()

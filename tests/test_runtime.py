@@ -1,4 +1,4 @@
-"""How a call runs: the plain path, and what a native replay may record (CPU)."""
+"""How a call runs: the plain path, what a native replay may record, and the order a pull's streams keep (CPU)."""
 
 import pytest
 import torch
@@ -32,3 +32,121 @@ def test_the_plain_runner_runs_the_collective_on_the_product(monkeypatch):
     ex = comm.exchange("all_reduce", 16, 2)
     out = runtime.plain(ex, "group", "nk", 2)(bf16(16, 32), bf16(8, 32))
     assert ran == [(ex, (16, 8), "group")] and out.shape == (16, 8)
+
+
+class _Streams:
+    """The streams, events and stream operations of one ``runtime._enqueue``, recorded in the order
+    enqueued (CPU): ``ops`` as (stream, kind, detail); :meth:`clock` tells which earlier operation
+    of each stream an operation comes after (program order, event waits, joins)."""
+
+    def __init__(self, monkeypatch, peers):
+        self.ops, self.current = [], None
+        self.recorded = {}  # event -> the clock where it was last recorded
+        self.clocks = {}  # stream -> its clock: {stream: index of the last op of that stream it follows}
+
+        class Stream:  # (hashable: the runtime keys its side streams)
+            def __init__(self, name):
+                self.name = self.cuda_stream = name
+
+        stream = Stream
+
+        self.caller = stream("caller")
+        made = {}
+        monkeypatch.setattr(runtime, "side_stream", lambda device, role="comm": made.setdefault(role, stream(role)))
+        monkeypatch.setattr(runtime, "lanes", lambda device, count: tuple(stream(f"lane {j}") for j in range(count)))
+        monkeypatch.setattr(runtime, "join", lambda waiter, waitee, device: self.join(waiter, waitee))
+        monkeypatch.setattr(runtime.enqueue, "record", lambda event, s: self.record(event, s))
+        monkeypatch.setattr(runtime.enqueue, "wait", lambda s, event: self.wait(s, event))
+        monkeypatch.setattr(torch.cuda, "Event", lambda *args, **kwargs: object())
+        monkeypatch.setattr(torch.cuda, "current_stream", lambda device=None: self.current)
+        monkeypatch.setattr(torch.cuda, "set_stream", lambda s: setattr(self, "current", s))
+        monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: False)
+        note = self.note
+        monkeypatch.setattr(comm.peer.signal, "wait_at", lambda s, address, value: note(s, "wait", address))
+        monkeypatch.setattr(comm.peer.enqueue, "runtime_call", lambda name, *args: note(self.current, name, args))
+        monkeypatch.setattr(comm.peer.enqueue, "record", lambda event, s: self.record(event, s))
+        peer_memory = [(r.data_ptr(), r.data_ptr() + r.numel()) for r in peers.peers]
+        mine = peer_memory[peers.rank]
+
+        def reads_peers(*tensors):
+            return any(lo <= t.data_ptr() < hi and (lo, hi) != mine for t in tensors for lo, hi in peer_memory)
+
+        monkeypatch.setattr(comm, "copy_2d", lambda dst, src: note(self.current, "copy", reads_peers(src)))
+        monkeypatch.setattr(
+            comm, "add_rows", lambda rows, out, also=None: note(self.current, "sum", reads_peers(*rows))
+        )
+        peers.copied = lambda: note(self.current, "copied", None)
+
+    def note(self, s, kind, detail):
+        clock = dict(self.clocks.get(s.name, {}))
+        clock[s.name] = len(self.ops)
+        self.clocks[s.name] = clock
+        self.ops.append((s.name, kind, detail, clock))
+
+    def record(self, event, s):
+        self.note(s, "record", None)
+        self.recorded[id(event)] = dict(self.clocks[s.name])
+
+    def wait(self, s, event):
+        clock = dict(self.clocks.get(s.name, {}))
+        for name, index in self.recorded.get(id(event), {}).items():
+            clock[name] = max(clock.get(name, -1), index)
+        self.clocks[s.name] = clock
+        self.note(s, "wait event", None)
+
+    def join(self, waiter, waitee):
+        event = object()
+        self.record(event, waitee)
+        self.wait(waiter, event)
+
+
+@pytest.mark.parametrize(
+    ("collective", "reduction", "world"),
+    [
+        ("all_reduce", "pull", 2),
+        ("all_reduce", "pull", 4),
+        ("all_reduce", "pull_scatter", 4),
+        ("reduce_scatter", "pull", 4),
+        ("all_to_all", "pull", 4),
+    ],
+)
+def test_a_pull_says_it_is_done_only_after_everything_that_read_the_other_ranks_memory(
+    monkeypatch, collective, reduction, world
+):
+    """runtime._enqueue: ``copied`` (the other ranks may reuse their buffers once every rank said so)
+    comes after every copy out of their memory and every sum reading it in place, on whatever stream
+    it ran (a lane, the finisher, the sums' stream), by program order, event waits and joins; sums
+    that read in place (pull_scatter, a reduce-scatter's pull) get no lanes, copies one per rank."""
+    from flashoverlap.plan import make_plan
+    from flashoverlap.prepared import Prepared
+
+    m, n = 128 * world * 2, 512
+    layout = "rows" if collective == "all_reduce" else "segments"
+    plan = make_plan(
+        m, n, tile_m=128, tile_n=256, cluster_m=1, ctas=4, layout=layout, interleave=1 if layout == "rows" else world
+    )
+    prep = Prepared(plan, *(None,) * 4, plan.counter_targets(1), 4, None)
+    ex = comm.with_reduction(comm.exchange(collective, m, world), reduction, world)
+    peers = comm.Peers.__new__(comm.Peers)
+    regions = [torch.zeros(4 * (comm.peer.DONE + 2 * world) + 2 * plan.numel, dtype=torch.uint8) for _ in range(world)]
+    peers.rank, peers.world, peers.others = 0, world, list(range(1, world))
+    peers.fresh, peers.peers, peers.memory, peers.device = comm.peer.DONE + world, regions, regions[0], None
+    peers.flag_bytes = 4 * (peers.fresh + world)
+    peers.claimed, peers.lanes, peers.sum_lanes = object(), (), ()
+    peers.acquire = peers.release = lambda s: None
+    streams = _Streams(monkeypatch, peers)
+    prep.launch = lambda *args: streams.note(streams.current, "gemm", None)
+    alloc = lambda shape: torch.zeros(shape, dtype=torch.bfloat16)  # noqa: E731
+    shared = peers.memory[peers.flag_bytes : peers.flag_bytes + 2 * plan.numel].view(torch.bfloat16)
+    out, buffer, recv = comm.buffers(ex, plan, alloc, shared)
+    streams.current = streams.caller
+    a, w = bf16(m, 64), bf16(n, 64)
+    runtime._enqueue(prep, a, w, ex, (peers, None), streams.caller, None, (out, buffer, recv, out), None)
+    in_place = comm.reads_in_place(collective, reduction)
+    assert (len(peers.lanes) > 0) == (world > 2 and not in_place)
+    ((copied,),) = [[i for i, op in enumerate(streams.ops) if op[1] == "copied"]]
+    reads = [(i, op) for i, op in enumerate(streams.ops) if op[1] in ("copy", "sum") and op[2]]
+    assert reads and any(op[1] == "sum" for _, op in reads) == in_place
+    after = streams.ops[copied][3]
+    for i, (name, kind, _, _) in reads:
+        assert after.get(name, -1) >= i, f"{kind} on {name} (op {i}) may still run when copied is said"

@@ -183,6 +183,30 @@ def test_default_candidates_are_prebuilt_for_hopper():
                 assert precompile.spec_for(call, cfg, (9, 0)) in prebuilt, (collective, candidate, cfg.layout)
 
 
+def test_sums_that_read_in_place_are_a_kind_per_sm_count():
+    """tune.finalist_kinds: a candidate's way of communicating, and for pull_scatter and a
+    reduce-scatter's pull its SM count too, so that each count's best predicted is measured (the pull
+    model cannot tell them apart); copies (a pull all-reduce, an all-to-all) and NCCL stay one kind."""
+    from flashoverlap.config import OverlapConfig
+    from flashoverlap.rules import comm_pattern, for_collective
+    from flashoverlap.tune import finalist_kinds
+
+    def kinds(collective, *fields):
+        cfgs = [for_collective(OverlapConfig(**f), collective) for f in fields]
+        return finalist_kinds(collective, cfgs, [comm_pattern(collective, c.layout, c.reduction) for c in cfgs])
+
+    scatter = [{"reduction": "pull_scatter", "comm_sms": sms} for sms in (4, 8, 16)]
+    assert kinds("all_reduce", {}, {"comm_sms": 8}, *scatter) == [
+        "all_reduce", "all_reduce", "pull_scatter 4", "pull_scatter 8", "pull_scatter 16"
+    ]  # fmt: skip
+    assert kinds("all_reduce", {"reduction": "pull", "comm_sms": 4}, {"reduction": "pull", "comm_sms": 0}) == [
+        "pull", "pull"
+    ]  # fmt: skip
+    pulls = [{"layout": "segments", "reduction": "pull", "comm_sms": sms} for sms in (4, 16)]
+    assert kinds("reduce_scatter", *pulls) == ["pull 4", "pull 16"]
+    assert kinds("all_to_all", *pulls) == ["pull", "pull"]
+
+
 def test_a_model_that_cannot_be_fitted_drops_its_candidates_instead_of_the_run(monkeypatch):
     from flashoverlap import tune
 

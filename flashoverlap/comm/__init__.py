@@ -3,9 +3,9 @@
 Communication is plain torch.distributed (NCCL on GPUs, gloo in the CPU reference executor) on
 one contiguous range per group, so any backend and transport works; on flashoverlap's own NCCL
 communicators through NCCL's C API where torch's NCCL allows (:mod:`comm.nccl`, ``FLASHOVERLAP_NCCL``).
-The exception, ``reduction: pull`` / ``pull_scatter``: copies out of the other ranks' memory on the
-copy engines (and a ``pull_scatter``'s sums reading it in place) where the ranks have peer access
-(:mod:`comm.peer`: NCCL's kernels take SMs from the GEMM).
+The exception, ``reduction: pull`` / ``pull_scatter``: where the ranks have peer access, copies out of
+the other ranks' memory on the copy engines, and sums reading it in place (``pull_scatter``, a
+reduce-scatter's pull) (:mod:`comm.peer`: NCCL's kernels take SMs from the GEMM).
 """
 
 from __future__ import annotations
@@ -357,7 +357,7 @@ def communicate_group(
     :func:`buffers`."""
     chunk = buffer[plan.bounds[g] : plan.bounds[g + 1]]
     if ex.reduction != "nccl" and ex.collective != "all_reduce":  # (a pull: this rank's segment rows)
-        _pull_segment(ex, plan, g, chunk, recv, out, group)
+        _pull_segment(ex, plan, g, chunk, out, group)
         return
     if ex.reduction == "pull_scatter":  # the waits for the other ranks' partial sums of this rank's
         bounds = shares(plan.bounds[g], plan.bounds[g + 1], group.world)  # share: finish_group reads them there
@@ -409,7 +409,6 @@ def _pull_segment(
     plan: Plan,
     g: int,
     chunk: torch.Tensor,
-    recv: torch.Tensor | None,
     out: torch.Tensor,
     group: Pulls,
 ) -> None:
@@ -445,7 +444,7 @@ def finish_group(
     plan: Plan,
     g: int,
     buffer: torch.Tensor,
-    recv: torch.Tensor,
+    recv: torch.Tensor | None,
     out: torch.Tensor,
     peers: Pulls | None = None,
 ) -> None:

@@ -60,8 +60,9 @@ COUNTERS, SUMMED, DONE = 0, MAX_GROUPS, 2 * MAX_GROUPS
 
 class Pulls:
     """What comm's pulls need of a group of ranks: ``rank``, ``world``, ``others`` (every rank but
-    this one), :meth:`arrivals`, :meth:`mine` and (``pull_scatter``) :meth:`at`, :meth:`summed` and
-    :meth:`sums`; :class:`Peers` on GPUs, :class:`Gathered` on gloo."""
+    this one), :meth:`arrivals`, :meth:`mine`, :meth:`at` (sums that read in place: ``pull_scatter``,
+    a reduce-scatter's pull) and (``pull_scatter``) :meth:`summed` and :meth:`sums`; :class:`Peers`
+    on GPUs, :class:`Gathered` on gloo."""
 
     rank: int
     world: int
@@ -72,8 +73,9 @@ class Pulls:
         raise NotImplementedError
 
     def at(self, rank: int, chunk: torch.Tensor) -> torch.Tensor:
-        """Rank ``rank``'s bytes at ``chunk``'s place in its memory, to be read where they are (a
-        ``pull_scatter``'s sums), on a stream ordered after :meth:`arrivals`' wait for the group."""
+        """Rank ``rank``'s bytes at ``chunk``'s place in its memory, to be read where they are (the
+        sums of ``pull_scatter`` and of a reduce-scatter's pull), on a stream ordered after
+        :meth:`arrivals`' wait for the group."""
         raise NotImplementedError
 
     def mine(self, g: int) -> None:
@@ -219,9 +221,9 @@ class Peers(Window, Pulls):
 
     def arrivals(self, g: int, chunk: torch.Tensor) -> Iterator[tuple[int, torch.Tensor]]:
         """(rank, its ``chunk`` of group ``g``) for each other rank, as soon as its counter says the
-        group is written (the caller copies it, on the current stream: the rank's lane, :attr:`lanes`,
-        while it holds the pair); before a call's first group, once every other rank zeroed its
-        counters for this call."""
+        group is written (the caller copies it on the current stream -- the rank's lane,
+        :attr:`lanes`, while it holds the pair -- or reads it in place on a stream ordered after
+        it); before a call's first group, once every other rank zeroed its counters for this call."""
         for stream, r in self._on_lanes(self.lanes):
             if g == 0:
                 self._take(r, self.fresh + self.rank)
@@ -264,7 +266,7 @@ class Peers(Window, Pulls):
         self._write(self.rank, COUNTERS + g, self.targets[g])
 
     def copied(self) -> None:
-        """Every group of the call is copied here: tell the ranks they came from."""
+        """Every group of the call is copied (or read in place) here: tell the ranks they came from."""
         for r in self.others:
             self._write(self.rank, DONE + r, 1)
 
