@@ -2,6 +2,8 @@
 # On a GPU machine: install, build, then the chosen steps (default: all; ~25 min on 2x H200, so
 # run a few steps per call where calls are time-limited).
 #   bash bench/gpu_check.sh [tests] [stress] [bench] [sm80] [swizzle] [tune] [brute] [suite] [graphs] [small] [host] [symm]
+# STOP_AFTER_S: start no step once this many seconds have passed (where the call that runs this is
+# killed at a time limit, the archive below is made only if the script ends by itself).
 # Logs and CSVs in $OUT/flashoverlap-results.tgz ($OUT default /tmp/flashoverlap-check). Wheels the machine lacks
 # (nvidia-cutlass) may sit in .whl/; a prebuilt kernel cache in .kcache/ (python -m flashoverlap.precompile).
 #   tests   GPU and multi-GPU tests (both kernel families; GPU_TESTS=0: multi-GPU ones only)
@@ -31,6 +33,9 @@ steps=${*:-tests stress bench sm80 swizzle tune brute suite}
 # Everything under $OUT leaves as one archive (a device call returns few files).
 trap 'tar -C "$OUT" -czf /tmp/flashoverlap-results.tgz . && rm -rf "${OUT:?}"/* && mv /tmp/flashoverlap-results.tgz "$OUT/"' EXIT
 for step in $steps; do
+  if [ -n "${STOP_AFTER_S:-}" ] && [ "$SECONDS" -ge "$STOP_AFTER_S" ]; then
+    echo "STOP_AFTER_S=$STOP_AFTER_S passed ($SECONDS s): $step and the steps after it not run"; break
+  fi
   case $step in
   tests)
     if [ "${GPU_TESTS:-1}" = 1 ]; then  # GPU_TESTS=0: the multi-GPU tests only (the others ran on one GPU)
