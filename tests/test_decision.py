@@ -172,20 +172,28 @@ def test_a_timed_call_runs_the_fastest_candidate(one_rank_group, monkeypatch):
     assert chosen.config.late_budget and chosen.prep is late
 
 
-def test_where_the_ranks_can_pull_a_timed_all_reduce_times_the_pull_too(one_rank_group, monkeypatch):
-    """A call without a tuned config also times its config as a pull all-reduce (rules.pulled)
-    where comm.peer.unavailable allows; a winning pull runs with its own exchange, its copies and
-    no NCCL communicator for the last group."""
-
-    m, n = 4096, 8192
+def pulls_possible(monkeypatch) -> list:
+    """The ranks may pull (comm.peer.unavailable says nothing against it); communicators are named
+    for their reduction and SM budget, the last group's "tail"; overlapped calls are not run but
+    listed, as (exchange, budget communicator, tail communicator), in the list returned."""
     ran = []
-    untuned_all_reduce(monkeypatch, m, n)
     monkeypatch.setattr(decision, "budget_communicator", lambda cfg, *args: f"budget {cfg.reduction} {cfg.comm_sms}")
     monkeypatch.setattr(comm, "tail_group", lambda *args: "tail")
     monkeypatch.setattr(comm.peer, "unavailable", lambda group, device: None)
     monkeypatch.setattr(
         runtime, "run_overlapped", lambda prep, a, w, ex, b, tail_group: ran.append((ex, b, tail_group))
     )
+    return ran
+
+
+def test_where_the_ranks_can_pull_a_timed_all_reduce_times_the_pull_too(one_rank_group, monkeypatch):
+    """A call without a tuned config also times its config as a pull all-reduce (rules.pulled)
+    where comm.peer.unavailable allows; a winning pull runs with its own exchange, its copies and
+    no NCCL communicator for the last group."""
+
+    m, n = 4096, 8192
+    untuned_all_reduce(monkeypatch, m, n)
+    ran = pulls_possible(monkeypatch)
     times = {
         "sequential": 1.0,
         "overlapped, comm_sms 16": 0.95,
@@ -211,19 +219,13 @@ def test_on_four_ranks_a_timed_all_reduce_times_its_pull_with_more_sms_for_the_s
     from flashoverlap.rules import READ_SMS
 
     m, n = 4096, 8192
-    ran = []
     untuned_all_reduce(monkeypatch, m, n)
     monkeypatch.setattr(decision, "world_size", lambda group: 4)
     four = rules.pulled  # (the pull candidate as four ranks' group would make it)
     monkeypatch.setattr(
         decision, "pulled", lambda cfg, collective, shape, total, world: four(cfg, collective, shape, total, 4)
     )
-    monkeypatch.setattr(decision, "budget_communicator", lambda cfg, *args: f"budget {cfg.reduction} {cfg.comm_sms}")
-    monkeypatch.setattr(comm, "tail_group", lambda *args: "tail")
-    monkeypatch.setattr(comm.peer, "unavailable", lambda group, device: None)
-    monkeypatch.setattr(
-        runtime, "run_overlapped", lambda prep, a, w, ex, b, tail_group: ran.append((ex, b, tail_group))
-    )
+    ran = pulls_possible(monkeypatch)
     times = {
         "sequential": 1.0,
         "overlapped, comm_sms 16": 0.95,
