@@ -12,8 +12,9 @@ stream while the next chunk multiplies; best of 2, 4 and 8 chunks), torch's asyn
 ``fallback``: a flashoverlap call forced onto the sequential path (``config={"sequential": true}``),
 what a call decided sequential costs beside ``seq``; ``seq`` is also timed twice, as two variants,
 whose ratio is the run's noise floor (the fallback's difference from ``seq`` means little below it:
-host-bound calls spread by several percent between identical paths). Summarise (and plot) saved CSVs without GPUs,
-each file's runs apart: ``python -m flashoverlap.bench --from-csv a.csv b.csv --plot out.png``.
+host-bound calls spread by several percent between identical paths). Summarise (and plot) saved
+CSVs without GPUs, each file's runs apart:
+``python -m flashoverlap.bench --from-csv a.csv b.csv --plot out.png``.
 
 Variants take turns round by round (so drift hits all alike), after warm-up, timed with CUDA
 events over blocks of back-to-back calls (the host running ahead, as in a model); the reported
