@@ -44,10 +44,11 @@ from . import comm, report, state
 from .comm import COLLECTIVES, NCCL_PATHS
 from .config import OverlapConfig, resolve
 from .decision import decide
+from .inputs import FP8_DTYPES, Scales
 from .prepared import prepare
 from .registry import DTYPES as DTYPE_NAMES
 from .rules import for_call
-from .runtime import sequential
+from .runtime import plain, sequential
 from .timing import kernel_alone, operand_sets, time_variants
 
 log = logging.getLogger("flashoverlap.bench")  # not __name__: "__main__" under python -m
@@ -161,19 +162,23 @@ def overlap_efficiency(t_seq: float, t_ovl: float, t_gemm: float, t_comm: float)
     return (t_seq - t_ovl) / min(t_gemm, t_comm)
 
 
-def decomposed(a, w, ex, chunks: int, stream: torch.cuda.Stream) -> torch.Tensor:
+def decomposed(
+    a, w, ex, chunks: int, stream: torch.cuda.Stream, scales: Scales | None = None, out_dtype: torch.dtype | None = None
+) -> torch.Tensor:
     """The usual hand-written overlap: the GEMM in ``chunks`` column blocks on the current stream,
-    each block's collective (and its copy into the output) on ``stream`` while the next multiplies."""
+    each block's collective (and its copy into the output) on ``stream`` while the next multiplies
+    (FP8 operands: ``torch._scaled_mm`` with ``scales`` into ``out_dtype``)."""
 
     caller = torch.cuda.current_stream()
     n = w.shape[0]
-    out = torch.empty((ex.rows, n), dtype=a.dtype, device=a.device)
+    product = plain(ex, None, "nk", 1, out_dtype)
+    out = torch.empty((ex.rows, n), dtype=out_dtype or a.dtype, device=a.device)
     stream.wait_stream(caller)
     for cols in torch.arange(n).tensor_split(chunks):
         if not len(cols):
             continue
         c0, c1 = int(cols[0]), int(cols[-1]) + 1
-        part = a @ w[c0:c1].t()
+        part = product(a, w[c0:c1], scales)
         stream.wait_stream(caller)
         with torch.cuda.stream(stream):
             out[:, c0:c1].copy_(comm.collective(ex, part, None))
@@ -224,26 +229,40 @@ def bench_shape(shape: tuple[int, int, int], args: argparse.Namespace, inputs: s
     world = dist.get_world_size()
     a, w = operand_sets(m, n, k, dtype, hot=inputs == "hot")
     sets = len(a)
-    c = torch.randn(m, n, device="cuda").to(dtype)
+    # FP8 operands: per-tensor scales (the weight's carries the 1 / sqrt(K) that 16-bit weights hold)
+    # and a bf16 result, as a quantized layer's
+    scales = out_dtype = None
+    if dtype in FP8_DTYPES:
+        scales = Scales(torch.ones(1, device="cuda"), torch.full((1,), k**-0.5, device="cuda"))
+        out_dtype = torch.bfloat16
+    fp8 = {} if scales is None else {"scale_a": scales.a, "scale_b": scales.b}
+    c = torch.randn(m, n, device="cuda").to(out_dtype or dtype)
     ex = comm.exchange(collective, m, world)
     overlapped = getattr(flashoverlap, f"gemm_{collective}")
     fallback = resolve(FALLBACK)
+    product = plain(ex, None, "nk", 1, out_dtype)
 
     def seq(i):
-        return sequential(a[i % sets], w[i % sets], "nk", ex, None)
+        return sequential(a[i % sets], w[i % sets], "nk", ex, None, scales, out_dtype)
+
+    def planned(cfg: OverlapConfig):  # its plan, kernel and tables, as the call prepares them
+        return prepare(m, n, k, dtype, "nk", a[0].device, cfg, 0, comm.interleave(ex, cfg.layout), None, out_dtype)
 
     variants: dict[str, Callable[[int], object]] = {
-        "gemm": lambda i: a[i % sets] @ w[i % sets].t(),
+        "gemm": lambda i: product(a[i % sets], w[i % sets], scales),
         "comm": lambda i: comm.collective(ex, c, None),
         "seq": seq,
         "seq_again": seq,  # the same work again: how far identical variants measure apart here
         # a call decided sequential: what its checks, lookup and allocation add to seq
-        "fallback": lambda i: overlapped(a[i % sets], w[i % sets], config=fallback),
+        "fallback": lambda i: overlapped(a[i % sets], w[i % sets], config=fallback, **fp8),
     }
     side = torch.cuda.Stream()
     for chunk in chunks:
-        variants[f"decomp{chunk}"] = lambda i, chunk=chunk: decomposed(a[i % sets], w[i % sets], ex, chunk, side)
-    fused = async_tp(a[0], w[0]) if collective == "reduce_scatter" else None
+        variants[f"decomp{chunk}"] = lambda i, chunk=chunk: decomposed(
+            a[i % sets], w[i % sets], ex, chunk, side, scales, out_dtype
+        )
+    # (torch's FP8 fused_scaled_matmul_reduce_scatter is not among the variants yet)
+    fused = async_tp(a[0], w[0]) if collective == "reduce_scatter" and scales is None else None
     if fused is not None:
         variants["asynctp"] = lambda i: fused(a[i % sets], w[i % sets])
     cfgs = [for_call(resolve(cfg), ex, shape) if cfg is not None else None for cfg in configs]
@@ -255,18 +274,17 @@ def bench_shape(shape: tuple[int, int, int], args: argparse.Namespace, inputs: s
             os.environ["FLASHOVERLAP_NCCL"] = path
             state.forget_decisions()
         # a call without config= decides here (timed if untuned); what it runs, as it decided
-        got, want = overlapped(a[0], w[0], config=cfgs[j]).float(), seq(0).float()
+        got, want = overlapped(a[0], w[0], config=cfgs[j], **fp8).float(), seq(0).float()
         errors[j, path] = ((got - want).norm() / want.norm()).item()
-        decided = decide(a[0], w[0], collective, None, cfgs[j])
+        decided = decide(a[0], w[0], collective, None, cfgs[j], scales=scales, out_dtype=out_dtype)
         if len(nccl) > 1:  # each path's decision, kept: switching paths inside the timing would decide again
-            variants[f"fo{j}{path}"] = lambda i, run=decided.run: run(a[i % sets], w[i % sets])
+            variants[f"fo{j}{path}"] = lambda i, run=decided.run: run(a[i % sets], w[i % sets], scales)
         else:  # "registry" variants call without config=, as a user would (the lookup is part of the call)
-            variants[f"fo{j}{path}"] = lambda i, cfg=cfgs[j]: overlapped(a[i % sets], w[i % sets], config=cfg)
+            variants[f"fo{j}{path}"] = lambda i, cfg=cfgs[j]: overlapped(a[i % sets], w[i % sets], config=cfg, **fp8)
         cfg = picked[j, path] = cfgs[j] or decided.config or OverlapConfig(sequential=True)
         if not cfg.sequential and cfg not in kernels:
             kernels[cfg] = f"kernel{len(kernels)}"
-            segments = comm.interleave(ex, cfg.layout)
-            variants[kernels[cfg]] = kernel_alone(prepare(m, n, k, dtype, "nk", a[0].device, cfg, 0, segments), a, w)
+            variants[kernels[cfg]] = kernel_alone(planned(cfg), a, w, scales)
     times = time_variants(variants, args.rounds, args.block, args.warmup, graphs=args.graphs)
 
     rows = []
@@ -276,11 +294,7 @@ def bench_shape(shape: tuple[int, int, int], args: argparse.Namespace, inputs: s
     t_async = times.get("asynctp", float("nan"))
     for j, path in runs:
         cfg, t_fo = picked[j, path], times[f"fo{j}{path}"]
-        plan = (
-            None
-            if cfg.sequential
-            else prepare(m, n, k, dtype, "nk", a[0].device, cfg, 0, comm.interleave(ex, cfg.layout)).plan
-        )
+        plan = None if cfg.sequential else planned(cfg).plan
         rows.append(
             {
                 "m": m,

@@ -27,14 +27,16 @@ from . import comm, registry, runtime, signal, state, timing, watchdog
 from .comm import Exchange
 from .comm.nccl import group_fact
 from .config import OverlapConfig, differences, resolve
-from .inputs import DTYPES, check_inputs, world_size
+from .inputs import FP8_DTYPES, OPERAND_DTYPES, Scales, check_inputs, world_size
 from .prepared import Prepared, prepare, shared_columns
 from .rules import (
+    FP8_MIN_CAPABILITY,
     alternative,
     carries,
     check_layout,
     for_call,
     for_device,
+    fp8_overlaps,
     one_wave,
     peer_memory,
     pulled,
@@ -48,17 +50,21 @@ from .rules import (
 
 log = logging.getLogger(__name__)
 _DEFAULTS = OverlapConfig()  # frozen: built once (each construction validates)
+# FP8 operands' defaults: 128 x 128 tiles. The FP8 mainloop keeps a second set of fp32 accumulators
+# (the tensor cores' partial sums promoted every few K-blocks): a 128 x 256 tile spills registers and
+# ran ~3x slower alone than 128 x 128 (docs/experiments.md, FP8).
+_FP8_DEFAULTS = OverlapConfig(tile_n=128)
 Communicator = dist.ProcessGroup | comm.Direct | comm.Peers
 
 
 @dataclass(frozen=True, eq=False)
 class Decision:
-    """What a call runs (:func:`decide`): its exchange, and ``run(a, weight)``: the plain GEMM and
-    collective where ``config`` is None, else the overlapped call with its plan and communicators
-    (runtime.run_overlapped)."""
+    """What a call runs (:func:`decide`): its exchange, and ``run(a, weight, scales=None)`` (FP8
+    operands: with their scales): the plain GEMM and collective where ``config`` is None, else the
+    overlapped call with its plan and communicators (runtime.run_overlapped)."""
 
     ex: Exchange
-    run: Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
+    run: Callable[..., torch.Tensor]
     config: OverlapConfig | None = None
     prep: Prepared | None = None
     budget: Communicator | None = None
@@ -76,24 +82,29 @@ def decide(
     output_splits: Sequence[int] | None = None,
     rows_per_rank: Sequence[int] | None = None,
     exchanged: list[Exchange] | None = None,
+    scales: Scales | None = None,
+    out_dtype: torch.dtype | None = None,
 ) -> Decision:
     """Which path a call takes and with which config (every check first; a call without
     ``config=`` that is not tuned for its very shape is timed on first use, :func:`trial`).
-    ``exchanged``: the call's :class:`Exchange` is appended to it. Kept in the group's state for
-    the next call like it (same arguments, operand shapes, dtype and device; not one whose counts
-    are exchanged): a repeated call pays the input checks and one lookup, not the decision."""
+    ``exchanged``: the call's :class:`Exchange` is appended to it; FP8 operands: their ``scales`` and
+    result ``out_dtype`` (inputs.check_scales). Kept in the group's state for the next call like it
+    (same arguments, operand shapes, dtypes and device; not one whose counts are exchanged): a
+    repeated call pays the input checks and one lookup, not the decision."""
     world = world_size(group)
     given = resolve(config) if config is not None else None
     explicit = resolutions(given, collective)[0] if given is not None else None  # its layout resolved below
     m, n, k = check_inputs(a, weight, weight_layout)
+    if (a.dtype in FP8_DTYPES) != (scales is not None):
+        raise ValueError(f"FP8 operands take scales, others none: a is {a.dtype}, scales {scales}")
     key, kept = None, state.of(group).decisions
     if splits is None and output_splits is None and rows_per_rank is None:  # (else exchanged per call)
-        key = (collective, given, weight_layout, m, n, k, a.dtype, a.device.index)
+        key = (collective, given, weight_layout, m, n, k, a.dtype, out_dtype, a.device.index)
         if (known := kept.recent(key)) is not None:
             if exchanged is not None:
                 exchanged.append(known.ex)
             return known
-    args = (splits, output_splits, rows_per_rank, exchanged)
+    args = (splits, output_splits, rows_per_rank, exchanged, scales, out_dtype)
     decision = _decide(a, weight, collective, group, given, explicit, weight_layout, world, (m, n, k), *args)
     if key is not None and not capturing(a):  # (a capture skips the trial)
         kept.keep(key, decision)
@@ -129,13 +140,29 @@ def _decide(
     output_splits: Sequence[int] | None,
     rows_per_rank: Sequence[int] | None,
     exchanged: list[Exchange] | None,
+    scales: Scales | None,
+    out_dtype: torch.dtype | None,
 ) -> Decision:
     """:func:`decide`, its arguments checked (``given``: the config resolved, ``explicit``: its first
     resolution for the collective, ``mnk``: the GEMM's shape): the exchange, the config the call
     starts from, its plans and the candidates timed beside it, their communicators, the pick."""
     m, n, k = mnk
+    capability = torch.cuda.get_device_capability(a.device) if scales is not None else None
+    if scales is not None and capability < FP8_MIN_CAPABILITY:
+        raise ValueError(
+            f"FP8 operands need a GPU with FP8 tensor cores (sm_89 or later): {a.device} is "
+            f"sm_{capability[0]}{capability[1]}"
+        )
+    fp8_kernels = scales is None or fp8_overlaps(capability)
     if explicit is not None and world > 1 and not explicit.sequential:  # no kernel here: fail before communicating
-        for_device(explicit, torch.cuda.get_device_capability(a.device))
+        if not fp8_kernels:
+            raise ValueError(
+                f"no FP8 overlap kernels for sm_{capability[0]}{capability[1]} (Hopper's only, so far): "
+                "call without config= (the plain torch._scaled_mm and collective) or with config={'sequential': True}"
+            )
+        resolved, _ = for_device(explicit, capability or torch.cuda.get_device_capability(a.device))
+        if scales is not None and resolved.kernel != "sm90":
+            raise ValueError(f"FP8 operands run on the sm90 kernels (Hopper), not kernel {explicit.kernel!r}")
     ex = comm.exchange(collective, m, world, splits, output_splits, group, a.device, rows_per_rank=rows_per_rank)
     if exchanged is not None:
         exchanged.append(ex)
@@ -143,17 +170,19 @@ def _decide(
     # call where this rank, or any rank known to, has no rows
     if world == 1 or m == 0 or ex.ragged and 0 in ex.sources:
         _say(ex, (m, n, k), a.dtype, group, "sequential: one rank" if world == 1 else "sequential: a rank has no rows")
-        return Decision(ex, runtime.plain(ex, group, weight_layout, world))
+        return Decision(ex, runtime.plain(ex, group, weight_layout, world, out_dtype))
     # what every rank decides alike rests on: where the ranks' M differ (known where the counts were
     # exchanged), the largest, whose GEMM sets the pace
     shape = (max(ex.sources) if ex.ragged else m, n, k)
 
     def plain(why: str) -> Decision:
         _say(ex, shape, a.dtype, group, f"sequential: {why}")
-        return Decision(ex, runtime.plain(ex, group, weight_layout, world))
+        return Decision(ex, runtime.plain(ex, group, weight_layout, world, out_dtype))
 
     if explicit is not None and explicit.sequential:  # (on any GPUs: nothing is asked of them)
         return plain("your config says sequential")
+    if not fp8_kernels:
+        return plain(f"no FP8 overlap kernels for sm_{capability[0]}{capability[1]}")
     full = group if group is not None else dist.group.WORLD
     start = _start(a, collective, group, full, given, explicit, world, ex, shape)
     cfg, source = start.config, start.source
@@ -170,7 +199,7 @@ def _decide(
             + (", symmetric: true" if cfg.symmetric else "")
         )
     with torch.cuda.device(a.device):  # the kernels launch on the current device
-        ex, planned = _planning(a, weight_layout, group, cfg, ex, world, mnk, shape)
+        ex, planned = _planning(a, weight_layout, group, cfg, ex, world, mnk, shape, out_dtype)
         preps = [planned(cfg)]
         if explicit is None and preps[0].plan.num_groups == 1:  # nothing to overlap: it would only add host time
             return plain(f"{source} make one group, nothing to overlap")
@@ -185,7 +214,19 @@ def _decide(
         pick = 0
         if start.timed:
             pick = trial(
-                candidates, preps, budgets, a, weight, weight_layout, exes, tails, full, shape[0], start.untuned
+                candidates,
+                preps,
+                budgets,
+                a,
+                weight,
+                weight_layout,
+                exes,
+                tails,
+                full,
+                shape[0],
+                start.untuned,
+                scales=scales,
+                out_dtype=out_dtype,
             )
             if pick is None:
                 return plain(f"{source} lost to it when timed")
@@ -208,8 +249,8 @@ def _overlapped(
     watch its calls made, its settings checked, before any of them runs)."""
     watchdog.get()
 
-    def run(a: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
-        return runtime.run_overlapped(prep, a, weight, ex, budget, tail_group=tail)
+    def run(a: torch.Tensor, weight: torch.Tensor, scales: Scales | None = None) -> torch.Tensor:
+        return runtime.run_overlapped(prep, a, weight, ex, budget, tail_group=tail, scales=scales)
 
     return Decision(ex, run, cfg, prep, budget, tail)
 
@@ -246,7 +287,7 @@ def _start(
     # defaults, which replace a hint of sequential
     timed = explicit is None and not (found is not None and found.exact)
     hint = found.config if found is not None and not (timed and found.config.sequential) else None
-    cfg = for_call(given or hint or _DEFAULTS, ex, shape)
+    cfg = for_call(given or hint or (_FP8_DEFAULTS if a.dtype in FP8_DTYPES else _DEFAULTS), ex, shape)
     # NCCL carries a group across hosts over the network, and peer memory reaches no other host: your
     # config is refused; a registry entry (or the nearest one) drops its window (transport net) and
     # pulls (comm.peer.unavailable) below
@@ -288,10 +329,11 @@ def _planning(
     world: int,
     mnk: tuple[int, int, int],
     shape: tuple[int, int, int],
+    out_dtype: torch.dtype | None,
 ) -> tuple[Exchange, Callable[[OverlapConfig], Prepared]]:
     """The call's exchange with ``cfg``'s reduction, checked against its layout, and ``planned(c)``:
     the plan of config ``c`` for this rank's GEMM ``mnk`` (on the shared columns of the largest M,
-    ``shape``, where the ranks' M differ)."""
+    ``shape``, where the ranks' M differ; ``out_dtype``: an FP8 GEMM's result's)."""
     m, n, k = mnk
     if cfg.reduction != ex.reduction:
         ex = comm.with_reduction(ex, cfg.reduction, world)
@@ -304,8 +346,11 @@ def _planning(
     rotate = comm.rows_rotation(ex, cfg.layout, group_fact(group, "rank", dist.get_rank))
 
     def planned(c: OverlapConfig) -> Prepared:
-        columns = shared_columns(*shape, a.dtype, weight_layout, a.device, c) if ex.ragged else None
-        return prepare(m, n, k, a.dtype, weight_layout, a.device, c, rotate, comm.interleave(ex, c.layout), columns)
+        columns = (
+            shared_columns(*shape, a.dtype, weight_layout, a.device, c, out_dtype=out_dtype) if ex.ragged else None
+        )
+        segments = comm.interleave(ex, c.layout)
+        return prepare(m, n, k, a.dtype, weight_layout, a.device, c, rotate, segments, columns, out_dtype=out_dtype)
 
     return ex, planned
 
@@ -349,7 +394,7 @@ def tuned_config(
     """The registry's config for this call over ``transport`` (flashoverlap.registry), None without
     one. Where the entry cannot take the call (rules.carries; entries are tuned with equal splits on
     NCCL: unequal all-to-all splits, say), the entry's measured ``fallback``, else None."""
-    key = (_device_name(a.device.index), world, ex.collective, transport, DTYPES[a.dtype], shape)
+    key = (_device_name(a.device.index), world, ex.collective, transport, OPERAND_DTYPES[a.dtype], shape)
     timing = registry.timing()
     found = registry.lookup(*key, timing=timing)
     if found is not None and not carries(found.config, ex, shape, p2p):
@@ -429,7 +474,7 @@ def _say(ex: Exchange, shape: tuple[int, int, int], dtype: torch.dtype, group, p
     said.keep(key, True)
     if dist.get_rank(group) == 0:
         world = dist.get_world_size(group)
-        what = f"{ex.collective} {'x'.join(map(str, shape))} {DTYPES[dtype]}, {world} rank{'s' * (world > 1)}"
+        what = f"{ex.collective} {'x'.join(map(str, shape))} {OPERAND_DTYPES[dtype]}, {world} rank{'s' * (world > 1)}"
         log.info(f"{what}{' (M differs by rank)' * ex.ragged}: {path}")
 
 
@@ -449,6 +494,8 @@ def trial(
     full: dist.ProcessGroup,
     m: int,
     untuned: bool = True,
+    scales: Scales | None = None,
+    out_dtype: torch.dtype | None = None,
 ) -> int | None:
     """Which of the overlapped calls ``cfgs`` (their plans ``preps``, communicators ``budgets``,
     exchanges ``exes`` and ``tails``: runtime.run_overlapped) to run, None for the sequential call
@@ -464,13 +511,15 @@ def trial(
     the M every rank decides on, the largest where they differ). Not timed while a CUDA graph is
     being captured (the first config then, the answer not kept) or with ``FLASHOVERLAP_TRIAL=0``;
     under ``FLASHOVERLAP_TIMING=graphs`` each candidate's calls are captured and replayed as a CUDA
-    graph (the host's time does not count); ``untuned``: no registry entry at all (for the message)."""
+    graph (the host's time does not count); ``untuned``: no registry entry at all (for the message);
+    FP8 operands: their ``scales`` and result ``out_dtype``."""
     graphs = registry.timing() == "graphs"
     key = (
         graphs,
         m.bit_length(),
         weight.shape,
         a.dtype,
+        out_dtype,
         weight_layout,
         a.device.index,
         tuple(cfgs),
@@ -495,10 +544,10 @@ def trial(
         def on(i: int) -> tuple[torch.Tensor, torch.Tensor]:  # call i's operands
             return operands[i % len(operands)], weights[i % len(weights)]
 
-        timed = {"sequential": lambda i: runtime.sequential(*on(i), weight_layout, exes[0], full)}
+        timed = {"sequential": lambda i: runtime.sequential(*on(i), weight_layout, exes[0], full, scales, out_dtype)}
         for name, prep, budget, ex, tail in zip(names, preps, budgets, exes, tails):
             timed[name] = lambda i, p=prep, b=budget, e=ex, t=tail: runtime.run_overlapped(
-                p, *on(i), e, b, tail_group=t
+                p, *on(i), e, b, tail_group=t, scales=scales
             )
         return timed
 

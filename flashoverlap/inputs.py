@@ -2,18 +2,34 @@
 
 from __future__ import annotations
 
+from typing import NamedTuple
+
 import torch
 import torch.distributed as dist
 
 from .comm.nccl import group_fact
 
 DTYPES = {torch.bfloat16: "bfloat16", torch.float16: "float16"}
+# FP8 operands (with scales; the result bf16 / fp16): Hopper's kernels, torch._scaled_mm's semantics
+FP8_DTYPES = {torch.float8_e4m3fn: "float8_e4m3fn", torch.float8_e5m2: "float8_e5m2"}
+OPERAND_DTYPES = {**DTYPES, **FP8_DTYPES}
 
 
 WEIGHT_LAYOUTS = ("nk", "kn")
 
 
 ALIGNMENT = 8  # elements: TMA needs 16-byte aligned rows
+FP8_ALIGNMENT = 16  # (16 bytes of FP8; torch._scaled_mm asks the same of N and K)
+
+
+class Scales(NamedTuple):
+    """An FP8 call's float32 scales, one each per tensor: C = (a_scale * b_scale) * (a @ W^T), as
+    ``torch._scaled_mm(a, W.T, scale_a=a_scale, scale_b=b_scale)``. They stay on the device: the
+    overlapped call multiplies them into the epilogue's alpha there, so a scale computed on the GPU
+    needs no host sync and a CUDA graph reads each replay's values."""
+
+    a: torch.Tensor
+    b: torch.Tensor
 
 
 def check_group(group: object) -> None:
@@ -42,8 +58,8 @@ def check_inputs(a: object, weight: object, weight_layout: str, device_type: str
             raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
         if t.dim() != 2:
             raise ValueError(f"{name} must be 2-D, got shape {tuple(t.shape)}")
-        if t.dtype not in DTYPES:
-            raise ValueError(f"{name} has dtype {t.dtype}; supported: {', '.join(map(str, DTYPES))}")
+        if t.dtype not in OPERAND_DTYPES:
+            raise ValueError(f"{name} has dtype {t.dtype}; supported: {', '.join(map(str, OPERAND_DTYPES))}")
     if a.dtype != weight.dtype:
         raise ValueError(f"a and weight dtypes differ: {a.dtype} vs {weight.dtype}")
     m, k = a.shape
@@ -56,8 +72,9 @@ def check_inputs(a: object, weight: object, weight_layout: str, device_type: str
         )
     if n < 1 or k < 1:  # M = 0 is fine: a rank with no rows for this call (an MoE expert without tokens)
         raise ValueError(f"empty problem: N={n}, K={k}")
-    if n % ALIGNMENT or k % ALIGNMENT:
-        raise ValueError(f"N and K must be multiples of {ALIGNMENT} (16-byte rows for TMA), got N={n}, K={k}")
+    align = FP8_ALIGNMENT if a.dtype in FP8_DTYPES else ALIGNMENT
+    if n % align or k % align:
+        raise ValueError(f"N and K must be multiples of {align} (16-byte rows for TMA), got N={n}, K={k}")
     for name, t in (("a", a), ("weight", weight)):
         if not t.is_contiguous():
             raise ValueError(f"{name} must be contiguous (row-major); call .contiguous() first")
@@ -67,3 +84,45 @@ def check_inputs(a: object, weight: object, weight_layout: str, device_type: str
     if a.device != weight.device:
         raise ValueError(f"a is on {a.device} but weight is on {weight.device}")
     return m, n, k
+
+
+def check_scales(
+    a: torch.Tensor,
+    weight: torch.Tensor,
+    weight_layout: str,
+    scale_a: object,
+    scale_b: object,
+    out_dtype: object,
+) -> tuple[Scales | None, torch.dtype | None]:
+    """A call's FP8 arguments checked against its operands (whose dtypes :func:`check_inputs` checks):
+    (its :class:`Scales`, its result's dtype) for FP8 operands, (None, None) for 16-bit ones, which
+    take none of them. FP8: float32 per-tensor scales on the operands' device, both given; the
+    result bfloat16 (the default) or float16; the weight [N, K] (FP8 tensor cores read both operands
+    K-major)."""
+    if a.dtype not in FP8_DTYPES and weight.dtype not in FP8_DTYPES:
+        if scale_a is not None or scale_b is not None or out_dtype is not None:
+            raise ValueError(
+                f"scale_a, scale_b and out_dtype are for FP8 operands ({', '.join(map(str, FP8_DTYPES))}); "
+                f"a is {a.dtype}: its result is {a.dtype}, unscaled"
+            )
+        return None, None
+    if weight_layout != "nk":
+        raise ValueError(f"FP8 operands need weight_layout 'nk' (a [N, K] weight), got {weight_layout!r}")
+    if out_dtype is None:
+        out_dtype = torch.bfloat16
+    if out_dtype not in DTYPES:
+        raise ValueError(f"out_dtype must be one of {', '.join(map(str, DTYPES))}, got {out_dtype!r}")
+    given = {"scale_a": scale_a, "scale_b": scale_b}
+    for name, t in given.items():
+        if t is None:
+            raise ValueError(f"FP8 operands need {name} (a float32 scale per tensor, as torch._scaled_mm)")
+        if not isinstance(t, torch.Tensor):
+            raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
+        if t.dtype != torch.float32 or t.numel() != 1:
+            raise ValueError(
+                f"{name} must be one float32 value (a per-tensor scale; rowwise scales are not supported yet), "
+                f"got {t.dtype} of shape {tuple(t.shape)}"
+            )
+        if t.device != a.device:
+            raise ValueError(f"{name} is on {t.device}, expected {a.device} (the operands' device)")
+    return Scales(scale_a, scale_b), out_dtype

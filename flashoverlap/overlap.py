@@ -2,10 +2,14 @@
 
 Operands of every public entry point: a: [M, K]; weight: [N, K] like ``torch.nn.Linear``
 (``weight_layout="nk"``) or [K, N] (``"kn"``); bf16 or fp16, contiguous, on this rank's CUDA
-device; N and K multiples of 8; every rank passes the same shapes (but M for an all-to-all whose
-counts are exchanged, ``splits`` without ``output_splits``, or given, ``rows_per_rank``). ``config``: an
-:class:`OverlapConfig`, a dict of its fields, or a YAML path (default: the registry's entry nearest
-the call, see :mod:`flashoverlap.registry`, else the built-in defaults). The result is a
+device; N and K multiples of 8. FP8 operands (float8_e4m3fn / float8_e5m2, weight [N, K], N and K
+multiples of 16) take ``torch._scaled_mm``'s per-tensor float32 ``scale_a`` and ``scale_b`` (on the
+device: C = scale_a * scale_b * a @ weight.T, accumulated in fp32) and give ``out_dtype`` (bf16, the
+default, or fp16); Hopper overlaps them, Ada runs them plain; they have no backward. Every rank
+passes the same shapes (but M for an all-to-all whose counts are exchanged, ``splits`` without
+``output_splits``, or given, ``rows_per_rank``). ``config``: an :class:`OverlapConfig`, a dict of its
+fields, or a YAML path (default: the registry's entry nearest the call, see
+:mod:`flashoverlap.registry`, else the built-in defaults). The result is a
 new tensor, ready on the current stream. Bad input raises ``ValueError``/``TypeError`` before
 anything is launched. A group of one rank runs the plain GEMM; so does a call without ``config``
 whose GEMM is one group (one wave: nothing to overlap), or that is not tuned for its shape and lost
@@ -31,7 +35,7 @@ import torch.distributed as dist
 from . import comm, decision, state
 from .comm import Exchange
 from .config import OverlapConfig, resolve
-from .inputs import check_inputs, world_size
+from .inputs import check_inputs, check_scales, world_size
 from .runtime import sequential
 
 
@@ -42,9 +46,13 @@ def gemm_all_reduce(
     group: dist.ProcessGroup | None = None,
     config: OverlapConfig | dict | str | os.PathLike | None = None,
     weight_layout: str = "nk",
+    scale_a: torch.Tensor | None = None,
+    scale_b: torch.Tensor | None = None,
+    out_dtype: torch.dtype | None = None,
 ) -> torch.Tensor:
     """``all_reduce(a @ weight.T)`` over ``group`` -> [M, N], overlapped with the GEMM."""
-    return _gemm_collective(a, weight, "all_reduce", group, config, weight_layout)
+    fp8 = (scale_a, scale_b, out_dtype)
+    return _gemm_collective(a, weight, "all_reduce", group, config, weight_layout, fp8=fp8)
 
 
 def gemm_reduce_scatter(
@@ -54,10 +62,14 @@ def gemm_reduce_scatter(
     group: dist.ProcessGroup | None = None,
     config: OverlapConfig | dict | str | os.PathLike | None = None,
     weight_layout: str = "nk",
+    scale_a: torch.Tensor | None = None,
+    scale_b: torch.Tensor | None = None,
+    out_dtype: torch.dtype | None = None,
 ) -> torch.Tensor:
     """``reduce_scatter_tensor`` of ``a @ weight.T`` over ``group``: rank r gets the summed rows
     [r * M / world, (r + 1) * M / world) -> [M / world, N]; M must be a multiple of the world size."""
-    return _gemm_collective(a, weight, "reduce_scatter", group, config, weight_layout)
+    fp8 = (scale_a, scale_b, out_dtype)
+    return _gemm_collective(a, weight, "reduce_scatter", group, config, weight_layout, fp8=fp8)
 
 
 def gemm_all_to_all(
@@ -70,6 +82,9 @@ def gemm_all_to_all(
     group: dist.ProcessGroup | None = None,
     config: OverlapConfig | dict | str | os.PathLike | None = None,
     weight_layout: str = "nk",
+    scale_a: torch.Tensor | None = None,
+    scale_b: torch.Tensor | None = None,
+    out_dtype: torch.dtype | None = None,
 ) -> torch.Tensor:
     """``all_to_all_single`` of ``a @ weight.T``: the first ``splits[0]`` rows go to rank 0, the
     next ``splits[1]`` to rank 1, ... (even split when omitted); returns the rows received from
@@ -78,7 +93,8 @@ def gemm_all_to_all(
     host sync), and the ranks may then pass different M (MoE experts; none included). Ranks whose M
     differ and that know every rank's M (``rows_per_rank``, e.g. from the dispatcher's token
     counts) pass it with ``splits`` and ``output_splits``: then nothing is exchanged."""
-    return _gemm_collective(a, weight, "all_to_all", group, config, weight_layout, splits, output_splits, rows_per_rank)
+    counts, fp8 = (splits, output_splits, rows_per_rank), (scale_a, scale_b, out_dtype)
+    return _gemm_collective(a, weight, "all_to_all", group, config, weight_layout, *counts, fp8=fp8)
 
 
 def with_gradients(
@@ -160,40 +176,58 @@ def _gemm_collective(
     output_splits: Sequence[int] | None = None,
     rows_per_rank: Sequence[int] | None = None,
     exchanged: list[Exchange] | None = None,
+    fp8: tuple = (None, None, None),
 ) -> torch.Tensor:
     """A call (see the module's docstring): with gradients where autograd asks for them (CUDA
     tensors; others fail the checks below), inside a graph ``torch.compile`` traces the one operator
     ``flashoverlap::gemm_collective`` (no graph break, so ``fullgraph=True`` works; its group and
     config reach it as strings fixed when the graph is traced), else run here: a repeat of a call
     decided before (:func:`_call_key`) runs what it decided straight away. ``exchanged``: where given,
-    the call's :class:`Exchange` is appended to it (for the gradients; not where traced)."""
+    the call's :class:`Exchange` is appended to it (for the gradients; not where traced); ``fp8``:
+    (scale_a, scale_b, out_dtype) as the public calls take them (inputs.check_scales)."""
     tensors = isinstance(a, torch.Tensor) and isinstance(weight, torch.Tensor)
+    scales = out_dtype = None
+    if tensors:  # (checked on every call: a repeat's scales are new tensors)
+        scales, out_dtype = check_scales(a, weight, weight_layout, *fp8)
     if tensors and a.is_cuda and _wants_gradients(a, weight):
+        if scales is not None:
+            raise ValueError("FP8 calls have no backward: pass operands that do not require gradients")
         return with_gradients(a, weight, collective, group, config, weight_layout, splits, output_splits, rows_per_rank)
     if torch.compiler.is_compiling():
         counts = [None if s is None else [int(c) for c in s] for s in (splits, output_splits, rows_per_rank)]
         return torch.ops.flashoverlap.gemm_collective(
-            a, weight, collective, _group_name(group), _config_text(config), weight_layout, *counts
+            a, weight, collective, _group_name(group), _config_text(config), weight_layout, *counts, *fp8
         )
     key = None
     if tensors and splits is None and output_splits is None and rows_per_rank is None:
-        key = _call_key(a, weight, collective, config, weight_layout)
+        key = _call_key(a, weight, collective, config, weight_layout, out_dtype)
         kept = state.kept(group) if key is not None else None
         if kept is not None and (known := kept.runners.get(key)) is not None:
             run, ex = known
             if exchanged is not None:
                 exchanged.append(ex)
-            return run(a, weight)
+            return run(a, weight, scales)
     chosen = decision.decide(
-        a, weight, collective, group, config, weight_layout, splits, output_splits, rows_per_rank, exchanged
+        a,
+        weight,
+        collective,
+        group,
+        config,
+        weight_layout,
+        splits,
+        output_splits,
+        rows_per_rank,
+        exchanged,
+        scales,
+        out_dtype,
     )
     if key is not None and not decision.capturing(a):
         state.of(group).runners.keep(key, (chosen.run, chosen.ex))
-    return chosen.run(a, weight)
+    return chosen.run(a, weight, scales)
 
 
 def _call_key(
-    a: torch.Tensor, weight: torch.Tensor, collective: str, config: object, weight_layout: str
+    a: torch.Tensor, weight: torch.Tensor, collective: str, config: object, weight_layout: str, out_dtype: object
 ) -> tuple | None:
     """What a call is known by once decided, cheap to make (every call makes it): everything its
     checks and its decision rest on (operand shapes, dtypes, devices; contiguous operands only), as
@@ -201,7 +235,8 @@ def _call_key(
     call); None where the call must be decided (and checked) in full."""
     if not (config is None or type(config) is OverlapConfig) or not (a.is_contiguous() and weight.is_contiguous()):
         return None
-    return collective, config, weight_layout, a.shape, weight.shape, a.dtype, weight.dtype, a.device, weight.device
+    shapes = a.shape, weight.shape, a.dtype, weight.dtype, a.device, weight.device
+    return collective, config, weight_layout, *shapes, out_dtype
 
 
 @torch.compiler.assume_constant_result
@@ -227,23 +262,34 @@ def _config_of(text: str) -> OverlapConfig | None:
 _library = torch.library.Library("flashoverlap", "DEF")
 _library.define(
     "gemm_collective(Tensor a, Tensor weight, str collective, str group, str config, str weight_layout, "
-    "int[]? splits, int[]? output_splits, int[]? rows_per_rank=None) -> Tensor"
+    "int[]? splits, int[]? output_splits, int[]? rows_per_rank=None, Tensor? scale_a=None, Tensor? scale_b=None, "
+    "ScalarType? out_dtype=None) -> Tensor"
 )
 
 
-def _gemm_collective_op(a, weight, collective, group, config, weight_layout, *counts):
+def _gemm_collective_op(
+    a, weight, collective, group, config, weight_layout, splits, output_splits, rows_per_rank=None, *fp8
+):
     pg = dist.distributed_c10d._resolve_process_group(group)
+    counts = (splits, output_splits, rows_per_rank)
     if a.device.type == "cpu":  # the plain path, as flashoverlap.nn's layers take there (a graph debugged on gloo)
         return with_gradients(a, weight, collective, pg, _config_of(config), weight_layout, *counts)
-    return _gemm_collective(a, weight, collective, pg, _config_of(config), weight_layout, *counts)
+    return _gemm_collective(a, weight, collective, pg, _config_of(config), weight_layout, *counts, fp8=_padded(fp8))
+
+
+def _padded(fp8: tuple) -> tuple:
+    """The operator's (scale_a, scale_b, out_dtype) as it was given them: the dispatcher leaves out
+    trailing arguments at their defaults."""
+    return (*fp8, None, None, None)[:3]
 
 
 _library.impl("gemm_collective", _gemm_collective_op, "CompositeExplicitAutograd")
 
 
 @torch.library.register_fake("flashoverlap::gemm_collective")
-def _(a, weight, collective, group, config, weight_layout, splits, output_splits, rows_per_rank=None):
+def _(a, weight, collective, group, config, weight_layout, splits, output_splits, rows_per_rank=None, *fp8):
     m, n, _ = check_inputs(a, weight, weight_layout, a.device.type)
+    _, out_dtype = check_scales(a, weight, weight_layout, *_padded(fp8))
     if collective == "reduce_scatter":
         rows = m // dist.distributed_c10d._resolve_process_group(group).size()
     elif output_splits is not None:
@@ -252,4 +298,4 @@ def _(a, weight, collective, group, config, weight_layout, splits, output_splits
         rows = torch.library.get_ctx().new_dynamic_size()
     else:
         rows = m
-    return a.new_empty((rows, n))
+    return a.new_empty((rows, n), dtype=out_dtype)

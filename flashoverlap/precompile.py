@@ -5,8 +5,8 @@
 
 Each item is a JSON object of :class:`~flashoverlap.config.OverlapConfig` fields plus, optionally,
 ``collective`` (default all_reduce), ``dtype`` (bfloat16: the output's), ``input_dtype`` (the
-operands': ``dtype``, or float8_e4m3fn / float8_e5m2 for the Hopper FP8 kernels, not yet callable
-from the public API) and ``weight_layout`` (nk: weight [N, K] as in torch Linear; kn: [K, N]);
+operands': ``dtype``, or float8_e4m3fn / float8_e5m2 for the Hopper FP8 kernels) and
+``weight_layout`` (nk: weight [N, K] as in torch Linear; kn: [K, N]);
 ``--file`` reads a YAML list of them. ``--registry`` adds
 every tuned config of the registry (the package's ``configs/*.yaml`` and ``FLASHOVERLAP_CONFIG_DIRS``, whatever
 GPU they were tuned on; those the target GPU has no kernel for are skipped, as items are with

@@ -11,7 +11,7 @@ import torch
 from . import state
 from .config import OverlapConfig
 from .gemm import SignalGemm, get_kernel
-from .inputs import DTYPES
+from .inputs import DTYPES, FP8_DTYPES
 from .plan import Plan, make_plan
 from .rules import kernel_spec
 from .streams import SIDE_ROLES, side_stream
@@ -40,6 +40,11 @@ class Prepared:
     # replay_key -> the call's enqueue.Program; None once seen (noted on the next call like it), False
     # where that call could not be replayed
     programs: dict = field(default_factory=dict)
+
+    @functools.cached_property
+    def out_dtype(self) -> torch.dtype:
+        """The dtype of the GEMM's output (its buffers'): the operands' own, or an FP8 GEMM's result's."""
+        return getattr(torch, self.kernel.spec.dtype)
 
     def launch(
         self,
@@ -82,16 +87,18 @@ def prepare(
     rotate: int = 0,
     interleave: int = 1,
     columns: tuple[int, ...] | None = None,
+    out_dtype: torch.dtype | None = None,
 ) -> Prepared:
-    """The plan, kernel and device tables of one call; ``rotate``: rows of C the schedule starts
-    at (comm.rows_rotation); ``interleave``: segments it interleaves (comm.interleave);
-    ``columns``: the ``cols`` groups' tile columns, shared by ranks whose M differ (:func:`shared_columns`)."""
+    """The plan, kernel and device tables of one call; ``dtype``: the operands'; ``rotate``: rows of
+    C the schedule starts at (comm.rows_rotation); ``interleave``: segments it interleaves
+    (comm.interleave); ``columns``: the ``cols`` groups' tile columns, shared by ranks whose M differ
+    (:func:`shared_columns`); ``out_dtype``: an FP8 GEMM's result's (None: bfloat16)."""
     if cfg.layout == "auto":
         raise ValueError("prepare() takes a config resolved for its collective (rules.for_collective)")
-    key = (m, n, k, dtype, weight_layout, device.index, cfg, rotate, interleave, columns)
+    key = (m, n, k, dtype, weight_layout, device.index, cfg, rotate, interleave, columns, out_dtype)
     if (found := state.plans.recent(key)) is not None:
         return found
-    cfg, kernel, sm_count = _kernel(dtype, weight_layout, device, cfg)
+    cfg, kernel, sm_count = _kernel(dtype, out_dtype, weight_layout, device, cfg)
     plan = _plan(kernel, cfg, sm_count, (m, n, k), device, rotate, interleave, columns)
     slots = torch.from_numpy(plan.slot_table().view("u1")).to(device)
     counters = torch.zeros(plan.num_groups, dtype=torch.int32, device=device)
@@ -108,11 +115,17 @@ def prepare(
 
 
 def _kernel(
-    dtype: torch.dtype, weight_layout: str, device: torch.device, cfg: OverlapConfig
+    dtype: torch.dtype, out_dtype: torch.dtype | None, weight_layout: str, device: torch.device, cfg: OverlapConfig
 ) -> tuple[OverlapConfig, SignalGemm, int]:
-    """``cfg`` completed for the device, its kernel, and the SMs that kernel's grid gets (every SM
-    under a late budget: its plan keeps ``comm_sms`` of them for the last waves only)."""
-    cfg, spec = kernel_spec(cfg, DTYPES[dtype], weight_layout, torch.cuda.get_device_capability(device))
+    """``cfg`` completed for the device, its kernel (operands ``dtype``, result ``out_dtype`` where
+    they are FP8), and the SMs that kernel's grid gets (every SM under a late budget: its plan keeps
+    ``comm_sms`` of them for the last waves only)."""
+    capability = torch.cuda.get_device_capability(device)
+    if dtype in FP8_DTYPES:
+        out = DTYPES[out_dtype or torch.bfloat16]
+        cfg, spec = kernel_spec(cfg, out, weight_layout, capability, FP8_DTYPES[dtype])
+    else:
+        cfg, spec = kernel_spec(cfg, DTYPES[dtype], weight_layout, capability)
     total_sms = torch.cuda.get_device_properties(device).multi_processor_count
     if total_sms - cfg.comm_sms < 1:
         raise ValueError(f"comm_sms={cfg.comm_sms} leaves no SM for the GEMM on {device} ({total_sms} SMs)")
@@ -153,9 +166,16 @@ def _plan(
 
 @functools.lru_cache(maxsize=state.MAX_PLANS)
 def shared_columns(
-    m: int, n: int, k: int, dtype: torch.dtype, weight_layout: str, device: torch.device, cfg: OverlapConfig
+    m: int,
+    n: int,
+    k: int,
+    dtype: torch.dtype,
+    weight_layout: str,
+    device: torch.device,
+    cfg: OverlapConfig,
+    out_dtype: torch.dtype | None = None,
 ) -> tuple[int, ...]:
     """The ``cols`` groups' tile columns that ranks whose M differ all plan on: those of the plan
     for ``m`` rows, the largest M (that rank's GEMM takes longest, so its waves set the pace)."""
-    cfg, kernel, sm_count = _kernel(dtype, weight_layout, device, cfg)
+    cfg, kernel, sm_count = _kernel(dtype, out_dtype, weight_layout, device, cfg)
     return _plan(kernel, cfg, sm_count, (m, n, k), device).column_groups

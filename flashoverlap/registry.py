@@ -50,7 +50,7 @@ if TYPE_CHECKING:
     from importlib.resources.abc import Traversable
 
 TRANSPORTS = ("nvlink", "pcie", "net")
-DTYPES = ("bfloat16", "float16")
+DTYPES = ("bfloat16", "float16", "float8_e4m3fn", "float8_e5m2")  # the operands' (FP8: any result dtype)
 # how calls run, and so how an entry was measured: host time included, or replayed as CUDA graphs
 TIMINGS = ("eager", "graphs")
 FILE_KEYS = {"gpu", "world", "entries"}

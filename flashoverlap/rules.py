@@ -113,6 +113,15 @@ def takes_every_call(cfg: OverlapConfig, collective: str) -> bool:
     return layout not in EQUAL_SEGMENTS and not (cfg.symmetric and collective == "all_to_all")
 
 
+FP8_MIN_CAPABILITY = (8, 9)  # FP8 tensor cores: Ada (sm_89) on
+
+
+def fp8_overlaps(capability: tuple[int, int]) -> bool:
+    """Whether a GPU of compute ``capability`` has FP8 signal GEMMs: Hopper's (sm_90a WGMMA). On Ada
+    (sm_89) an FP8 call takes the plain path (``torch._scaled_mm`` and the collective)."""
+    return capability == (9, 0)
+
+
 @functools.lru_cache(maxsize=256)  # once per config and GPU kind: every call resolves its config
 def for_device(cfg: OverlapConfig, capability: tuple[int, int]) -> tuple[OverlapConfig, str]:
     """``cfg`` with kernel family, tile_k and epilogue resolved for a GPU of compute ``capability``,

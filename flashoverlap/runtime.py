@@ -19,7 +19,7 @@ import torch.distributed as dist
 
 from . import comm, enqueue, signal, state, watchdog
 from .comm import Exchange
-from .inputs import world_size
+from .inputs import Scales, world_size
 from .prepared import Prepared
 from .streams import join, lanes, side_stream
 
@@ -42,22 +42,38 @@ class _On:
 
 
 def sequential(
-    a: torch.Tensor, weight: torch.Tensor, weight_layout: str, ex: Exchange, group: dist.ProcessGroup | None
+    a: torch.Tensor,
+    weight: torch.Tensor,
+    weight_layout: str,
+    ex: Exchange,
+    group: dist.ProcessGroup | None,
+    scales: Scales | None = None,
+    out_dtype: torch.dtype | None = None,
 ) -> torch.Tensor:
-    """The baseline the overlap must beat and match: matmul, then the collective."""
-    return plain(ex, group, weight_layout, world_size(group))(a, weight)
+    """The baseline the overlap must beat and match: matmul, then the collective (FP8 operands:
+    ``torch._scaled_mm`` with their ``scales``, the result ``out_dtype``)."""
+    return plain(ex, group, weight_layout, world_size(group), out_dtype)(a, weight, scales)
 
 
 def plain(
-    ex: Exchange, group: dist.ProcessGroup | None, weight_layout: str, world: int
-) -> Callable[[torch.Tensor, torch.Tensor], torch.Tensor]:
-    """:func:`sequential` as a function of the operands of calls like ``ex`` on ``group`` (of ``world``
-    ranks), made once: what a call decided plain runs on every repeat, the matmul and the collective
-    and nothing else (``world`` 1: the matmul alone)."""
-    product = torch.nn.functional.linear if weight_layout == "nk" else torch.matmul  # (linear: a @ weight.T, one op)
+    ex: Exchange, group: dist.ProcessGroup | None, weight_layout: str, world: int, out_dtype: torch.dtype | None = None
+) -> Callable[..., torch.Tensor]:
+    """:func:`sequential` as a function ``(a, weight, scales=None)`` of the operands of calls like
+    ``ex`` on ``group`` (of ``world`` ranks), made once: what a call decided plain runs on every
+    repeat, the matmul and the collective and nothing else (``world`` 1: the matmul alone);
+    ``out_dtype`` given: FP8 operands, multiplied by ``torch._scaled_mm`` (weight [N, K])."""
+    if out_dtype is not None:
+
+        def product(a: torch.Tensor, weight: torch.Tensor, scales: Scales) -> torch.Tensor:
+            return torch._scaled_mm(a, weight.t(), scale_a=scales.a, scale_b=scales.b, out_dtype=out_dtype)
+
+        if world == 1:
+            return product
+        return lambda a, weight, scales: comm.collective(ex, product(a, weight, scales), group)
+    linear = torch.nn.functional.linear if weight_layout == "nk" else torch.matmul  # (linear: a @ weight.T, one op)
     if world == 1:
-        return product
-    return lambda a, weight: comm.collective(ex, product(a, weight), group)
+        return lambda a, weight, scales=None: linear(a, weight)
+    return lambda a, weight, scales=None: comm.collective(ex, linear(a, weight), group)
 
 
 def run_overlapped(
@@ -67,23 +83,26 @@ def run_overlapped(
     ex: Exchange,
     group: dist.ProcessGroup | comm.Direct | None,
     tail_group: dist.ProcessGroup | comm.Direct | None = None,
+    scales: Scales | None = None,
 ) -> torch.Tensor:
-    """One overlapped call; the last group's collective, which runs after the GEMM has freed
-    every SM, goes to ``tail_group`` (a communicator free to use them all) when given, on the
-    caller's stream behind the GEMM: it starts as the GEMM ends, beside what the budget
-    communicator still has queued, not behind it. Either group may be a :class:`comm.nccl.Direct`
+    """One overlapped call (FP8 operands: with their ``scales``); the last group's collective, which
+    runs after the GEMM has freed every SM, goes to ``tail_group`` (a communicator free to use them
+    all) when given, on the caller's stream behind the GEMM: it starts as the GEMM ends, beside what
+    the budget communicator still has queued, not behind it. Either group may be a :class:`comm.nccl.Direct`
     (comm.direct). A call of a kind this plan ran twice before is replayed natively where it can
     be (:func:`replay_key`, flashoverlap.enqueue)."""
     device = a.device
     if torch.cuda.current_device() != device.index:  # (_On switches streams on the current device)
         with torch.cuda.device(device):
-            return run_overlapped(prep, a, weight, ex, group, tail_group)
-    plan = prep.plan
+            return run_overlapped(prep, a, weight, ex, group, tail_group, scales)
+    plan, dtype = prep.plan, prep.out_dtype
     caller = torch.cuda.current_stream(device)
-    fresh: list[torch.Tensor] = []  # what this call allocates: with the operands, what a replay substitutes
+    # what this call allocates: with the operands, what a replay substitutes; first an FP8 GEMM's
+    # alpha, the scales' product (on the caller's stream, before the GEMM that reads it there)
+    fresh: list[torch.Tensor] = [] if scales is None else [torch.mul(scales.a, scales.b).reshape(1)]
 
     def alloc(shape):
-        fresh.append(torch.empty(shape, dtype=a.dtype, device=device))
+        fresh.append(torch.empty(shape, dtype=dtype, device=device))
         return fresh[-1]
 
     window = None
@@ -104,13 +123,13 @@ def run_overlapped(
         def carve():
             sizes = []
             comm.buffers(ex, plan, lambda shape: sizes.append(shape) or torch.empty(shape, device="meta"))
-            nbytes = sum(comm.nccl.carved_bytes(shape, a.dtype) for shape in sizes)
-            return comm.buffers(ex, plan, window.allocator(nbytes, a.dtype))
+            nbytes = sum(comm.nccl.carved_bytes(shape, dtype) for shape in sizes)
+            return comm.buffers(ex, plan, window.allocator(nbytes, dtype))
 
         out, buffer, recv = _carved(prep, ex, window, carve)
         result = alloc((ex.rows, plan.n))
     else:  # a pull's GEMM buffer in memory every rank maps, the same for every call
-        shared = None if peers is None else _carved(prep, ex, peers, lambda: peers.buffer(plan.numel, a.dtype))
+        shared = None if peers is None else _carved(prep, ex, peers, lambda: peers.buffer(plan.numel, dtype))
         out, buffer, recv = comm.buffers(ex, plan, alloc, shared)
         result = out
     # Everything the call allocates is allocated above, before anything is enqueued: where memory
@@ -130,8 +149,9 @@ def run_overlapped(
         tape = enqueue.Tape(extents) if _disjoint(extents) else None
     elif key is not None and not known:
         prep.programs[key] = None
+    alpha = None if scales is None else fresh[0]
     with enqueue.recording(tape):
-        _enqueue(prep, a, weight, ex, (group, tail_group), caller, window, (out, buffer, recv, result), timeout)
+        _enqueue(prep, a, weight, ex, (group, tail_group), caller, window, (out, buffer, recv, result), timeout, alpha)
     if tape is not None:  # (False: a step that is not a native call, on every call like it)
         prep.programs[key] = tape.program() if tape.usable else False
     if key is not None or not torch.cuda.is_current_stream_capturing():  # (a graph's owner synchronises its replays)
@@ -208,10 +228,11 @@ def _enqueue(
     window: comm.nccl.Window | None,
     tensors: tuple,
     timeout: float | None,
+    alpha: torch.Tensor | None = None,
 ) -> None:
     """:func:`run_overlapped`'s work on the streams: ``groups`` = (group, tail_group), ``tensors`` =
     (out, buffer, recv, result) from :func:`comm.buffers` (in ``window`` where given); ``timeout``:
-    signal.debug_timeout."""
+    signal.debug_timeout; ``alpha``: the GEMM's scale (FP8)."""
     device, plan = a.device, prep.plan
     (group, tail_group), (out, buffer, recv, result) = groups, tensors
     stream = side_stream(device)
@@ -259,7 +280,7 @@ def _enqueue(
         enqueue.wait(caller, peers.claimed)
     else:
         join(caller, stream, device)  # a call from another stream may not have reset the counters yet
-    prep.launch(a, weight, buffer, caller, None if peers is None else peers.counters)
+    prep.launch(a, weight, buffer, caller, None if peers is None else peers.counters, alpha)
     if copy_out or finisher is not None and peers is not None:
         enqueue.record(prep.gemm_done, caller)
     last = len(prep.targets) - 1

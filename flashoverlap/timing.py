@@ -19,6 +19,7 @@ import torch
 import torch.distributed as dist
 
 from . import comm, signal
+from .inputs import Scales
 
 log = logging.getLogger(__name__)
 
@@ -37,23 +38,29 @@ def operand_sets(
     m: int, n: int, k: int, dtype: torch.dtype, hot: bool = False
 ) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
     """Random operand sets (a [m, k], weight [n, k]) to rotate through, larger than L2 together;
-    ``hot``: one set, read by every call (a layer's activations sit in L2)."""
+    ``hot``: one set, read by every call (a layer's activations sit in L2). The weights are scaled by
+    1 / sqrt(k), but FP8 ones (whose scale_b carries that: they would underflow)."""
     props = torch.cuda.get_device_properties(torch.cuda.current_device())
     sets = 1 if hot else input_sets(m, n, k, dtype, props.L2_cache_size)
     gen = torch.Generator(device="cuda").manual_seed(1234 + dist.get_rank())
+    norm = 1.0 if dtype.itemsize == 1 else math.sqrt(k)
     a = [torch.randn(m, k, device="cuda", generator=gen).to(dtype) for _ in range(sets)]
-    w = [(torch.randn(n, k, device="cuda", generator=gen) / math.sqrt(k)).to(dtype) for _ in range(sets)]
+    w = [(torch.randn(n, k, device="cuda", generator=gen) / norm).to(dtype) for _ in range(sets)]
     return a, w
 
 
-def kernel_alone(prep, a: Sequence[torch.Tensor], w: Sequence[torch.Tensor]) -> Callable[[int], None]:
+def kernel_alone(
+    prep, a: Sequence[torch.Tensor], w: Sequence[torch.Tensor], scales: Scales | None = None
+) -> Callable[[int], None]:
     """A timing variant: the signal GEMM of ``prep`` alone (no waits, no collectives) on operand
-    set ``i % len(a)``, into a scratch buffer, counters reset after each call."""
-    buf = torch.empty(prep.plan.numel, dtype=a[0].dtype, device=a[0].device)
+    set ``i % len(a)``, into a scratch buffer, counters reset after each call (FP8 operands: scaled
+    by ``scales``' product)."""
+    buf = torch.empty(prep.plan.numel, dtype=prep.out_dtype, device=a[0].device)
+    alpha = None if scales is None else (scales.a * scales.b).reshape(1)
 
     def run(i: int) -> None:
         stream = torch.cuda.current_stream()
-        prep.launch(a[i % len(a)], w[i % len(w)], buf, stream)
+        prep.launch(a[i % len(a)], w[i % len(w)], buf, stream, alpha=alpha)
         signal.reset(prep.counters, stream)
 
     return run

@@ -23,7 +23,6 @@ from .config import OverlapConfig, cli_config, resolve
 from .inputs import DTYPES
 from .plan import widest_budget
 from .prepared import prepare
-from .registry import DTYPES as DTYPE_NAMES
 from .registry import entry, incumbent, read_entries, write_registry
 from .rules import COLLECTIVES, for_call, resolutions, takes_every_call
 from .runtime import sequential
@@ -367,7 +366,7 @@ def build_parser() -> argparse.ArgumentParser:
         help="configs to tune from: JSON objects or YAML config files (default: per collective)",
     )
     parser.add_argument("--transport", choices=sorted(bench.TRANSPORTS), default="nvlink")
-    parser.add_argument("--dtype", choices=DTYPE_NAMES, default="bfloat16")
+    parser.add_argument("--dtype", choices=list(DTYPES.values()), default="bfloat16")  # (no FP8 tuning yet)
     parser.add_argument("--rounds", type=int, default=10)
     # the model misses what NCCL on more CTAs costs a GEMM beside it (Ampere/Ada kernels, P2P off: 16 SMs
     # predicted 3 % slower than 8, measured 18 %): more finalists, so that the measurements decide

@@ -26,7 +26,11 @@ def _fresh(fresh_state, one_host):
 def plain_records(monkeypatch, record) -> None:
     """Calls decided plain run ``record(a, weight, weight_layout, ex, group)`` (runtime.sequential's
     arguments) instead."""
-    monkeypatch.setattr(runtime, "plain", lambda ex, group, layout, world: lambda a, w: record(a, w, layout, ex, group))
+
+    def plain(ex, group, layout, world, out_dtype=None):
+        return lambda a, w, scales=None: record(a, w, layout, ex, group)
+
+    monkeypatch.setattr(runtime, "plain", plain)
 
 
 def timings(monkeypatch, time_variants) -> None:
@@ -109,7 +113,7 @@ def test_which_path_a_call_takes(
         "tuned_config",
         lambda *args: None if tuned is None else Found(OverlapConfig(**tuned[0]), tuned[1]),
     )
-    monkeypatch.setattr(decision, "prepare", lambda *args: taken.append("planned") or prep)
+    monkeypatch.setattr(decision, "prepare", lambda *args, **kw: taken.append("planned") or prep)
     monkeypatch.setattr(decision, "one_wave", lambda cfg, m, n, device: m <= 128)  # the plan's one CTA
     monkeypatch.setattr(decision, "check_agreement", lambda *args: None)
     monkeypatch.setattr(decision, "budget_communicator", lambda *args: None)
@@ -135,7 +139,7 @@ def untuned_all_reduce(monkeypatch, m: int, n: int) -> dict:
 
     preps = {}
 
-    def prepare(m, n, k, dtype, layout, device, cfg, *args):
+    def prepare(m, n, k, dtype, layout, device, cfg, *args, **kwargs):
         sms = 132 if cfg.late_budget else 132 - cfg.comm_sms
         plan = make_plan(m, n, tile_m=128, tile_n=256, cluster_m=1, ctas=sms, layout="rows", keep=132 - cfg.comm_sms)
         return preps.setdefault((cfg.late_budget, cfg.reduction), Prepared(plan, *(None,) * 5, sms, None))
@@ -172,6 +176,82 @@ def test_a_timed_call_runs_the_fastest_candidate(one_rank_group, monkeypatch):
     assert chosen.config.late_budget and chosen.prep is late
 
 
+def fp8_operands(m: int, n: int) -> tuple[torch.Tensor, torch.Tensor, dict]:
+    """FP8 operands [m, 64] x [n, 64] (CPU tensors stand in) and their per-tensor scales as keywords."""
+    a, w = (torch.randn(rows, 64).to(torch.float8_e4m3fn) for rows in (m, n))
+    return a, w, {"scale_a": torch.ones(1), "scale_b": torch.full((1,), 0.5)}
+
+
+def test_an_fp8_call_is_timed_and_run_with_its_scales(one_rank_group, monkeypatch):
+    """An untuned FP8 call on Hopper plans its kernels (FP8's default tiles) for the result's dtype,
+    times its candidates and the plain ``torch._scaled_mm`` with the call's scales, and runs with
+    each call's own scales; a call of another result dtype is another kind of call (decided apart)."""
+    m, n = 4096, 8192
+    planned, timed, ran = [], [], []
+    untuned_all_reduce(monkeypatch, m, n)
+    inner = decision.prepare
+    monkeypatch.setattr(
+        decision,
+        "prepare",
+        lambda *args, **kw: planned.append((args[3], args[6].tile_n, kw["out_dtype"])) or inner(*args, **kw),
+    )
+    monkeypatch.setattr(decision, "budget_communicator", lambda *args: "budget")
+    monkeypatch.setattr(runtime, "run_overlapped", lambda prep, a, w, ex, b, **kw: ran.append(kw["scales"]))
+    monkeypatch.setattr(runtime, "sequential", lambda *args: timed.append(args[5:]))
+
+    def time_variants(variants, *args, **kwargs):
+        for run in variants.values():
+            run(0)
+        return {name: 1.0 if name == "sequential" else 0.9 for name in variants}
+
+    timings(monkeypatch, time_variants)
+    a, w, scales = fp8_operands(m, n)
+    flashoverlap.gemm_all_reduce(a, w, **scales)
+    again = {"scale_a": torch.ones(1), "scale_b": torch.ones(1)}
+    flashoverlap.gemm_all_reduce(a, w, **again)
+    assert set(planned) == {(torch.float8_e4m3fn, 128, torch.bfloat16)}  # (FP8's default tiles: 128 x 128)
+    assert [(s.a, s.b) for s in ran[-2:]] == [tuple(scales.values()), tuple(again.values())]
+    assert [(s.a, s.b, dtype) for s, dtype in timed] == [(*scales.values(), torch.bfloat16)]
+    flashoverlap.gemm_all_reduce(a, w, **scales, out_dtype=torch.float16)
+    assert planned[-1] == (torch.float8_e4m3fn, 128, torch.float16) and timed[-1][1] == torch.float16
+
+
+def test_fp8_calls_without_fp8_kernels_here_run_plain_or_fail_before_communicating(one_rank_group, monkeypatch):
+    """Ada (sm_89) has FP8 tensor cores but no FP8 signal GEMMs yet: its calls run the plain
+    ``torch._scaled_mm`` and collective, and a config asking for the overlap fails; so does FP8 on
+    a GPU without FP8 (sm_80), and an explicit sm80 kernel on Hopper: all before communicating."""
+    capability = [(8, 9)]
+    taken = []
+    monkeypatch.setattr(decision, "world_size", lambda group: 2)
+    monkeypatch.setattr(decision, "check_inputs", lambda a, w, layout: (4096, 8192, 64))
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: capability[0])
+    monkeypatch.setattr(decision, "tuned_config", lambda *args: pytest.fail("looked up a call that runs plain"))
+
+    def plain(ex, group, layout, world, out_dtype=None):
+        return lambda a, w, scales: taken.append((ex.collective, scales.b.item(), out_dtype))
+
+    monkeypatch.setattr(runtime, "plain", plain)
+    a, w, scales = fp8_operands(4096, 8192)
+    flashoverlap.gemm_reduce_scatter(a, w, **scales)
+    assert taken == [("reduce_scatter", 0.5, torch.bfloat16)]
+    monkeypatch.setattr(comm, "exchange", lambda *args, **kwargs: pytest.fail("communicated before refusing"))
+    with pytest.raises(ValueError, match="no FP8 overlap kernels for sm_89"):
+        flashoverlap.gemm_all_reduce(a, w, **scales, config={})
+    capability[0] = (8, 0)
+    with pytest.raises(ValueError, match="FP8 tensor cores .* is sm_80"):
+        flashoverlap.gemm_all_to_all(a, w, **scales)
+    capability[0] = (9, 0)
+    with pytest.raises(ValueError, match="FP8 operands run on the sm90 kernels"):
+        flashoverlap.gemm_all_reduce(a, w, **scales, config={"kernel": "sm80"})
+
+
+def test_fp8_calls_have_no_backward(one_rank_group, monkeypatch):
+    monkeypatch.setattr(torch.Tensor, "is_cuda", property(lambda self: True))
+    a, w, scales = fp8_operands(64, 64)
+    with pytest.raises(ValueError, match="FP8 calls have no backward"):
+        flashoverlap.gemm_all_reduce(a, w.requires_grad_(), **scales)
+
+
 def pulls_possible(monkeypatch) -> list:
     """The ranks may pull (comm.peer.unavailable says nothing against it); communicators are named
     for their reduction and SM budget, the last group's "tail"; overlapped calls are not run but
@@ -181,7 +261,7 @@ def pulls_possible(monkeypatch) -> list:
     monkeypatch.setattr(comm, "tail_group", lambda *args: "tail")
     monkeypatch.setattr(comm.peer, "unavailable", lambda group, device: None)
     monkeypatch.setattr(
-        runtime, "run_overlapped", lambda prep, a, w, ex, b, tail_group: ran.append((ex, b, tail_group))
+        runtime, "run_overlapped", lambda prep, a, w, ex, b, tail_group, **kw: ran.append((ex, b, tail_group))
     )
     return ran
 
@@ -253,7 +333,7 @@ def test_no_window_where_p2p_is_disabled(one_rank_group, monkeypatch, p2p_disabl
     monkeypatch.setattr(decision, "check_inputs", lambda a, w, layout: (4096, 8192, 64))
     monkeypatch.setattr(torch.cuda, "device", lambda device: contextlib.nullcontext())
     monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (9, 0))
-    monkeypatch.setattr(decision, "prepare", lambda *args: Prepared(plan, *(None,) * 5, 116, None))
+    monkeypatch.setattr(decision, "prepare", lambda *args, **kw: Prepared(plan, *(None,) * 5, 116, None))
     monkeypatch.setattr(decision, "check_agreement", lambda *args: None)
     monkeypatch.setattr(decision, "budget_communicator", lambda *args: None)
     chosen = decision.decide(bf16(4096, 64), bf16(8192, 64), "all_reduce", config={"symmetric": True})
@@ -330,7 +410,7 @@ def test_ranks_with_different_m_decide_on_the_largest_and_share_its_columns(one_
     shared = make_plan(largest, n, tile_m=128, tile_n=256, cluster_m=1, ctas=16, layout="cols").column_groups
     seen = []
 
-    def prepare(*args):
+    def prepare(*args, **kwargs):
         seen.append(("prepare", args[0], args[-1]))
         plan = make_plan(m, n, tile_m=128, tile_n=256, cluster_m=1, ctas=16, layout="cols", column_groups=args[-1])
         return Prepared(plan, *(None,) * 5, 132, None)
@@ -348,12 +428,12 @@ def test_ranks_with_different_m_decide_on_the_largest_and_share_its_columns(one_
     monkeypatch.setattr(comm, "cuda_backend", lambda group: "nccl")
     monkeypatch.setattr(decision, "tuned_config", lambda a, world, ex, shape, *how: seen.append(("tuned", shape)))
     monkeypatch.setattr(decision, "one_wave", lambda cfg, m, n, device: seen.append(("one_wave", m)) and False)
-    monkeypatch.setattr(decision, "shared_columns", lambda *args: seen.append(("columns", args[0])) or shared)
+    monkeypatch.setattr(decision, "shared_columns", lambda *args, **kw: seen.append(("columns", args[0])) or shared)
     monkeypatch.setattr(decision, "prepare", prepare)
     monkeypatch.setattr(decision, "check_agreement", lambda *args: None)
     monkeypatch.setattr(decision, "budget_communicator", lambda *args: None)
     monkeypatch.setattr(comm, "tail_group", lambda group, device: group)
-    monkeypatch.setattr(decision, "trial", lambda *args: seen.append(("trial", args[-2], len(args[0]))) or 0)
+    monkeypatch.setattr(decision, "trial", lambda *args, **kw: seen.append(("trial", args[-2], len(args[0]))) or 0)
     monkeypatch.setattr(runtime, "run_overlapped", lambda prep, *args, **kwargs: seen.append(("run", prep.plan)))
     flashoverlap.gemm_all_to_all(bf16(m, k), bf16(n, k), **counts)
     plan = seen[-1][1]
@@ -421,7 +501,7 @@ def test_a_trial_holds_for_every_m_of_its_power_of_two(one_rank_group, monkeypat
 
     plans = []
 
-    def prepare(m, n, *args):
+    def prepare(m, n, *args, **kwargs):
         plans.append(make_plan(m, n, tile_m=128, tile_n=256, cluster_m=1, ctas=1, partition=None, layout="rows"))
         return Prepared(plans[-1], *(None,) * 5, 132, None)
 

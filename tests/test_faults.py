@@ -82,7 +82,7 @@ def decides_on(monkeypatch, views: tuple[peer.Rank, ...], shape, seen: list) -> 
     lookup = registry.lookup
     monkeypatch.setattr(registry, "lookup", lambda *key, **kw: seen.append(("lookup", key[3])) or lookup(*key, **kw))
 
-    def prepare(m, n, k, dtype, layout, device, cfg, *args):
+    def prepare(m, n, k, dtype, layout, device, cfg, *args, **kwargs):
         seen.append(("plan", cfg))
         plan = make_plan(m, n, tile_m=128, tile_n=256, cluster_m=1, ctas=116, layout=cfg.layout)
         return Prepared(plan, *(None,) * 5, 116, None, cfg.symmetric)
@@ -91,7 +91,7 @@ def decides_on(monkeypatch, views: tuple[peer.Rank, ...], shape, seen: list) -> 
     monkeypatch.setattr(decision, "check_agreement", lambda *args: None)
     monkeypatch.setattr(decision, "budget_communicator", lambda cfg, *args: "budget")
     monkeypatch.setattr(comm, "tail_group", lambda *args: "tail")
-    monkeypatch.setattr(decision, "trial", lambda cfgs, *args: seen.append(("timed", list(cfgs))) or 0)
+    monkeypatch.setattr(decision, "trial", lambda cfgs, *args, **kw: seen.append(("timed", list(cfgs))) or 0)
 
 
 @pytest.mark.parametrize("hosts", [("a", "a"), ("a", "b")])
@@ -140,7 +140,7 @@ def test_a_config_asking_for_peer_memory_across_hosts_is_refused_before_anything
 ):
     seen = []
     decides_on(monkeypatch, ranks_on("a", "b"), (4096, 8192, 64), seen)
-    monkeypatch.setattr(decision, "prepare", lambda *args: pytest.fail("planned a call it must refuse"))
+    monkeypatch.setattr(decision, "prepare", lambda *args, **kw: pytest.fail("planned a call it must refuse"))
     with pytest.raises(ValueError, match=r"reach the other GPUs' memory, .* sit on 2 hosts \(a, b\)"):
         decision.decide(bf16(4096, 64), bf16(8192, 64), collective, config=config)
     assert seen == []  # (no lookup either)
@@ -343,7 +343,8 @@ def overlapped(monkeypatch, path: str):
     allocations = Allocations(monkeypatch)
     m, n = 512, 512
     plan = make_plan(m, n, tile_m=128, tile_n=256, cluster_m=1, ctas=4, layout="rows")
-    prep = Prepared(plan, *(None,) * 4, plan.counter_targets(1), 4, None, path == "window")
+    kernel = SimpleNamespace(spec=SimpleNamespace(dtype="bfloat16"))  # (what run_overlapped asks of it)
+    prep = Prepared(plan, kernel, *(None,) * 3, plan.counter_targets(1), 4, None, path == "window")
     ex = comm.exchange("all_reduce", m, 2)
     group, kept = "budget", None
     if path == "pull":
@@ -356,7 +357,7 @@ def overlapped(monkeypatch, path: str):
     monkeypatch.setattr(torch.cuda, "current_device", lambda: None)
     monkeypatch.setattr(torch.cuda, "current_stream", lambda device=None: SimpleNamespace(cuda_stream=1))
     monkeypatch.setattr(runtime, "replay_key", lambda *args: None)
-    monkeypatch.setattr(runtime, "_enqueue", lambda *args: enqueued.append(args[-2]))
+    monkeypatch.setattr(runtime, "_enqueue", lambda *args: enqueued.append(args[7]))  # (its tensors)
     monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: False)
     monkeypatch.setattr(runtime, "side_stream", lambda device, role="comm": role)
     monkeypatch.setattr(runtime.watchdog, "track", lambda stream, *call: enqueued.append(("watched", *call)))

@@ -59,6 +59,14 @@ def test_fp8_source_reads_fp8_operands_and_writes_the_output_dtype():
     assert "kAlignmentIn = 8;" in generate(GemmSpec())
 
 
+def test_fast_accumulation_is_an_fp8_mainloop_of_its_own():
+    fast = dataclasses.replace(FP8, fast_accum=True)
+    assert fast.name == "fo_gemm_float8_e4m3fn_bfloat16_nk_128x256x128_c1x1_persistent_tma_fastaccum_sm_90a"
+    assert "KernelTmaWarpSpecializedCooperativeFP8FastAccum>" in generate(fast)
+    with pytest.raises(ValueError, match="fast_accum is for FP8 inputs"):
+        GemmSpec(fast_accum=True)
+
+
 def test_fp8_spec_rejects_what_its_kernels_cannot_do():
     with pytest.raises(ValueError, match=r"FP8 needs the sm90 kernels on Hopper; Ada \(sm_89\) FP8 kernels"):
         GemmSpec(input_dtype="float8_e4m3fn", tile_k=32, epilogue="direct", arch="sm_89")

@@ -12,6 +12,7 @@ import torch.distributed as dist
 from flashoverlap import OverlapConfig, comm, decision, enqueue, signal, state
 from flashoverlap.comm import restore
 from flashoverlap.gemm import get_kernel
+from flashoverlap.inputs import Scales
 from flashoverlap.prepared import Prepared, _plan, prepare
 from flashoverlap.rules import alternative, for_collective, kernel_spec, pulled
 from flashoverlap.runtime import run_overlapped
@@ -303,6 +304,68 @@ def test_pipeline_on_one_gpu(nccl_one_rank, monkeypatch, mode, symmetric, nccl, 
             assert len(replays) == (2 if native else 0)
     finally:
         signal.forget_probes()
+
+
+@pytest.mark.parametrize(
+    "collective, layout, reduction, nccl",
+    [
+        ("all_reduce", "rows", "nccl", "direct"),
+        ("all_reduce", "rows", "pull_scatter", "direct"),
+        ("reduce_scatter", "segments", "pull", "direct"),
+        ("all_to_all", "cols", "nccl", "c10d"),
+    ],
+)
+def test_fp8_pipeline_on_one_gpu(nccl_one_rank, monkeypatch, collective, layout, reduction, nccl):
+    """The overlapped call with FP8 operands on a group of one rank, a bf16 result: each call's own
+    scales (a new product every call) reach its GEMM, also where calls are replayed natively (the
+    scales' product is among the values a replay substitutes) and in a CUDA graph's replays (read
+    on the device); the public call on one rank is torch._scaled_mm's."""
+    if torch.cuda.get_device_capability() != (9, 0):
+        pytest.skip("the FP8 signal GEMMs are Hopper (sm_90a) kernels")
+    import flashoverlap
+
+    replays = []
+    replay = enqueue.Program.replay
+    monkeypatch.setattr(enqueue.Program, "replay", lambda self, values: replays.append(1) or replay(self, values))
+    monkeypatch.setenv("FLASHOVERLAP_NCCL", nccl)
+    device = torch.device("cuda", 0)
+    group = comm.direct(comm.budget_group(dist.group.WORLD, 16), device)
+    tail = comm.tail_group(dist.group.WORLD, device)
+    if reduction in comm.PULLS:
+        group, tail = comm.peer.peers(dist.group.WORLD, device), None
+    m, n, k = 2048, 4096, 1024
+    gen = torch.Generator(device="cuda").manual_seed(0)
+    calls, kept = [], []
+    for i in range(4):
+        a, scale_a = fp8_operand(m, k, "float8_e4m3fn", gen)
+        w, scale_b = fp8_operand(n, k, "float8_e4m3fn", gen)
+        scales = Scales(scale_a.reshape(1), (scale_b * (i + 1)).reshape(1))
+        calls.append((a, w, scales, (a.float() * scales.a) @ (w.float() * scales.b).t()))
+    cfg = for_collective(OverlapConfig(layout=layout, reduction=reduction), collective)
+    prep = prepare(m, n, k, torch.float8_e4m3fn, "nk", device, cfg)
+    ex = comm.exchange(collective, m, 1, reduction=reduction)
+    outs = []
+    for a, w, scales, _ in calls:
+        outs.append(run_overlapped(prep, a, w, ex, group, tail, scales))
+        kept.append(torch.empty(1, device=device))  # (the next call's scales' product lands elsewhere)
+    torch.cuda.synchronize()
+    assert prep.out_dtype == torch.bfloat16 and all(out.dtype == torch.bfloat16 for out in outs)
+    for i, (out, (*_, ref)) in enumerate(zip(outs, calls)):
+        assert not torch.isnan(out).any() and rel_err(out, ref) < 2e-2, f"call {i}"
+    assert len(replays) == (2 if nccl == "direct" else 0)
+    if nccl == "direct" and reduction == "nccl":  # captured once, replayed with a scale changed in place
+        a, w, scales, ref = calls[0]
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            out = run_overlapped(prep, a, w, ex, group, tail, scales)
+        scales.b.mul_(2)
+        graph.replay()
+        torch.cuda.synchronize()
+        assert rel_err(out, 2 * ref) < 2e-2
+    a, w, scales, _ = calls[1]
+    plain = flashoverlap.gemm_all_reduce(a, w, scale_a=scales.a, scale_b=scales.b, out_dtype=torch.float16)
+    scaled = torch._scaled_mm(a, w.t(), scale_a=scales.a, scale_b=scales.b, out_dtype=torch.float16)
+    assert torch.equal(plain, scaled)
 
 
 @pytest.mark.parametrize("sequence_parallel", [False, True])

@@ -1,9 +1,57 @@
 """A call's operand checks."""
 
-from flashoverlap.inputs import check_inputs
+import pytest
+import torch
+
+from flashoverlap.inputs import Scales, check_inputs, check_scales
 
 from .helpers import bf16
+
+E4M3 = torch.float8_e4m3fn
+
+
+def fp8(*shape: int, dtype: torch.dtype = E4M3) -> torch.Tensor:
+    return torch.randn(*shape).to(dtype)
 
 
 def test_reference_inputs_must_be_on_cpu():
     assert check_inputs(bf16(16, 32), bf16(8, 32), "nk", device_type="cpu") == (16, 8, 32)
+
+
+def test_fp8_operands_align_rows_to_16_bytes():
+    assert check_inputs(fp8(16, 32), fp8(48, 32), "nk", device_type="cpu") == (16, 48, 32)
+    with pytest.raises(ValueError, match="multiples of 16"):
+        check_inputs(fp8(16, 40), fp8(48, 40), "nk", device_type="cpu")
+
+
+def test_16_bit_operands_take_no_scales():
+    a, w = bf16(16, 32), bf16(8, 32)
+    assert check_scales(a, w, "nk", None, None, None) == (None, None)
+    for given in [(torch.ones(1), None, None), (None, torch.ones(1), None), (None, None, torch.bfloat16)]:
+        with pytest.raises(ValueError, match="are for FP8 operands"):
+            check_scales(a, w, "nk", *given)
+
+
+def test_fp8_operands_take_per_tensor_scales_and_a_16_bit_result():
+    a, w, one = fp8(16, 32), fp8(8, 32, dtype=torch.float8_e5m2), torch.ones(1)
+    scales, out = check_scales(a, w, "nk", one, torch.tensor(2.0), None)
+    assert scales == Scales(one, scales.b) and scales.b.item() == 2.0 and out == torch.bfloat16
+    assert check_scales(a, w, "nk", one, one, torch.float16)[1] == torch.float16
+
+
+@pytest.mark.parametrize(
+    "layout, scale_a, scale_b, out_dtype, message",
+    [
+        ("kn", torch.ones(1), torch.ones(1), None, "need weight_layout 'nk'"),
+        ("nk", None, torch.ones(1), None, "need scale_a"),
+        ("nk", torch.ones(1), None, None, "need scale_b"),
+        ("nk", torch.ones(16, 1), torch.ones(1), None, "rowwise scales are not supported"),
+        ("nk", torch.ones(1, dtype=torch.float64), torch.ones(1), None, "one float32 value"),
+        ("nk", 1.0, torch.ones(1), None, "scale_a must be a torch.Tensor"),
+        ("nk", torch.ones(1), torch.ones(1), torch.float32, "out_dtype must be one of"),
+        ("nk", torch.ones(1), torch.ones(1, device="meta"), None, "scale_b is on meta, expected cpu"),
+    ],
+)
+def test_bad_fp8_arguments_are_refused(layout, scale_a, scale_b, out_dtype, message):
+    with pytest.raises((ValueError, TypeError), match=message):
+        check_scales(fp8(16, 32), fp8(8, 32), layout, scale_a, scale_b, out_dtype)

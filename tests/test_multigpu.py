@@ -228,6 +228,53 @@ def test_gemm_reduce_scatter_and_all_to_all_on_all_gpus(nccl):
     spawn(split_worker, nccl)
 
 
+FP8_CONFIGS = {
+    "all_reduce": [OverlapConfig(), OverlapConfig(reduction="pull_scatter"), OverlapConfig(late_budget=True), None],
+    "reduce_scatter": [OverlapConfig(layout="segments", reduction="pull"), OverlapConfig(layout="cols"), None],
+    "all_to_all": [OverlapConfig(layout="rows"), None],
+}
+
+
+def fp8_worker(rank, world, store_path):
+    """FP8 operands with per-tensor scales, each rank's own: every collective against the float32
+    sum of the scaled products, explicit configs and an untuned call (timed on first use)."""
+    os.environ["FLASHOVERLAP_NCCL"] = "direct"
+    init_rank(rank, world, store_path)
+    try:
+        m, n, k = 4096, 4096, 2048
+        products = []
+        for r in range(world):
+            gen = torch.Generator(device="cuda").manual_seed(r)
+            a, w = (torch.randn(rows, k, device="cuda", generator=gen) for rows in (m, n))
+            scale_a, scale_b = a.abs().max() / 448, w.abs().max() / 448
+            a8, w8 = (a / scale_a).to(torch.float8_e4m3fn), (w / scale_b).to(torch.float8_e4m3fn)
+            scale_b = scale_b * (r + 1)  # (scales that differ by rank)
+            products.append((a8.float() * scale_a) @ (w8.float() * scale_b).t())
+            if r == rank:
+                mine = a8, w8, {"scale_a": scale_a.reshape(1), "scale_b": scale_b.reshape(1)}
+        total = sum(products)
+        rows = slice(rank * m // world, (rank + 1) * m // world)
+        expected = {"all_reduce": total, "reduce_scatter": total[rows]}
+        expected["all_to_all"] = torch.cat([p[rows] for p in products])
+        a8, w8, scales = mine
+        for collective, configs in FP8_CONFIGS.items():
+            fn = getattr(flashoverlap, f"gemm_{collective}")
+            for cfg in configs:
+                for _ in range(3):  # (the third replayed natively)
+                    out = fn(a8, w8, config=cfg, **scales)
+                torch.cuda.synchronize()
+                rel = rel_err(out, expected[collective])
+                assert out.dtype == torch.bfloat16 and rel < 2e-2, f"{collective} {cfg}: rel err {rel:.2e}"
+    finally:
+        dist.destroy_process_group()
+
+
+def test_fp8_calls_on_all_gpus():
+    if torch.cuda.get_device_capability() != (9, 0):
+        pytest.skip("the FP8 signal GEMMs are Hopper (sm_90a) kernels")
+    spawn(fp8_worker, timeout=240)
+
+
 def nn_worker(rank, world, store_path, part):
     """RowParallelLinear (all-reduce and sequence parallel) vs fp32 on the unsharded layer:
     ``autograd`` forward and gradients, ``compile`` torch.compile, ``graph`` CUDA-graph replay."""

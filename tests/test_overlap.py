@@ -140,12 +140,28 @@ def compile_worker(rank: int, world: int, store_path: str):
                 assert isinstance(out.shape[0], torch.SymInt) and out.shape[1] == 48, out.shape
             else:
                 assert tuple(out.shape) == shape and out.device.type == "cuda", (fn.__name__, out.shape)
-            ((collective, group, config, layout, *counts),) = op_calls(graph)
+            ((collective, group, config, layout, *counts, scale_a, scale_b, out_dtype),) = op_calls(graph)
             assert collective == fn.__name__.removeprefix("gemm_") and layout == "nk"
             assert group == (pair if "group" in kwargs else dist.group.WORLD).group_name
             assert counts == [kwargs.get(key) for key in ("splits", "output_splits", "rows_per_rank")]
+            assert scale_a is scale_b is out_dtype is None
             wanted = kwargs.get("config")
             assert _config_of(config) == (None if wanted is None else resolve(wanted)), config
+        # FP8 operands: their scales reach the operator as tensors, the result takes out_dtype
+        a8, w8, scale = a.to(torch.float8_e4m3fn), w.to(torch.float8_e4m3fn), torch.ones(1)
+        for out_dtype in (None, torch.float16):
+            out, graph = compiled(
+                lambda a, w, sa, sb, dt=out_dtype: flashoverlap.gemm_all_reduce(
+                    a, w, scale_a=sa, scale_b=sb, out_dtype=dt
+                ),
+                a8,
+                w8,
+                scale,
+                scale,
+            )
+            assert tuple(out.shape) == (64, 48) and out.dtype == (out_dtype or torch.bfloat16)
+            ((*_, scale_a, scale_b, dtype),) = op_calls(graph)
+            assert scale_a.op == scale_b.op == "placeholder" and dtype == out_dtype
         dist.barrier()
     finally:
         dist.destroy_process_group()
@@ -245,7 +261,7 @@ def test_a_repeated_call_runs_what_its_first_decided_without_deciding(one_rank_g
     def decide(a, weight, collective, *args):
         decided.append(collective)
         ex = flashoverlap.comm.exchange(collective, a.shape[0], 2)
-        return decision.Decision(ex, lambda a, w: ran.append(a.shape) or a)
+        return decision.Decision(ex, lambda a, w, scales=None: ran.append(a.shape) or a)
 
     monkeypatch.setattr(decision, "decide", decide)
     monkeypatch.setattr(decision, "capturing", lambda a: False)

@@ -4,6 +4,7 @@ import pytest
 import torch
 
 from flashoverlap import comm, runtime
+from flashoverlap.inputs import Scales
 
 from .helpers import bf16
 
@@ -32,6 +33,25 @@ def test_the_plain_runner_runs_the_collective_on_the_product(monkeypatch):
     ex = comm.exchange("all_reduce", 16, 2)
     out = runtime.plain(ex, "group", "nk", 2)(bf16(16, 32), bf16(8, 32))
     assert ran == [(ex, (16, 8), "group")] and out.shape == (16, 8)
+
+
+@pytest.mark.parametrize("world", [1, 2])
+def test_the_plain_fp8_runner_is_torchs_scaled_mm_then_the_collective(monkeypatch, world):
+    """FP8 operands take ``torch._scaled_mm`` with the call's scales (weight [N, K], transposed as it
+    asks) into ``out_dtype``, then the collective."""
+    ran = []
+
+    def scaled_mm(a, b, scale_a, scale_b, out_dtype):
+        ran.append(("scaled_mm", a.shape, b.shape, b.stride(), scale_a, scale_b, out_dtype))
+        return torch.zeros(a.shape[0], b.shape[1], dtype=out_dtype)
+
+    monkeypatch.setattr(torch, "_scaled_mm", scaled_mm)
+    monkeypatch.setattr(comm, "collective", lambda ex, out, group: ran.append(("collective", out.dtype)) or out)
+    scales = Scales(torch.ones(1), torch.ones(1))
+    a, w = (torch.zeros(rows, 32, dtype=torch.float8_e4m3fn) for rows in (16, 8))
+    out = runtime.plain(comm.exchange("all_reduce", 16, world), None, "nk", world, torch.float16)(a, w, scales)
+    assert ran[0] == ("scaled_mm", (16, 32), (32, 8), (1, 32), scales.a, scales.b, torch.float16)
+    assert ran[1:] == [("collective", torch.float16)] * (world > 1) and out.dtype == torch.float16
 
 
 class _Streams:

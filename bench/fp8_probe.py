@@ -1,0 +1,107 @@
+"""The FP8 signal GEMM alone on every SM against torch._scaled_mm, per tile and accumulation mode.
+
+    python bench/fp8_probe.py [--shapes 8192x8192x8192 ...] [--iters 20]
+
+One GPU (Hopper). For each shape: torch._scaled_mm with and without use_fast_accum, and the signal
+GEMM (no collective, counters reset after each call) for each tile shape with CUTLASS's FP8 mainloop
+(the tensor cores' partial sums promoted into fp32 accumulators, as _scaled_mm by default) and with
+its fast-accumulation mainloop (GemmSpec.fast_accum). Per-tensor scales, bf16 out; median ms over
+``--iters`` timed calls after warm-up, operands rotated through sets larger than L2; the error of
+each against a float32 product of the scaled operands.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import statistics
+
+import torch
+
+from flashoverlap.config import OverlapConfig
+from flashoverlap.gemm import get_kernel
+from flashoverlap.inputs import Scales
+from flashoverlap.prepared import Prepared, _plan
+from flashoverlap.rules import for_collective, kernel_spec
+from flashoverlap.timing import input_sets, kernel_alone
+
+TILES = [(128, 256, 1), (128, 128, 1), (128, 128, 2)]  # tile_m, tile_n, cluster_m
+
+
+def timed(fn, iters: int) -> float:
+    """Median ms of ``fn(i)`` over ``iters`` calls, each between two CUDA events, after warm-up."""
+    for i in range(3):
+        fn(i)
+    times = []
+    for i in range(iters):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        fn(i)
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end))
+    return statistics.median(times)
+
+
+def prepared(shape: tuple[int, int, int], tile: tuple[int, int, int], fast_accum: bool) -> Prepared:
+    """The signal GEMM of ``tile`` on every SM, FP8 e4m3 operands, bf16 out (its own plan and tables)."""
+    tile_m, tile_n, cluster_m = tile
+    cfg = for_collective(OverlapConfig(tile_m=tile_m, tile_n=tile_n, cluster_m=cluster_m, comm_sms=0), "all_reduce")
+    cfg, spec = kernel_spec(cfg, "bfloat16", "nk", (9, 0), "float8_e4m3fn")
+    kernel = get_kernel(dataclasses.replace(spec, fast_accum=fast_accum))
+    device = torch.device("cuda", torch.cuda.current_device())
+    sms = torch.cuda.get_device_properties(device).multi_processor_count
+    plan = _plan(kernel, cfg, sms, shape, device)
+    slots = torch.from_numpy(plan.slot_table().view("u1")).to(device)
+    counters = torch.zeros(plan.num_groups, dtype=torch.int32, device=device)
+    return Prepared(plan, kernel, slots, counters, None, plan.counter_targets(kernel.signals_per_tile), sms, None)
+
+
+def probe(shape: tuple[int, int, int], iters: int) -> dict[str, tuple[float, float]]:
+    """{variant: (ms per call, rel err)} for one shape (see the module's docstring)."""
+    m, n, k = shape
+    fp8 = torch.float8_e4m3fn
+    sets = input_sets(m, n, k, fp8, torch.cuda.get_device_properties(0).L2_cache_size)
+    a = [torch.randn(m, k, device="cuda").to(fp8) for _ in range(sets)]
+    w = [torch.randn(n, k, device="cuda").to(fp8) for _ in range(sets)]
+    scales = Scales(torch.ones(1, device="cuda"), torch.full((1,), k**-0.5, device="cuda"))
+    ref = (a[0].float() @ w[0].float().t()) * k**-0.5
+
+    def error(out: torch.Tensor) -> float:
+        return ((out.float() - ref).norm() / ref.norm()).item()
+
+    rows = {}
+    for fast in (False, True):
+
+        def scaled(i: int, fast: bool = fast) -> torch.Tensor:
+            b = w[i % sets].t()
+            return torch._scaled_mm(
+                a[i % sets], b, scale_a=scales.a, scale_b=scales.b, out_dtype=torch.bfloat16, use_fast_accum=fast
+            )
+
+        rows[f"_scaled_mm fast_accum={fast}"] = (timed(scaled, iters), error(scaled(0)))
+        for tile in TILES:
+            prep = prepared(shape, tile, fast)
+            buffer = torch.empty(m * n, dtype=torch.bfloat16, device="cuda")
+            prep.launch(a[0], w[0], buffer, torch.cuda.current_stream(), alpha=(scales.a * scales.b).reshape(1))
+            prep.counters.zero_()
+            name = f"signal {tile[0]}x{tile[1]} c{tile[2]} fast_accum={fast}"
+            rows[name] = (timed(kernel_alone(prep, a, w, scales), iters), error(buffer.view(m, n)))
+    return rows
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--shapes", nargs="+", default=["8192x8192x8192", "4096x8192x8192", "16384x8192x4096"])
+    parser.add_argument("--iters", type=int, default=20)
+    args = parser.parse_args()
+    print(f"{torch.cuda.get_device_name()}: ms per call (TFLOP/s), rel err against float32")
+    for text in args.shapes:
+        m, n, k = shape = tuple(int(v) for v in text.split("x"))
+        print(f"\n{text}")
+        for name, (ms, err) in probe(shape, args.iters).items():
+            print(f"  {name:42s} {ms:7.3f} ms ({2 * m * n * k / ms / 1e9:5.0f})  rel err {err:.1e}")
+
+
+if __name__ == "__main__":
+    main()
