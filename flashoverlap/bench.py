@@ -44,7 +44,7 @@ from . import comm, report, state
 from .comm import COLLECTIVES, NCCL_PATHS
 from .config import OverlapConfig, resolve
 from .decision import decide
-from .inputs import FP8_DTYPES, Scales
+from .inputs import FP8_DTYPES, Fp8, Scales
 from .prepared import prepare
 from .registry import DTYPES as DTYPE_NAMES
 from .rules import for_call
@@ -100,6 +100,9 @@ def build_parser() -> argparse.ArgumentParser:
     )
     parser.add_argument("--collective", choices=COLLECTIVES, default="all_reduce")
     parser.add_argument("--dtype", choices=DTYPE_NAMES, default="bfloat16")
+    parser.add_argument(
+        "--fast-accum", action="store_true", help="FP8: unpromoted partial sums (torch._scaled_mm's use_fast_accum)"
+    )
     parser.add_argument("--transport", choices=sorted(TRANSPORTS), default="nvlink")
     parser.add_argument("--rounds", type=int, default=15, help="timed rounds per variant")
     parser.add_argument("--block", type=int, default=8, help="calls per timed round")
@@ -163,16 +166,16 @@ def overlap_efficiency(t_seq: float, t_ovl: float, t_gemm: float, t_comm: float)
 
 
 def decomposed(
-    a, w, ex, chunks: int, stream: torch.cuda.Stream, scales: Scales | None = None, out_dtype: torch.dtype | None = None
+    a, w, ex, chunks: int, stream: torch.cuda.Stream, scales: Scales | None = None, fp8: Fp8 | None = None
 ) -> torch.Tensor:
     """The usual hand-written overlap: the GEMM in ``chunks`` column blocks on the current stream,
     each block's collective (and its copy into the output) on ``stream`` while the next multiplies
-    (FP8 operands: ``torch._scaled_mm`` with ``scales`` into ``out_dtype``)."""
+    (FP8 operands: ``torch._scaled_mm`` with ``scales``, as ``fp8`` says)."""
 
     caller = torch.cuda.current_stream()
     n = w.shape[0]
-    product = plain(ex, None, "nk", 1, out_dtype)
-    out = torch.empty((ex.rows, n), dtype=out_dtype or a.dtype, device=a.device)
+    product = plain(ex, None, "nk", 1, fp8)
+    out = torch.empty((ex.rows, n), dtype=a.dtype if fp8 is None else fp8.out_dtype, device=a.device)
     stream.wait_stream(caller)
     for cols in torch.arange(n).tensor_split(chunks):
         if not len(cols):
@@ -231,22 +234,22 @@ def bench_shape(shape: tuple[int, int, int], args: argparse.Namespace, inputs: s
     sets = len(a)
     # FP8 operands: per-tensor scales (the weight's carries the 1 / sqrt(K) that 16-bit weights hold)
     # and a bf16 result, as a quantized layer's
-    scales = out_dtype = None
+    scales = fp8 = None
     if dtype in FP8_DTYPES:
         scales = Scales(torch.ones(1, device="cuda"), torch.full((1,), k**-0.5, device="cuda"))
-        out_dtype = torch.bfloat16
-    fp8 = {} if scales is None else {"scale_a": scales.a, "scale_b": scales.b}
-    c = torch.randn(m, n, device="cuda").to(out_dtype or dtype)
+        fp8 = Fp8(torch.bfloat16, args.fast_accum)
+    kwargs = {} if fp8 is None else {"scale_a": scales.a, "scale_b": scales.b, "use_fast_accum": fp8.fast_accum}
+    c = torch.randn(m, n, device="cuda").to(dtype if fp8 is None else fp8.out_dtype)
     ex = comm.exchange(collective, m, world)
     overlapped = getattr(flashoverlap, f"gemm_{collective}")
     fallback = resolve(FALLBACK)
-    product = plain(ex, None, "nk", 1, out_dtype)
+    product = plain(ex, None, "nk", 1, fp8)
 
     def seq(i):
-        return sequential(a[i % sets], w[i % sets], "nk", ex, None, scales, out_dtype)
+        return sequential(a[i % sets], w[i % sets], "nk", ex, None, scales, fp8)
 
     def planned(cfg: OverlapConfig):  # its plan, kernel and tables, as the call prepares them
-        return prepare(m, n, k, dtype, "nk", a[0].device, cfg, 0, comm.interleave(ex, cfg.layout), None, out_dtype)
+        return prepare(m, n, k, dtype, "nk", a[0].device, cfg, 0, comm.interleave(ex, cfg.layout), None, fp8)
 
     variants: dict[str, Callable[[int], object]] = {
         "gemm": lambda i: product(a[i % sets], w[i % sets], scales),
@@ -254,15 +257,15 @@ def bench_shape(shape: tuple[int, int, int], args: argparse.Namespace, inputs: s
         "seq": seq,
         "seq_again": seq,  # the same work again: how far identical variants measure apart here
         # a call decided sequential: what its checks, lookup and allocation add to seq
-        "fallback": lambda i: overlapped(a[i % sets], w[i % sets], config=fallback, **fp8),
+        "fallback": lambda i: overlapped(a[i % sets], w[i % sets], config=fallback, **kwargs),
     }
     side = torch.cuda.Stream()
     for chunk in chunks:
         variants[f"decomp{chunk}"] = lambda i, chunk=chunk: decomposed(
-            a[i % sets], w[i % sets], ex, chunk, side, scales, out_dtype
+            a[i % sets], w[i % sets], ex, chunk, side, scales, fp8
         )
     # (torch's FP8 fused_scaled_matmul_reduce_scatter is not among the variants yet)
-    fused = async_tp(a[0], w[0]) if collective == "reduce_scatter" and scales is None else None
+    fused = async_tp(a[0], w[0]) if collective == "reduce_scatter" and fp8 is None else None
     if fused is not None:
         variants["asynctp"] = lambda i: fused(a[i % sets], w[i % sets])
     cfgs = [for_call(resolve(cfg), ex, shape) if cfg is not None else None for cfg in configs]
@@ -274,13 +277,13 @@ def bench_shape(shape: tuple[int, int, int], args: argparse.Namespace, inputs: s
             os.environ["FLASHOVERLAP_NCCL"] = path
             state.forget_decisions()
         # a call without config= decides here (timed if untuned); what it runs, as it decided
-        got, want = overlapped(a[0], w[0], config=cfgs[j], **fp8).float(), seq(0).float()
+        got, want = overlapped(a[0], w[0], config=cfgs[j], **kwargs).float(), seq(0).float()
         errors[j, path] = ((got - want).norm() / want.norm()).item()
-        decided = decide(a[0], w[0], collective, None, cfgs[j], scales=scales, out_dtype=out_dtype)
+        decided = decide(a[0], w[0], collective, None, cfgs[j], scales=scales, fp8=fp8)
         if len(nccl) > 1:  # each path's decision, kept: switching paths inside the timing would decide again
             variants[f"fo{j}{path}"] = lambda i, run=decided.run: run(a[i % sets], w[i % sets], scales)
         else:  # "registry" variants call without config=, as a user would (the lookup is part of the call)
-            variants[f"fo{j}{path}"] = lambda i, cfg=cfgs[j]: overlapped(a[i % sets], w[i % sets], config=cfg, **fp8)
+            variants[f"fo{j}{path}"] = lambda i, cfg=cfgs[j]: overlapped(a[i % sets], w[i % sets], config=cfg, **kwargs)
         cfg = picked[j, path] = cfgs[j] or decided.config or OverlapConfig(sequential=True)
         if not cfg.sequential and cfg not in kernels:
             kernels[cfg] = f"kernel{len(kernels)}"

@@ -27,7 +27,7 @@ from . import comm, registry, runtime, signal, state, timing, watchdog
 from .comm import Exchange
 from .comm.nccl import group_fact
 from .config import OverlapConfig, differences, resolve
-from .inputs import FP8_DTYPES, OPERAND_DTYPES, Scales, check_inputs, world_size
+from .inputs import FP8_DTYPES, OPERAND_DTYPES, Fp8, Scales, check_inputs, world_size
 from .prepared import Prepared, prepare, shared_columns
 from .rules import (
     FP8_MIN_CAPABILITY,
@@ -50,8 +50,8 @@ from .rules import (
 
 log = logging.getLogger(__name__)
 _DEFAULTS = OverlapConfig()  # frozen: built once (each construction validates)
-# FP8 operands' defaults: 128 x 128 tiles. The FP8 mainloop keeps a second set of fp32 accumulators
-# (the tensor cores' partial sums promoted every few K-blocks): a 128 x 256 tile spills registers and
+# FP8 operands' defaults where their partial sums are promoted (no fast accumulation): 128 x 128
+# tiles. That mainloop keeps a second set of fp32 accumulators: a 128 x 256 tile spills registers and
 # ran ~3x slower alone than 128 x 128 (docs/experiments.md, FP8).
 _FP8_DEFAULTS = OverlapConfig(tile_n=128)
 Communicator = dist.ProcessGroup | comm.Direct | comm.Peers
@@ -83,12 +83,12 @@ def decide(
     rows_per_rank: Sequence[int] | None = None,
     exchanged: list[Exchange] | None = None,
     scales: Scales | None = None,
-    out_dtype: torch.dtype | None = None,
+    fp8: Fp8 | None = None,
 ) -> Decision:
     """Which path a call takes and with which config (every check first; a call without
     ``config=`` that is not tuned for its very shape is timed on first use, :func:`trial`).
     ``exchanged``: the call's :class:`Exchange` is appended to it; FP8 operands: their ``scales`` and
-    result ``out_dtype`` (inputs.check_scales). Kept in the group's state for the next call like it
+    ``fp8`` (result dtype, accumulation: inputs.check_scales). Kept in the group's state for the next call like it
     (same arguments, operand shapes, dtypes and device; not one whose counts are exchanged): a
     repeated call pays the input checks and one lookup, not the decision."""
     world = world_size(group)
@@ -99,12 +99,12 @@ def decide(
         raise ValueError(f"FP8 operands take scales, others none: a is {a.dtype}, scales {scales}")
     key, kept = None, state.of(group).decisions
     if splits is None and output_splits is None and rows_per_rank is None:  # (else exchanged per call)
-        key = (collective, given, weight_layout, m, n, k, a.dtype, out_dtype, a.device.index)
+        key = (collective, given, weight_layout, m, n, k, a.dtype, fp8, a.device.index)
         if (known := kept.recent(key)) is not None:
             if exchanged is not None:
                 exchanged.append(known.ex)
             return known
-    args = (splits, output_splits, rows_per_rank, exchanged, scales, out_dtype)
+    args = (splits, output_splits, rows_per_rank, exchanged, scales, fp8)
     decision = _decide(a, weight, collective, group, given, explicit, weight_layout, world, (m, n, k), *args)
     if key is not None and not capturing(a):  # (a capture skips the trial)
         kept.keep(key, decision)
@@ -141,7 +141,7 @@ def _decide(
     rows_per_rank: Sequence[int] | None,
     exchanged: list[Exchange] | None,
     scales: Scales | None,
-    out_dtype: torch.dtype | None,
+    fp8: Fp8 | None,
 ) -> Decision:
     """:func:`decide`, its arguments checked (``given``: the config resolved, ``explicit``: its first
     resolution for the collective, ``mnk``: the GEMM's shape): the exchange, the config the call
@@ -170,21 +170,21 @@ def _decide(
     # call where this rank, or any rank known to, has no rows
     if world == 1 or m == 0 or ex.ragged and 0 in ex.sources:
         _say(ex, (m, n, k), a.dtype, group, "sequential: one rank" if world == 1 else "sequential: a rank has no rows")
-        return Decision(ex, runtime.plain(ex, group, weight_layout, world, out_dtype))
+        return Decision(ex, runtime.plain(ex, group, weight_layout, world, fp8))
     # what every rank decides alike rests on: where the ranks' M differ (known where the counts were
     # exchanged), the largest, whose GEMM sets the pace
     shape = (max(ex.sources) if ex.ragged else m, n, k)
 
     def plain(why: str) -> Decision:
         _say(ex, shape, a.dtype, group, f"sequential: {why}")
-        return Decision(ex, runtime.plain(ex, group, weight_layout, world, out_dtype))
+        return Decision(ex, runtime.plain(ex, group, weight_layout, world, fp8))
 
     if explicit is not None and explicit.sequential:  # (on any GPUs: nothing is asked of them)
         return plain("your config says sequential")
     if not fp8_kernels:
         return plain(f"no FP8 overlap kernels for sm_{capability[0]}{capability[1]}")
     full = group if group is not None else dist.group.WORLD
-    start = _start(a, collective, group, full, given, explicit, world, ex, shape)
+    start = _start(a, collective, group, full, given, explicit, world, ex, shape, fp8)
     cfg, source = start.config, start.source
     # a GEMM of one wave without config= (decode-sized M, which varies a lot): nothing to overlap, and
     # found before planning
@@ -199,7 +199,7 @@ def _decide(
             + (", symmetric: true" if cfg.symmetric else "")
         )
     with torch.cuda.device(a.device):  # the kernels launch on the current device
-        ex, planned = _planning(a, weight_layout, group, cfg, ex, world, mnk, shape, out_dtype)
+        ex, planned = _planning(a, weight_layout, group, cfg, ex, world, mnk, shape, fp8)
         preps = [planned(cfg)]
         if explicit is None and preps[0].plan.num_groups == 1:  # nothing to overlap: it would only add host time
             return plain(f"{source} make one group, nothing to overlap")
@@ -226,7 +226,7 @@ def _decide(
                 shape[0],
                 start.untuned,
                 scales=scales,
-                out_dtype=out_dtype,
+                fp8=fp8,
             )
             if pick is None:
                 return plain(f"{source} lost to it when timed")
@@ -265,10 +265,12 @@ def _start(
     world: int,
     ex: Exchange,
     shape: tuple[int, int, int],
+    fp8: Fp8 | None = None,
 ) -> Start:
     """The config a call starts from: the one given, else the registry's for the group's transport
-    (a hint where tuned for another shape), else the defaults; resolved for the call, without what
-    its ranks cannot run (a window without NVLink, pulls without peer access, neither across hosts).
+    (a hint where tuned for another shape), else the defaults (``fp8``: FP8's); resolved for the call,
+    without what its ranks cannot run (a window without NVLink, pulls without peer access, neither
+    across hosts).
     Every rank's host and GPU are asked first, once per group (comm.peer.every_rank): ranks on
     different GPUs are refused (:func:`check_gpus`) before any choice rests on this rank's own."""
     backend = comm.cuda_backend(group)
@@ -287,7 +289,7 @@ def _start(
     # defaults, which replace a hint of sequential
     timed = explicit is None and not (found is not None and found.exact)
     hint = found.config if found is not None and not (timed and found.config.sequential) else None
-    cfg = for_call(given or hint or (_FP8_DEFAULTS if a.dtype in FP8_DTYPES else _DEFAULTS), ex, shape)
+    cfg = for_call(given or hint or (_FP8_DEFAULTS if fp8 is not None and not fp8.fast_accum else _DEFAULTS), ex, shape)
     # NCCL carries a group across hosts over the network, and peer memory reaches no other host: your
     # config is refused; a registry entry (or the nearest one) drops its window (transport net) and
     # pulls (comm.peer.unavailable) below
@@ -329,11 +331,11 @@ def _planning(
     world: int,
     mnk: tuple[int, int, int],
     shape: tuple[int, int, int],
-    out_dtype: torch.dtype | None,
+    fp8: Fp8 | None,
 ) -> tuple[Exchange, Callable[[OverlapConfig], Prepared]]:
     """The call's exchange with ``cfg``'s reduction, checked against its layout, and ``planned(c)``:
     the plan of config ``c`` for this rank's GEMM ``mnk`` (on the shared columns of the largest M,
-    ``shape``, where the ranks' M differ; ``out_dtype``: an FP8 GEMM's result's)."""
+    ``shape``, where the ranks' M differ; ``fp8``: an FP8 GEMM's result and accumulation)."""
     m, n, k = mnk
     if cfg.reduction != ex.reduction:
         ex = comm.with_reduction(ex, cfg.reduction, world)
@@ -346,11 +348,9 @@ def _planning(
     rotate = comm.rows_rotation(ex, cfg.layout, group_fact(group, "rank", dist.get_rank))
 
     def planned(c: OverlapConfig) -> Prepared:
-        columns = (
-            shared_columns(*shape, a.dtype, weight_layout, a.device, c, out_dtype=out_dtype) if ex.ragged else None
-        )
+        columns = shared_columns(*shape, a.dtype, weight_layout, a.device, c, fp8=fp8) if ex.ragged else None
         segments = comm.interleave(ex, c.layout)
-        return prepare(m, n, k, a.dtype, weight_layout, a.device, c, rotate, segments, columns, out_dtype=out_dtype)
+        return prepare(m, n, k, a.dtype, weight_layout, a.device, c, rotate, segments, columns, fp8=fp8)
 
     return ex, planned
 
@@ -495,7 +495,7 @@ def trial(
     m: int,
     untuned: bool = True,
     scales: Scales | None = None,
-    out_dtype: torch.dtype | None = None,
+    fp8: Fp8 | None = None,
 ) -> int | None:
     """Which of the overlapped calls ``cfgs`` (their plans ``preps``, communicators ``budgets``,
     exchanges ``exes`` and ``tails``: runtime.run_overlapped) to run, None for the sequential call
@@ -512,14 +512,14 @@ def trial(
     being captured (the first config then, the answer not kept) or with ``FLASHOVERLAP_TRIAL=0``;
     under ``FLASHOVERLAP_TIMING=graphs`` each candidate's calls are captured and replayed as a CUDA
     graph (the host's time does not count); ``untuned``: no registry entry at all (for the message);
-    FP8 operands: their ``scales`` and result ``out_dtype``."""
+    FP8 operands: their ``scales`` and ``fp8``."""
     graphs = registry.timing() == "graphs"
     key = (
         graphs,
         m.bit_length(),
         weight.shape,
         a.dtype,
-        out_dtype,
+        fp8,
         weight_layout,
         a.device.index,
         tuple(cfgs),
@@ -544,7 +544,7 @@ def trial(
         def on(i: int) -> tuple[torch.Tensor, torch.Tensor]:  # call i's operands
             return operands[i % len(operands)], weights[i % len(weights)]
 
-        timed = {"sequential": lambda i: runtime.sequential(*on(i), weight_layout, exes[0], full, scales, out_dtype)}
+        timed = {"sequential": lambda i: runtime.sequential(*on(i), weight_layout, exes[0], full, scales, fp8)}
         for name, prep, budget, ex, tail in zip(names, preps, budgets, exes, tails):
             timed[name] = lambda i, p=prep, b=budget, e=ex, t=tail: runtime.run_overlapped(
                 p, *on(i), e, b, tail_group=t, scales=scales

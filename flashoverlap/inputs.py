@@ -32,6 +32,15 @@ class Scales(NamedTuple):
     b: torch.Tensor
 
 
+class Fp8(NamedTuple):
+    """What an FP8 call's kernel and plain path rest on besides its operands: its result's dtype, and
+    whether the tensor cores' partial sums go unpromoted into fp32 accumulators (torch._scaled_mm's
+    ``use_fast_accum``: faster, less accurate over long K)."""
+
+    out_dtype: torch.dtype
+    fast_accum: bool = False
+
+
 def check_group(group: object) -> None:
     """Refuse a ``group=`` that is no process group (None: the default group) before anything asks
     torch.distributed about it."""
@@ -93,19 +102,22 @@ def check_scales(
     scale_a: object,
     scale_b: object,
     out_dtype: object,
-) -> tuple[Scales | None, torch.dtype | None]:
+    use_fast_accum: object = False,
+) -> tuple[Scales | None, Fp8 | None]:
     """A call's FP8 arguments checked against its operands (whose dtypes :func:`check_inputs` checks):
-    (its :class:`Scales`, its result's dtype) for FP8 operands, (None, None) for 16-bit ones, which
+    (its :class:`Scales`, its :class:`Fp8`) for FP8 operands, (None, None) for 16-bit ones, which
     take none of them. FP8: float32 per-tensor scales on the operands' device, both given; the
     result bfloat16 (the default) or float16; the weight [N, K] (FP8 tensor cores read both operands
     K-major)."""
     if a.dtype not in FP8_DTYPES and weight.dtype not in FP8_DTYPES:
-        if scale_a is not None or scale_b is not None or out_dtype is not None:
+        if scale_a is not None or scale_b is not None or out_dtype is not None or use_fast_accum:
             raise ValueError(
-                f"scale_a, scale_b and out_dtype are for FP8 operands ({', '.join(map(str, FP8_DTYPES))}); "
-                f"a is {a.dtype}: its result is {a.dtype}, unscaled"
+                f"scale_a, scale_b, out_dtype and use_fast_accum are for FP8 operands "
+                f"({', '.join(map(str, FP8_DTYPES))}); a is {a.dtype}: its result is {a.dtype}, unscaled"
             )
         return None, None
+    if not isinstance(use_fast_accum, bool):
+        raise TypeError(f"use_fast_accum must be a bool, got {type(use_fast_accum).__name__}")
     if weight_layout != "nk":
         raise ValueError(f"FP8 operands need weight_layout 'nk' (a [N, K] weight), got {weight_layout!r}")
     if out_dtype is None:
@@ -125,4 +137,4 @@ def check_scales(
             )
         if t.device != a.device:
             raise ValueError(f"{name} is on {t.device}, expected {a.device} (the operands' device)")
-    return Scales(scale_a, scale_b), out_dtype
+    return Scales(scale_a, scale_b), Fp8(out_dtype, use_fast_accum)

@@ -49,9 +49,10 @@ def gemm_all_reduce(
     scale_a: torch.Tensor | None = None,
     scale_b: torch.Tensor | None = None,
     out_dtype: torch.dtype | None = None,
+    use_fast_accum: bool = False,
 ) -> torch.Tensor:
     """``all_reduce(a @ weight.T)`` over ``group`` -> [M, N], overlapped with the GEMM."""
-    fp8 = (scale_a, scale_b, out_dtype)
+    fp8 = (scale_a, scale_b, out_dtype, use_fast_accum)
     return _gemm_collective(a, weight, "all_reduce", group, config, weight_layout, fp8=fp8)
 
 
@@ -65,10 +66,11 @@ def gemm_reduce_scatter(
     scale_a: torch.Tensor | None = None,
     scale_b: torch.Tensor | None = None,
     out_dtype: torch.dtype | None = None,
+    use_fast_accum: bool = False,
 ) -> torch.Tensor:
     """``reduce_scatter_tensor`` of ``a @ weight.T`` over ``group``: rank r gets the summed rows
     [r * M / world, (r + 1) * M / world) -> [M / world, N]; M must be a multiple of the world size."""
-    fp8 = (scale_a, scale_b, out_dtype)
+    fp8 = (scale_a, scale_b, out_dtype, use_fast_accum)
     return _gemm_collective(a, weight, "reduce_scatter", group, config, weight_layout, fp8=fp8)
 
 
@@ -85,6 +87,7 @@ def gemm_all_to_all(
     scale_a: torch.Tensor | None = None,
     scale_b: torch.Tensor | None = None,
     out_dtype: torch.dtype | None = None,
+    use_fast_accum: bool = False,
 ) -> torch.Tensor:
     """``all_to_all_single`` of ``a @ weight.T``: the first ``splits[0]`` rows go to rank 0, the
     next ``splits[1]`` to rank 1, ... (even split when omitted); returns the rows received from
@@ -93,7 +96,7 @@ def gemm_all_to_all(
     host sync), and the ranks may then pass different M (MoE experts; none included). Ranks whose M
     differ and that know every rank's M (``rows_per_rank``, e.g. from the dispatcher's token
     counts) pass it with ``splits`` and ``output_splits``: then nothing is exchanged."""
-    counts, fp8 = (splits, output_splits, rows_per_rank), (scale_a, scale_b, out_dtype)
+    counts, fp8 = (splits, output_splits, rows_per_rank), (scale_a, scale_b, out_dtype, use_fast_accum)
     return _gemm_collective(a, weight, "all_to_all", group, config, weight_layout, *counts, fp8=fp8)
 
 
@@ -176,7 +179,7 @@ def _gemm_collective(
     output_splits: Sequence[int] | None = None,
     rows_per_rank: Sequence[int] | None = None,
     exchanged: list[Exchange] | None = None,
-    fp8: tuple = (None, None, None),
+    fp8: tuple = (None, None, None, False),
 ) -> torch.Tensor:
     """A call (see the module's docstring): with gradients where autograd asks for them (CUDA
     tensors; others fail the checks below), inside a graph ``torch.compile`` traces the one operator
@@ -184,11 +187,11 @@ def _gemm_collective(
     config reach it as strings fixed when the graph is traced), else run here: a repeat of a call
     decided before (:func:`_call_key`) runs what it decided straight away. ``exchanged``: where given,
     the call's :class:`Exchange` is appended to it (for the gradients; not where traced); ``fp8``:
-    (scale_a, scale_b, out_dtype) as the public calls take them (inputs.check_scales)."""
+    (scale_a, scale_b, out_dtype, use_fast_accum) as the public calls take them (inputs.check_scales)."""
     tensors = isinstance(a, torch.Tensor) and isinstance(weight, torch.Tensor)
-    scales = out_dtype = None
+    scales = kind = None
     if tensors:  # (checked on every call: a repeat's scales are new tensors)
-        scales, out_dtype = check_scales(a, weight, weight_layout, *fp8)
+        scales, kind = check_scales(a, weight, weight_layout, *fp8)
     if tensors and a.is_cuda and _wants_gradients(a, weight):
         if scales is not None:
             raise ValueError("FP8 calls have no backward: pass operands that do not require gradients")
@@ -200,7 +203,7 @@ def _gemm_collective(
         )
     key = None
     if tensors and splits is None and output_splits is None and rows_per_rank is None:
-        key = _call_key(a, weight, collective, config, weight_layout, out_dtype)
+        key = _call_key(a, weight, collective, config, weight_layout, kind)
         kept = state.kept(group) if key is not None else None
         if kept is not None and (known := kept.runners.get(key)) is not None:
             run, ex = known
@@ -219,7 +222,7 @@ def _gemm_collective(
         rows_per_rank,
         exchanged,
         scales,
-        out_dtype,
+        kind,
     )
     if key is not None and not decision.capturing(a):
         state.of(group).runners.keep(key, (chosen.run, chosen.ex))
@@ -227,7 +230,7 @@ def _gemm_collective(
 
 
 def _call_key(
-    a: torch.Tensor, weight: torch.Tensor, collective: str, config: object, weight_layout: str, out_dtype: object
+    a: torch.Tensor, weight: torch.Tensor, collective: str, config: object, weight_layout: str, fp8: object
 ) -> tuple | None:
     """What a call is known by once decided, cheap to make (every call makes it): everything its
     checks and its decision rest on (operand shapes, dtypes, devices; contiguous operands only), as
@@ -236,7 +239,7 @@ def _call_key(
     if not (config is None or type(config) is OverlapConfig) or not (a.is_contiguous() and weight.is_contiguous()):
         return None
     shapes = a.shape, weight.shape, a.dtype, weight.dtype, a.device, weight.device
-    return collective, config, weight_layout, *shapes, out_dtype
+    return collective, config, weight_layout, *shapes, fp8
 
 
 @torch.compiler.assume_constant_result
@@ -263,7 +266,7 @@ _library = torch.library.Library("flashoverlap", "DEF")
 _library.define(
     "gemm_collective(Tensor a, Tensor weight, str collective, str group, str config, str weight_layout, "
     "int[]? splits, int[]? output_splits, int[]? rows_per_rank=None, Tensor? scale_a=None, Tensor? scale_b=None, "
-    "ScalarType? out_dtype=None) -> Tensor"
+    "ScalarType? out_dtype=None, bool use_fast_accum=False) -> Tensor"
 )
 
 
@@ -278,9 +281,9 @@ def _gemm_collective_op(
 
 
 def _padded(fp8: tuple) -> tuple:
-    """The operator's (scale_a, scale_b, out_dtype) as it was given them: the dispatcher leaves out
-    trailing arguments at their defaults."""
-    return (*fp8, None, None, None)[:3]
+    """The operator's (scale_a, scale_b, out_dtype, use_fast_accum) as it was given them: the
+    dispatcher leaves out trailing arguments at their defaults."""
+    return (*fp8, *(None, None, None, False)[len(fp8) :])
 
 
 _library.impl("gemm_collective", _gemm_collective_op, "CompositeExplicitAutograd")
@@ -289,7 +292,7 @@ _library.impl("gemm_collective", _gemm_collective_op, "CompositeExplicitAutograd
 @torch.library.register_fake("flashoverlap::gemm_collective")
 def _(a, weight, collective, group, config, weight_layout, splits, output_splits, rows_per_rank=None, *fp8):
     m, n, _ = check_inputs(a, weight, weight_layout, a.device.type)
-    _, out_dtype = check_scales(a, weight, weight_layout, *_padded(fp8))
+    _, kind = check_scales(a, weight, weight_layout, *_padded(fp8))
     if collective == "reduce_scatter":
         rows = m // dist.distributed_c10d._resolve_process_group(group).size()
     elif output_splits is not None:
@@ -298,4 +301,4 @@ def _(a, weight, collective, group, config, weight_layout, splits, output_splits
         rows = torch.library.get_ctx().new_dynamic_size()
     else:
         rows = m
-    return a.new_empty((rows, n), dtype=out_dtype)
+    return a.new_empty((rows, n), dtype=None if kind is None else kind.out_dtype)

@@ -5,8 +5,8 @@
 
 Each item is a JSON object of :class:`~flashoverlap.config.OverlapConfig` fields plus, optionally,
 ``collective`` (default all_reduce), ``dtype`` (bfloat16: the output's), ``input_dtype`` (the
-operands': ``dtype``, or float8_e4m3fn / float8_e5m2 for the Hopper FP8 kernels) and
-``weight_layout`` (nk: weight [N, K] as in torch Linear; kn: [K, N]);
+operands': ``dtype``, or float8_e4m3fn / float8_e5m2 for the Hopper FP8 kernels; ``fast_accum``: the
+calls' ``use_fast_accum``) and ``weight_layout`` (nk: weight [N, K] as in torch Linear; kn: [K, N]);
 ``--file`` reads a YAML list of them. ``--registry`` adds
 every tuned config of the registry (the package's ``configs/*.yaml`` and ``FLASHOVERLAP_CONFIG_DIRS``, whatever
 GPU they were tuned on; those the target GPU has no kernel for are skipped, as items are with
@@ -18,6 +18,7 @@ not stop for a 1-2 minute compile on every rank.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import itertools
 import json
 import logging
@@ -37,7 +38,13 @@ from .gemm.generator import DTYPES, INPUT_DTYPES, WEIGHT_LAYOUTS
 from .rules import COLLECTIVES, kernel_spec, resolutions
 
 GPU_ARCHS = {"sm_80": (8, 0), "sm_86": (8, 6), "sm_89": (8, 9), "sm_90": (9, 0)}
-CALL_KEYS = {"collective": "all_reduce", "dtype": "bfloat16", "input_dtype": None, "weight_layout": "nk"}
+CALL_KEYS = {
+    "collective": "all_reduce",
+    "dtype": "bfloat16",
+    "input_dtype": None,
+    "weight_layout": "nk",
+    "fast_accum": False,
+}
 log = logging.getLogger("flashoverlap.precompile")  # not __name__: "__main__" under python -m
 
 
@@ -66,6 +73,8 @@ def call_and_configs(item: dict[str, Any]) -> tuple[dict[str, str | None], tuple
         raise ValueError(f"input_dtype must be one of {sorted(INPUT_DTYPES)}, got {call['input_dtype']!r}")
     if call["weight_layout"] not in WEIGHT_LAYOUTS:
         raise ValueError(f"weight_layout must be one of {sorted(WEIGHT_LAYOUTS)}, got {call['weight_layout']!r}")
+    if not isinstance(call["fast_accum"], bool):
+        raise ValueError(f"fast_accum must be true or false, got {call['fast_accum']!r}")
     cfg = resolve({key: value for key, value in item.items() if key not in CALL_KEYS})
     return call, resolutions(cfg, call["collective"])
 
@@ -75,7 +84,8 @@ def spec_for(call: dict[str, str | None], cfg: OverlapConfig, capability: tuple[
     raises ``ValueError`` where that GPU has no kernel for it."""
     if cfg.sequential:
         return None
-    return kernel_spec(cfg, call["dtype"], call["weight_layout"], capability, call["input_dtype"])[1]
+    spec = kernel_spec(cfg, call["dtype"], call["weight_layout"], capability, call["input_dtype"])[1]
+    return dataclasses.replace(spec, fast_accum=call["fast_accum"]) if call["fast_accum"] else spec
 
 
 def main(argv: Sequence[str] | None = None) -> int:

@@ -3,6 +3,7 @@ device and config, made once (:func:`prepare`) and kept (state.plans)."""
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 from dataclasses import dataclass, field
 
@@ -11,7 +12,7 @@ import torch
 from . import state
 from .config import OverlapConfig
 from .gemm import SignalGemm, get_kernel
-from .inputs import DTYPES, FP8_DTYPES
+from .inputs import DTYPES, FP8_DTYPES, Fp8
 from .plan import Plan, make_plan
 from .rules import kernel_spec
 from .streams import SIDE_ROLES, side_stream
@@ -87,18 +88,19 @@ def prepare(
     rotate: int = 0,
     interleave: int = 1,
     columns: tuple[int, ...] | None = None,
-    out_dtype: torch.dtype | None = None,
+    fp8: Fp8 | None = None,
 ) -> Prepared:
     """The plan, kernel and device tables of one call; ``dtype``: the operands'; ``rotate``: rows of
     C the schedule starts at (comm.rows_rotation); ``interleave``: segments it interleaves
     (comm.interleave); ``columns``: the ``cols`` groups' tile columns, shared by ranks whose M differ
-    (:func:`shared_columns`); ``out_dtype``: an FP8 GEMM's result's (None: bfloat16)."""
+    (:func:`shared_columns`); ``fp8``: an FP8 GEMM's result dtype and accumulation (None: bf16,
+    promoted)."""
     if cfg.layout == "auto":
         raise ValueError("prepare() takes a config resolved for its collective (rules.for_collective)")
-    key = (m, n, k, dtype, weight_layout, device.index, cfg, rotate, interleave, columns, out_dtype)
+    key = (m, n, k, dtype, weight_layout, device.index, cfg, rotate, interleave, columns, fp8)
     if (found := state.plans.recent(key)) is not None:
         return found
-    cfg, kernel, sm_count = _kernel(dtype, out_dtype, weight_layout, device, cfg)
+    cfg, kernel, sm_count = _kernel(dtype, fp8, weight_layout, device, cfg)
     plan = _plan(kernel, cfg, sm_count, (m, n, k), device, rotate, interleave, columns)
     slots = torch.from_numpy(plan.slot_table().view("u1")).to(device)
     counters = torch.zeros(plan.num_groups, dtype=torch.int32, device=device)
@@ -115,15 +117,16 @@ def prepare(
 
 
 def _kernel(
-    dtype: torch.dtype, out_dtype: torch.dtype | None, weight_layout: str, device: torch.device, cfg: OverlapConfig
+    dtype: torch.dtype, fp8: Fp8 | None, weight_layout: str, device: torch.device, cfg: OverlapConfig
 ) -> tuple[OverlapConfig, SignalGemm, int]:
-    """``cfg`` completed for the device, its kernel (operands ``dtype``, result ``out_dtype`` where
-    they are FP8), and the SMs that kernel's grid gets (every SM under a late budget: its plan keeps
+    """``cfg`` completed for the device, its kernel (operands ``dtype``; FP8 ones: result and
+    accumulation as ``fp8`` says), and the SMs that kernel's grid gets (every SM under a late budget: its plan keeps
     ``comm_sms`` of them for the last waves only)."""
     capability = torch.cuda.get_device_capability(device)
     if dtype in FP8_DTYPES:
-        out = DTYPES[out_dtype or torch.bfloat16]
-        cfg, spec = kernel_spec(cfg, out, weight_layout, capability, FP8_DTYPES[dtype])
+        fp8 = fp8 or Fp8(torch.bfloat16)
+        cfg, spec = kernel_spec(cfg, DTYPES[fp8.out_dtype], weight_layout, capability, FP8_DTYPES[dtype])
+        spec = dataclasses.replace(spec, fast_accum=fp8.fast_accum)
     else:
         cfg, spec = kernel_spec(cfg, DTYPES[dtype], weight_layout, capability)
     total_sms = torch.cuda.get_device_properties(device).multi_processor_count
@@ -173,9 +176,9 @@ def shared_columns(
     weight_layout: str,
     device: torch.device,
     cfg: OverlapConfig,
-    out_dtype: torch.dtype | None = None,
+    fp8: Fp8 | None = None,
 ) -> tuple[int, ...]:
     """The ``cols`` groups' tile columns that ranks whose M differ all plan on: those of the plan
     for ``m`` rows, the largest M (that rank's GEMM takes longest, so its waves set the pace)."""
-    cfg, kernel, sm_count = _kernel(dtype, out_dtype, weight_layout, device, cfg)
+    cfg, kernel, sm_count = _kernel(dtype, fp8, weight_layout, device, cfg)
     return _plan(kernel, cfg, sm_count, (m, n, k), device).column_groups

@@ -19,7 +19,7 @@ import torch.distributed as dist
 
 from . import comm, enqueue, signal, state, watchdog
 from .comm import Exchange
-from .inputs import Scales, world_size
+from .inputs import Fp8, Scales, world_size
 from .prepared import Prepared
 from .streams import join, lanes, side_stream
 
@@ -48,24 +48,26 @@ def sequential(
     ex: Exchange,
     group: dist.ProcessGroup | None,
     scales: Scales | None = None,
-    out_dtype: torch.dtype | None = None,
+    fp8: Fp8 | None = None,
 ) -> torch.Tensor:
     """The baseline the overlap must beat and match: matmul, then the collective (FP8 operands:
-    ``torch._scaled_mm`` with their ``scales``, the result ``out_dtype``)."""
-    return plain(ex, group, weight_layout, world_size(group), out_dtype)(a, weight, scales)
+    ``torch._scaled_mm`` with their ``scales``, as ``fp8`` says)."""
+    return plain(ex, group, weight_layout, world_size(group), fp8)(a, weight, scales)
 
 
 def plain(
-    ex: Exchange, group: dist.ProcessGroup | None, weight_layout: str, world: int, out_dtype: torch.dtype | None = None
+    ex: Exchange, group: dist.ProcessGroup | None, weight_layout: str, world: int, fp8: Fp8 | None = None
 ) -> Callable[..., torch.Tensor]:
     """:func:`sequential` as a function ``(a, weight, scales=None)`` of the operands of calls like
     ``ex`` on ``group`` (of ``world`` ranks), made once: what a call decided plain runs on every
     repeat, the matmul and the collective and nothing else (``world`` 1: the matmul alone);
-    ``out_dtype`` given: FP8 operands, multiplied by ``torch._scaled_mm`` (weight [N, K])."""
-    if out_dtype is not None:
+    ``fp8`` given: FP8 operands, multiplied by ``torch._scaled_mm`` (weight [N, K])."""
+    if fp8 is not None:
+        out_dtype, fast = fp8
 
         def product(a: torch.Tensor, weight: torch.Tensor, scales: Scales) -> torch.Tensor:
-            return torch._scaled_mm(a, weight.t(), scale_a=scales.a, scale_b=scales.b, out_dtype=out_dtype)
+            b = weight.t()
+            return torch._scaled_mm(a, b, scale_a=scales.a, scale_b=scales.b, out_dtype=out_dtype, use_fast_accum=fast)
 
         if world == 1:
             return product

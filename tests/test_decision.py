@@ -11,6 +11,7 @@ import torch.distributed as dist
 import flashoverlap
 from flashoverlap import comm, decision, registry, rules, runtime, state, timing
 from flashoverlap.config import OverlapConfig
+from flashoverlap.inputs import Fp8
 from flashoverlap.prepared import Prepared
 from flashoverlap.registry import Found
 
@@ -27,7 +28,7 @@ def plain_records(monkeypatch, record) -> None:
     """Calls decided plain run ``record(a, weight, weight_layout, ex, group)`` (runtime.sequential's
     arguments) instead."""
 
-    def plain(ex, group, layout, world, out_dtype=None):
+    def plain(ex, group, layout, world, fp8=None):
         return lambda a, w, scales=None: record(a, w, layout, ex, group)
 
     monkeypatch.setattr(runtime, "plain", plain)
@@ -183,9 +184,10 @@ def fp8_operands(m: int, n: int) -> tuple[torch.Tensor, torch.Tensor, dict]:
 
 
 def test_an_fp8_call_is_timed_and_run_with_its_scales(one_rank_group, monkeypatch):
-    """An untuned FP8 call on Hopper plans its kernels (FP8's default tiles) for the result's dtype,
-    times its candidates and the plain ``torch._scaled_mm`` with the call's scales, and runs with
-    each call's own scales; a call of another result dtype is another kind of call (decided apart)."""
+    """An untuned FP8 call on Hopper plans its kernels (FP8's default tiles: 128 x 128 where partial
+    sums are promoted, the usual 128 x 256 with fast accumulation) for its result's dtype, times its
+    candidates and the plain ``torch._scaled_mm`` with the call's scales, and runs with each call's
+    own scales; a call of another result dtype or accumulation is another kind (decided apart)."""
     m, n = 4096, 8192
     planned, timed, ran = [], [], []
     untuned_all_reduce(monkeypatch, m, n)
@@ -193,7 +195,7 @@ def test_an_fp8_call_is_timed_and_run_with_its_scales(one_rank_group, monkeypatc
     monkeypatch.setattr(
         decision,
         "prepare",
-        lambda *args, **kw: planned.append((args[3], args[6].tile_n, kw["out_dtype"])) or inner(*args, **kw),
+        lambda *args, **kw: planned.append((args[3], args[6].tile_n, kw["fp8"])) or inner(*args, **kw),
     )
     monkeypatch.setattr(decision, "budget_communicator", lambda *args: "budget")
     monkeypatch.setattr(runtime, "run_overlapped", lambda prep, a, w, ex, b, **kw: ran.append(kw["scales"]))
@@ -209,11 +211,14 @@ def test_an_fp8_call_is_timed_and_run_with_its_scales(one_rank_group, monkeypatc
     flashoverlap.gemm_all_reduce(a, w, **scales)
     again = {"scale_a": torch.ones(1), "scale_b": torch.ones(1)}
     flashoverlap.gemm_all_reduce(a, w, **again)
-    assert set(planned) == {(torch.float8_e4m3fn, 128, torch.bfloat16)}  # (FP8's default tiles: 128 x 128)
+    assert set(planned) == {(torch.float8_e4m3fn, 128, Fp8(torch.bfloat16))}
     assert [(s.a, s.b) for s in ran[-2:]] == [tuple(scales.values()), tuple(again.values())]
-    assert [(s.a, s.b, dtype) for s, dtype in timed] == [(*scales.values(), torch.bfloat16)]
+    assert [(s.a, s.b, kind) for s, kind in timed] == [(*scales.values(), Fp8(torch.bfloat16))]
     flashoverlap.gemm_all_reduce(a, w, **scales, out_dtype=torch.float16)
-    assert planned[-1] == (torch.float8_e4m3fn, 128, torch.float16) and timed[-1][1] == torch.float16
+    assert planned[-1] == (torch.float8_e4m3fn, 128, Fp8(torch.float16)) and timed[-1][1] == Fp8(torch.float16)
+    flashoverlap.gemm_all_reduce(a, w, **scales, use_fast_accum=True)
+    fast = Fp8(torch.bfloat16, fast_accum=True)
+    assert planned[-1] == (torch.float8_e4m3fn, 256, fast) and timed[-1][1] == fast
 
 
 def test_fp8_calls_without_fp8_kernels_here_run_plain_or_fail_before_communicating(one_rank_group, monkeypatch):
@@ -227,13 +232,13 @@ def test_fp8_calls_without_fp8_kernels_here_run_plain_or_fail_before_communicati
     monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: capability[0])
     monkeypatch.setattr(decision, "tuned_config", lambda *args: pytest.fail("looked up a call that runs plain"))
 
-    def plain(ex, group, layout, world, out_dtype=None):
-        return lambda a, w, scales: taken.append((ex.collective, scales.b.item(), out_dtype))
+    def plain(ex, group, layout, world, fp8=None):
+        return lambda a, w, scales: taken.append((ex.collective, scales.b.item(), fp8))
 
     monkeypatch.setattr(runtime, "plain", plain)
     a, w, scales = fp8_operands(4096, 8192)
     flashoverlap.gemm_reduce_scatter(a, w, **scales)
-    assert taken == [("reduce_scatter", 0.5, torch.bfloat16)]
+    assert taken == [("reduce_scatter", 0.5, Fp8(torch.bfloat16))]
     monkeypatch.setattr(comm, "exchange", lambda *args, **kwargs: pytest.fail("communicated before refusing"))
     with pytest.raises(ValueError, match="no FP8 overlap kernels for sm_89"):
         flashoverlap.gemm_all_reduce(a, w, **scales, config={})

@@ -12,7 +12,7 @@ import torch.distributed as dist
 from flashoverlap import OverlapConfig, comm, decision, enqueue, signal, state
 from flashoverlap.comm import restore
 from flashoverlap.gemm import get_kernel
-from flashoverlap.inputs import Scales
+from flashoverlap.inputs import Fp8, Scales
 from flashoverlap.prepared import Prepared, _plan, prepare
 from flashoverlap.rules import alternative, for_collective, kernel_spec, pulled
 from flashoverlap.runtime import run_overlapped
@@ -307,19 +307,21 @@ def test_pipeline_on_one_gpu(nccl_one_rank, monkeypatch, mode, symmetric, nccl, 
 
 
 @pytest.mark.parametrize(
-    "collective, layout, reduction, nccl",
+    "collective, layout, reduction, nccl, fast",
     [
-        ("all_reduce", "rows", "nccl", "direct"),
-        ("all_reduce", "rows", "pull_scatter", "direct"),
-        ("reduce_scatter", "segments", "pull", "direct"),
-        ("all_to_all", "cols", "nccl", "c10d"),
+        ("all_reduce", "rows", "nccl", "direct", False),
+        ("all_reduce", "rows", "pull_scatter", "direct", False),
+        ("reduce_scatter", "segments", "pull", "direct", False),
+        ("all_to_all", "cols", "nccl", "c10d", False),
+        ("all_reduce", "rows", "nccl", "direct", True),
     ],
 )
-def test_fp8_pipeline_on_one_gpu(nccl_one_rank, monkeypatch, collective, layout, reduction, nccl):
-    """The overlapped call with FP8 operands on a group of one rank, a bf16 result: each call's own
-    scales (a new product every call) reach its GEMM, also where calls are replayed natively (the
-    scales' product is among the values a replay substitutes) and in a CUDA graph's replays (read
-    on the device); the public call on one rank is torch._scaled_mm's."""
+def test_fp8_pipeline_on_one_gpu(nccl_one_rank, monkeypatch, collective, layout, reduction, nccl, fast):
+    """The overlapped call with FP8 operands on a group of one rank, a bf16 result (``fast``: partial
+    sums unpromoted): each call's own scales (a new product every call) reach its GEMM, also where
+    calls are replayed natively (the scales' product is among the values a replay substitutes) and
+    in a CUDA graph's replays (read on the device); the public call on one rank is
+    torch._scaled_mm's."""
     if torch.cuda.get_device_capability() != (9, 0):
         pytest.skip("the FP8 signal GEMMs are Hopper (sm_90a) kernels")
     import flashoverlap
@@ -342,7 +344,8 @@ def test_fp8_pipeline_on_one_gpu(nccl_one_rank, monkeypatch, collective, layout,
         scales = Scales(scale_a.reshape(1), (scale_b * (i + 1)).reshape(1))
         calls.append((a, w, scales, (a.float() * scales.a) @ (w.float() * scales.b).t()))
     cfg = for_collective(OverlapConfig(layout=layout, reduction=reduction), collective)
-    prep = prepare(m, n, k, torch.float8_e4m3fn, "nk", device, cfg)
+    prep = prepare(m, n, k, torch.float8_e4m3fn, "nk", device, cfg, fp8=Fp8(torch.bfloat16, fast))
+    assert prep.kernel.spec.fast_accum == fast
     ex = comm.exchange(collective, m, 1, reduction=reduction)
     outs = []
     for a, w, scales, _ in calls:
@@ -363,8 +366,9 @@ def test_fp8_pipeline_on_one_gpu(nccl_one_rank, monkeypatch, collective, layout,
         torch.cuda.synchronize()
         assert rel_err(out, 2 * ref) < 2e-2
     a, w, scales, _ = calls[1]
-    plain = flashoverlap.gemm_all_reduce(a, w, scale_a=scales.a, scale_b=scales.b, out_dtype=torch.float16)
-    scaled = torch._scaled_mm(a, w.t(), scale_a=scales.a, scale_b=scales.b, out_dtype=torch.float16)
+    given = {"scale_a": scales.a, "scale_b": scales.b, "out_dtype": torch.float16, "use_fast_accum": fast}
+    plain = flashoverlap.gemm_all_reduce(a, w, **given)
+    scaled = torch._scaled_mm(a, w.t(), **given)
     assert torch.equal(plain, scaled)
 
 

@@ -3,7 +3,7 @@
 import pytest
 import torch
 
-from flashoverlap.inputs import Scales, check_inputs, check_scales
+from flashoverlap.inputs import Fp8, Scales, check_inputs, check_scales
 
 from .helpers import bf16
 
@@ -27,16 +27,19 @@ def test_fp8_operands_align_rows_to_16_bytes():
 def test_16_bit_operands_take_no_scales():
     a, w = bf16(16, 32), bf16(8, 32)
     assert check_scales(a, w, "nk", None, None, None) == (None, None)
-    for given in [(torch.ones(1), None, None), (None, torch.ones(1), None), (None, None, torch.bfloat16)]:
+    one = torch.ones(1)
+    for given in [(one, None, None), (None, one, None), (None, None, torch.bfloat16), (None, None, None, True)]:
         with pytest.raises(ValueError, match="are for FP8 operands"):
             check_scales(a, w, "nk", *given)
 
 
-def test_fp8_operands_take_per_tensor_scales_and_a_16_bit_result():
+def test_fp8_operands_take_per_tensor_scales_a_16_bit_result_and_an_accumulation():
     a, w, one = fp8(16, 32), fp8(8, 32, dtype=torch.float8_e5m2), torch.ones(1)
-    scales, out = check_scales(a, w, "nk", one, torch.tensor(2.0), None)
-    assert scales == Scales(one, scales.b) and scales.b.item() == 2.0 and out == torch.bfloat16
-    assert check_scales(a, w, "nk", one, one, torch.float16)[1] == torch.float16
+    scales, kind = check_scales(a, w, "nk", one, torch.tensor(2.0), None)
+    assert scales == Scales(one, scales.b) and scales.b.item() == 2.0 and kind == Fp8(torch.bfloat16, False)
+    assert check_scales(a, w, "nk", one, one, torch.float16, True)[1] == Fp8(torch.float16, True)
+    with pytest.raises(TypeError, match="use_fast_accum must be a bool"):
+        check_scales(a, w, "nk", one, one, None, 1)
 
 
 @pytest.mark.parametrize(

@@ -140,19 +140,19 @@ def compile_worker(rank: int, world: int, store_path: str):
                 assert isinstance(out.shape[0], torch.SymInt) and out.shape[1] == 48, out.shape
             else:
                 assert tuple(out.shape) == shape and out.device.type == "cuda", (fn.__name__, out.shape)
-            ((collective, group, config, layout, *counts, scale_a, scale_b, out_dtype),) = op_calls(graph)
+            ((collective, group, config, layout, *counts, scale_a, scale_b, out_dtype, fast),) = op_calls(graph)
             assert collective == fn.__name__.removeprefix("gemm_") and layout == "nk"
             assert group == (pair if "group" in kwargs else dist.group.WORLD).group_name
             assert counts == [kwargs.get(key) for key in ("splits", "output_splits", "rows_per_rank")]
-            assert scale_a is scale_b is out_dtype is None
+            assert scale_a is scale_b is out_dtype is None and fast is False
             wanted = kwargs.get("config")
             assert _config_of(config) == (None if wanted is None else resolve(wanted)), config
         # FP8 operands: their scales reach the operator as tensors, the result takes out_dtype
         a8, w8, scale = a.to(torch.float8_e4m3fn), w.to(torch.float8_e4m3fn), torch.ones(1)
-        for out_dtype in (None, torch.float16):
+        for out_dtype, fast in ((None, False), (torch.float16, True)):
             out, graph = compiled(
-                lambda a, w, sa, sb, dt=out_dtype: flashoverlap.gemm_all_reduce(
-                    a, w, scale_a=sa, scale_b=sb, out_dtype=dt
+                lambda a, w, sa, sb, dt=out_dtype, fast=fast: flashoverlap.gemm_all_reduce(
+                    a, w, scale_a=sa, scale_b=sb, out_dtype=dt, use_fast_accum=fast
                 ),
                 a8,
                 w8,
@@ -160,8 +160,8 @@ def compile_worker(rank: int, world: int, store_path: str):
                 scale,
             )
             assert tuple(out.shape) == (64, 48) and out.dtype == (out_dtype or torch.bfloat16)
-            ((*_, scale_a, scale_b, dtype),) = op_calls(graph)
-            assert scale_a.op == scale_b.op == "placeholder" and dtype == out_dtype
+            ((*_, scale_a, scale_b, dtype, accumulation),) = op_calls(graph)
+            assert scale_a.op == scale_b.op == "placeholder" and (dtype, accumulation) == (out_dtype, fast)
         dist.barrier()
     finally:
         dist.destroy_process_group()

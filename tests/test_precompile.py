@@ -41,6 +41,10 @@ def test_fp8_items_name_the_hopper_fp8_kernels(capsys):
         "fo_gemm_float8_e4m3fn_bfloat16_nk_128x256x128_c1x1_persistent_tma_sm_90a",  # its own K tile
         "fo_gemm_bfloat16_nk_128x256x64_c1x1_persistent_tma_sm_90a",
     ]
+    fast = '{"input_dtype": "float8_e4m3fn", "fast_accum": true}'
+    assert listed(capsys, "--gpu-arch", "sm_90", fast) == [
+        "fo_gemm_float8_e4m3fn_bfloat16_nk_128x256x128_c1x1_persistent_tma_fastaccum_sm_90a"
+    ]
     with pytest.raises(SystemExit):
         precompile.main(["--gpu-arch", "sm_89", '{"input_dtype": "float8_e5m2"}', "--list"])
     assert "FP8 needs the sm90 kernels" in capsys.readouterr().err
@@ -66,6 +70,8 @@ def test_files_and_the_registry_add_items(tmp_path, capsys):
         (["--gpu-arch", "sm_90", '{"dtype": "fp8"}'], "dtype must be one of"),
         (["--gpu-arch", "sm_90", '{"weight_layout": "t"}'], "weight_layout must be one of"),
         (["--gpu-arch", "sm_90", '{"input_dtype": "fp8"}'], "input_dtype must be one of"),
+        (["--gpu-arch", "sm_90", '{"input_dtype": "float8_e4m3fn", "fast_accum": 1}'], "fast_accum must be true or"),
+        (["--gpu-arch", "sm_90", '{"fast_accum": true}'], "fast_accum is for FP8 inputs"),
         (["--gpu-arch", "sm_90", '{"input_dtype": "float8_e4m3fn", "weight_layout": "kn"}'], "weight_layout 'nk'"),
         # a misspelt collective would build another collective's kernels (its auto layout)
         (["--gpu-arch", "sm_90", '{"collective": "allreduce"}'], "collective must be one of .*'allreduce'"),

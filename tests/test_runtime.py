@@ -4,7 +4,7 @@ import pytest
 import torch
 
 from flashoverlap import comm, runtime
-from flashoverlap.inputs import Scales
+from flashoverlap.inputs import Fp8, Scales
 
 from .helpers import bf16
 
@@ -38,19 +38,20 @@ def test_the_plain_runner_runs_the_collective_on_the_product(monkeypatch):
 @pytest.mark.parametrize("world", [1, 2])
 def test_the_plain_fp8_runner_is_torchs_scaled_mm_then_the_collective(monkeypatch, world):
     """FP8 operands take ``torch._scaled_mm`` with the call's scales (weight [N, K], transposed as it
-    asks) into ``out_dtype``, then the collective."""
+    asks) into their result dtype, accumulated as asked, then the collective."""
     ran = []
 
-    def scaled_mm(a, b, scale_a, scale_b, out_dtype):
-        ran.append(("scaled_mm", a.shape, b.shape, b.stride(), scale_a, scale_b, out_dtype))
+    def scaled_mm(a, b, scale_a, scale_b, out_dtype, use_fast_accum):
+        ran.append(("scaled_mm", a.shape, b.shape, b.stride(), scale_a, scale_b, out_dtype, use_fast_accum))
         return torch.zeros(a.shape[0], b.shape[1], dtype=out_dtype)
 
     monkeypatch.setattr(torch, "_scaled_mm", scaled_mm)
     monkeypatch.setattr(comm, "collective", lambda ex, out, group: ran.append(("collective", out.dtype)) or out)
     scales = Scales(torch.ones(1), torch.ones(1))
     a, w = (torch.zeros(rows, 32, dtype=torch.float8_e4m3fn) for rows in (16, 8))
-    out = runtime.plain(comm.exchange("all_reduce", 16, world), None, "nk", world, torch.float16)(a, w, scales)
-    assert ran[0] == ("scaled_mm", (16, 32), (32, 8), (1, 32), scales.a, scales.b, torch.float16)
+    kind = Fp8(torch.float16, fast_accum=True)
+    out = runtime.plain(comm.exchange("all_reduce", 16, world), None, "nk", world, kind)(a, w, scales)
+    assert ran[0] == ("scaled_mm", (16, 32), (32, 8), (1, 32), scales.a, scales.b, torch.float16, True)
     assert ran[1:] == [("collective", torch.float16)] * (world > 1) and out.dtype == torch.float16
 
 
