@@ -13,16 +13,14 @@ each against a float32 product of the scaled operands.
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import statistics
 
 import torch
 
 from flashoverlap.config import OverlapConfig
-from flashoverlap.gemm import get_kernel
-from flashoverlap.inputs import Scales
-from flashoverlap.prepared import Prepared, _plan
-from flashoverlap.rules import for_collective, kernel_spec
+from flashoverlap.inputs import Fp8, Scales
+from flashoverlap.prepared import Prepared, prepare
+from flashoverlap.rules import for_collective
 from flashoverlap.timing import input_sets, kernel_alone
 
 TILES = [(128, 256, 1), (128, 128, 1), (128, 128, 2)]  # tile_m, tile_n, cluster_m
@@ -44,17 +42,11 @@ def timed(fn, iters: int) -> float:
 
 
 def prepared(shape: tuple[int, int, int], tile: tuple[int, int, int], fast_accum: bool) -> Prepared:
-    """The signal GEMM of ``tile`` on every SM, FP8 e4m3 operands, bf16 out (its own plan and tables)."""
+    """The signal GEMM of ``tile`` on every SM, FP8 e4m3 operands, bf16 out, as a call prepares it."""
     tile_m, tile_n, cluster_m = tile
     cfg = for_collective(OverlapConfig(tile_m=tile_m, tile_n=tile_n, cluster_m=cluster_m, comm_sms=0), "all_reduce")
-    cfg, spec = kernel_spec(cfg, "bfloat16", "nk", (9, 0), "float8_e4m3fn")
-    kernel = get_kernel(dataclasses.replace(spec, fast_accum=fast_accum))
     device = torch.device("cuda", torch.cuda.current_device())
-    sms = torch.cuda.get_device_properties(device).multi_processor_count
-    plan = _plan(kernel, cfg, sms, shape, device)
-    slots = torch.from_numpy(plan.slot_table().view("u1")).to(device)
-    counters = torch.zeros(plan.num_groups, dtype=torch.int32, device=device)
-    return Prepared(plan, kernel, slots, counters, None, plan.counter_targets(kernel.signals_per_tile), sms, None)
+    return prepare(*shape, torch.float8_e4m3fn, "nk", device, cfg, fp8=Fp8(torch.bfloat16, fast_accum))
 
 
 def probe(shape: tuple[int, int, int], iters: int) -> dict[str, tuple[float, float]]:

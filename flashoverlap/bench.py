@@ -440,6 +440,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         except (OSError, ValueError) as exc:
             parser.error(str(exc))
     args.shapes = shapes or [(4096, 8192, 8192)]
+    if args.fast_accum and not args.dtype.startswith("float8"):
+        parser.error(f"--fast-accum is for FP8 operands (--dtype float8_e4m3fn), not {args.dtype}")
     os.environ.update(TRANSPORTS[args.transport])  # before NCCL creates its communicators
     if args.graphs:  # "registry" variants: what calls replayed as CUDA graphs take (registry.timing)
         os.environ["FLASHOVERLAP_TIMING"] = "graphs"

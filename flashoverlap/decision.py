@@ -37,6 +37,7 @@ from .rules import (
     for_call,
     for_device,
     fp8_overlaps,
+    kernel_spec,
     one_wave,
     peer_memory,
     pulled,
@@ -163,6 +164,8 @@ def _decide(
         resolved, _ = for_device(explicit, capability or torch.cuda.get_device_capability(a.device))
         if scales is not None and resolved.kernel != "sm90":
             raise ValueError(f"FP8 operands run on the sm90 kernels (Hopper), not kernel {explicit.kernel!r}")
+        if fp8 is not None:  # (an FP8 kernel's own limits: its K tile, say)
+            kernel_spec(explicit, OPERAND_DTYPES[fp8.out_dtype], weight_layout, capability, OPERAND_DTYPES[a.dtype])
     ex = comm.exchange(collective, m, world, splits, output_splits, group, a.device, rows_per_rank=rows_per_rank)
     if exchanged is not None:
         exchanged.append(ex)
@@ -206,7 +209,7 @@ def _decide(
         candidates, preps = _candidates(cfg, preps, planned, start.timed, collective, shape, full, a.device)
         exes = [ex if c.reduction == ex.reduction else comm.with_reduction(ex, c.reduction, world) for c in candidates]
         for c, prep, e in zip(candidates, preps, exes):
-            call = (collective, "ragged" if ex.ragged else m, n, k, a.dtype, weight_layout, a.device.index, c)
+            call = (collective, "ragged" if ex.ragged else m, n, k, a.dtype, fp8, weight_layout, a.device.index, c)
             check_agreement(prep, collective, full, e, call)
         budgets = [budget_communicator(c, collective, full, a.device) for c in candidates]
         tail = comm.tail_group(full, a.device) if any(c.reduction not in comm.PULLS for c in candidates) else None

@@ -120,6 +120,8 @@ def check_scales(
         raise TypeError(f"use_fast_accum must be a bool, got {type(use_fast_accum).__name__}")
     if weight_layout != "nk":
         raise ValueError(f"FP8 operands need weight_layout 'nk' (a [N, K] weight), got {weight_layout!r}")
+    if a.dtype == weight.dtype == torch.float8_e5m2:  # (torch._scaled_mm, the plain path, refuses them)
+        raise ValueError("two float8_e5m2 operands: torch._scaled_mm multiplies none, pass float8_e4m3fn ones")
     if out_dtype is None:
         out_dtype = torch.bfloat16
     if out_dtype not in DTYPES:

@@ -35,7 +35,7 @@ import torch.distributed as dist
 from . import comm, decision, state
 from .comm import Exchange
 from .config import OverlapConfig, resolve
-from .inputs import check_inputs, check_scales, world_size
+from .inputs import FP8_DTYPES, check_inputs, check_scales, world_size
 from .runtime import sequential
 
 
@@ -276,6 +276,8 @@ def _gemm_collective_op(
     pg = dist.distributed_c10d._resolve_process_group(group)
     counts = (splits, output_splits, rows_per_rank)
     if a.device.type == "cpu":  # the plain path, as flashoverlap.nn's layers take there (a graph debugged on gloo)
+        if a.dtype in FP8_DTYPES:
+            raise ValueError("FP8 calls run on CUDA devices (their plain path is torch._scaled_mm)")
         return with_gradients(a, weight, collective, pg, _config_of(config), weight_layout, *counts)
     return _gemm_collective(a, weight, collective, pg, _config_of(config), weight_layout, *counts, fp8=_padded(fp8))
 

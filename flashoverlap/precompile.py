@@ -34,7 +34,7 @@ import yaml
 from . import jit, registry
 from .config import OverlapConfig, cli_config, resolve
 from .gemm import GemmSpec, generate
-from .gemm.generator import DTYPES, INPUT_DTYPES, WEIGHT_LAYOUTS
+from .gemm.generator import DTYPES, FP8_DTYPES, INPUT_DTYPES, WEIGHT_LAYOUTS
 from .rules import COLLECTIVES, kernel_spec, resolutions
 
 GPU_ARCHS = {"sm_80": (8, 0), "sm_86": (8, 6), "sm_89": (8, 9), "sm_90": (9, 0)}
@@ -132,7 +132,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         except (ValueError, TypeError) as exc:
             parser.error(f"{json.dumps(item)}: {exc}")
     for entry in registry.entries() if args.registry else []:
-        call = {**CALL_KEYS, "collective": entry.collective, "dtype": entry.dtype}
+        # (an FP8 entry is keyed by its operands' dtype: its kernel's, bf16 out as calls default to)
+        fp8 = entry.dtype in FP8_DTYPES
+        dtypes = {"dtype": "bfloat16", "input_dtype": entry.dtype} if fp8 else {"dtype": entry.dtype}
+        call = {**CALL_KEYS, "collective": entry.collective, **dtypes}
         wanted += [(entry.source, call, cfg, True) for cfg in resolutions(entry.config, entry.collective)]
     specs: dict[str, GemmSpec] = {}
     for where, call, cfg, skip in wanted:

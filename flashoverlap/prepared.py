@@ -97,6 +97,8 @@ def prepare(
     promoted)."""
     if cfg.layout == "auto":
         raise ValueError("prepare() takes a config resolved for its collective (rules.for_collective)")
+    if dtype in FP8_DTYPES:
+        fp8 = fp8 or Fp8(torch.bfloat16)
     key = (m, n, k, dtype, weight_layout, device.index, cfg, rotate, interleave, columns, fp8)
     if (found := state.plans.recent(key)) is not None:
         return found
@@ -124,7 +126,7 @@ def _kernel(
     ``comm_sms`` of them for the last waves only)."""
     capability = torch.cuda.get_device_capability(device)
     if dtype in FP8_DTYPES:
-        fp8 = fp8 or Fp8(torch.bfloat16)
+        fp8 = fp8 or Fp8(torch.bfloat16)  # (as prepare's)
         cfg, spec = kernel_spec(cfg, DTYPES[fp8.out_dtype], weight_layout, capability, FP8_DTYPES[dtype])
         spec = dataclasses.replace(spec, fast_accum=fp8.fast_accum)
     else:

@@ -17,7 +17,7 @@ import torch
 import torch.distributed as dist
 
 from . import comm
-from .inputs import check_inputs
+from .inputs import FP8_DTYPES, check_inputs
 from .plan import Plan, slot_view
 
 
@@ -33,6 +33,8 @@ def run_plan(
 ) -> torch.Tensor:
     """The result the GPU path returns for ``plan`` and exchange ``ex`` (see comm.exchange)."""
     m, n, _ = check_inputs(a, weight, weight_layout, device_type="cpu")
+    if a.dtype in FP8_DTYPES:
+        raise ValueError("the reference executor replays 16-bit calls (FP8's scales are not modelled)")
     if (m, n) != (plan.m, plan.n):
         raise ValueError(f"plan is for a {plan.m}x{plan.n} output, operands give {m}x{n}")
     b = (weight.t() if weight_layout == "nk" else weight).float()

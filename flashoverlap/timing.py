@@ -19,7 +19,7 @@ import torch
 import torch.distributed as dist
 
 from . import comm, signal
-from .inputs import Scales
+from .inputs import FP8_DTYPES, Scales
 
 log = logging.getLogger(__name__)
 
@@ -43,7 +43,7 @@ def operand_sets(
     props = torch.cuda.get_device_properties(torch.cuda.current_device())
     sets = 1 if hot else input_sets(m, n, k, dtype, props.L2_cache_size)
     gen = torch.Generator(device="cuda").manual_seed(1234 + dist.get_rank())
-    norm = 1.0 if dtype.itemsize == 1 else math.sqrt(k)
+    norm = 1.0 if dtype in FP8_DTYPES else math.sqrt(k)
     a = [torch.randn(m, k, device="cuda", generator=gen).to(dtype) for _ in range(sets)]
     w = [(torch.randn(n, k, device="cuda", generator=gen) / norm).to(dtype) for _ in range(sets)]
     return a, w

@@ -81,6 +81,9 @@ def test_cli_defaults_and_choices(capsys, monkeypatch):
     with pytest.raises(SystemExit):
         bench.build_parser().parse_args(["--collective", "broadcast"])
     assert "invalid choice" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        bench.main(["--fast-accum"])  # (16-bit operands: nothing to accumulate fast)
+    assert "--fast-accum is for FP8 operands" in capsys.readouterr().err
     assert bench.TRANSPORTS["pcie"] == {"NCCL_P2P_DISABLE": "1"}
     assert bench.TRANSPORTS["net"] == {"NCCL_P2P_DISABLE": "1", "NCCL_SHM_DISABLE": "1"}
 

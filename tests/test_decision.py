@@ -248,6 +248,8 @@ def test_fp8_calls_without_fp8_kernels_here_run_plain_or_fail_before_communicati
     capability[0] = (9, 0)
     with pytest.raises(ValueError, match="FP8 operands run on the sm90 kernels"):
         flashoverlap.gemm_all_reduce(a, w, **scales, config={"kernel": "sm80"})
+    with pytest.raises(ValueError, match=r"tile_k 64 not in \(128,\)"):  # (an FP8 kernel's own K tile)
+        flashoverlap.gemm_all_reduce(a, w, **scales, config={"tile_k": 64})
 
 
 def test_fp8_calls_have_no_backward(one_rank_group, monkeypatch):

@@ -307,18 +307,19 @@ def test_pipeline_on_one_gpu(nccl_one_rank, monkeypatch, mode, symmetric, nccl, 
 
 
 @pytest.mark.parametrize(
-    "collective, layout, reduction, nccl, fast",
+    "collective, layout, reduction, nccl, fast, out_dtype",
     [
-        ("all_reduce", "rows", "nccl", "direct", False),
-        ("all_reduce", "rows", "pull_scatter", "direct", False),
-        ("reduce_scatter", "segments", "pull", "direct", False),
-        ("all_to_all", "cols", "nccl", "c10d", False),
-        ("all_reduce", "rows", "nccl", "direct", True),
+        ("all_reduce", "rows", "nccl", "direct", False, torch.bfloat16),
+        ("all_reduce", "rows", "pull_scatter", "direct", False, torch.bfloat16),
+        ("reduce_scatter", "segments", "pull", "direct", False, torch.bfloat16),
+        ("all_to_all", "cols", "nccl", "c10d", False, torch.bfloat16),
+        ("all_reduce", "rows", "nccl", "direct", True, torch.bfloat16),
+        ("all_reduce", "rows", "nccl", "c10d", False, torch.float16),
     ],
 )
-def test_fp8_pipeline_on_one_gpu(nccl_one_rank, monkeypatch, collective, layout, reduction, nccl, fast):
-    """The overlapped call with FP8 operands on a group of one rank, a bf16 result (``fast``: partial
-    sums unpromoted): each call's own scales (a new product every call) reach its GEMM, also where
+def test_fp8_pipeline_on_one_gpu(nccl_one_rank, monkeypatch, collective, layout, reduction, nccl, fast, out_dtype):
+    """The overlapped call with FP8 operands on a group of one rank, into ``out_dtype`` (``fast``:
+    partial sums unpromoted): each call's own scales (a new product every call) reach its GEMM, also where
     calls are replayed natively (the scales' product is among the values a replay substitutes) and
     in a CUDA graph's replays (read on the device); the public call on one rank is
     torch._scaled_mm's."""
@@ -344,7 +345,7 @@ def test_fp8_pipeline_on_one_gpu(nccl_one_rank, monkeypatch, collective, layout,
         scales = Scales(scale_a.reshape(1), (scale_b * (i + 1)).reshape(1))
         calls.append((a, w, scales, (a.float() * scales.a) @ (w.float() * scales.b).t()))
     cfg = for_collective(OverlapConfig(layout=layout, reduction=reduction), collective)
-    prep = prepare(m, n, k, torch.float8_e4m3fn, "nk", device, cfg, fp8=Fp8(torch.bfloat16, fast))
+    prep = prepare(m, n, k, torch.float8_e4m3fn, "nk", device, cfg, fp8=Fp8(out_dtype, fast))
     assert prep.kernel.spec.fast_accum == fast
     ex = comm.exchange(collective, m, 1, reduction=reduction)
     outs = []
@@ -352,7 +353,7 @@ def test_fp8_pipeline_on_one_gpu(nccl_one_rank, monkeypatch, collective, layout,
         outs.append(run_overlapped(prep, a, w, ex, group, tail, scales))
         kept.append(torch.empty(1, device=device))  # (the next call's scales' product lands elsewhere)
     torch.cuda.synchronize()
-    assert prep.out_dtype == torch.bfloat16 and all(out.dtype == torch.bfloat16 for out in outs)
+    assert prep.out_dtype == out_dtype and all(out.dtype == out_dtype for out in outs)
     for i, (out, (*_, ref)) in enumerate(zip(outs, calls)):
         assert not torch.isnan(out).any() and rel_err(out, ref) < 2e-2, f"call {i}"
     assert len(replays) == (2 if nccl == "direct" else 0)

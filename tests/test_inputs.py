@@ -34,7 +34,7 @@ def test_16_bit_operands_take_no_scales():
 
 
 def test_fp8_operands_take_per_tensor_scales_a_16_bit_result_and_an_accumulation():
-    a, w, one = fp8(16, 32), fp8(8, 32, dtype=torch.float8_e5m2), torch.ones(1)
+    a, w, one = fp8(16, 32), fp8(8, 32), torch.ones(1)
     scales, kind = check_scales(a, w, "nk", one, torch.tensor(2.0), None)
     assert scales == Scales(one, scales.b) and scales.b.item() == 2.0 and kind == Fp8(torch.bfloat16, False)
     assert check_scales(a, w, "nk", one, one, torch.float16, True)[1] == Fp8(torch.float16, True)
@@ -58,3 +58,11 @@ def test_fp8_operands_take_per_tensor_scales_a_16_bit_result_and_an_accumulation
 def test_bad_fp8_arguments_are_refused(layout, scale_a, scale_b, out_dtype, message):
     with pytest.raises((ValueError, TypeError), match=message):
         check_scales(fp8(16, 32), fp8(8, 32), layout, scale_a, scale_b, out_dtype)
+
+
+def test_two_e5m2_operands_are_refused():
+    """torch._scaled_mm, the plain path every FP8 call may take (one rank, a lost trial), multiplies no
+    two float8_e5m2 operands."""
+    e5m2 = torch.float8_e5m2
+    with pytest.raises(ValueError, match="two float8_e5m2 operands"):
+        check_scales(fp8(16, 32, dtype=e5m2), fp8(8, 32, dtype=e5m2), "nk", torch.ones(1), torch.ones(1), None)

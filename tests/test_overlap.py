@@ -147,6 +147,9 @@ def compile_worker(rank: int, world: int, store_path: str):
             assert scale_a is scale_b is out_dtype is None and fast is False
             wanted = kwargs.get("config")
             assert _config_of(config) == (None if wanted is None else resolve(wanted)), config
+        with pytest.raises(ValueError, match="FP8 calls run on CUDA devices"):  # (the operator on the CPU)
+            a8, w8 = a.to(torch.float8_e4m3fn), w.to(torch.float8_e4m3fn)
+            torch.ops.flashoverlap.gemm_collective(a8, w8, "all_reduce", pair.group_name, "", "nk", None, None)
         # FP8 operands: their scales reach the operator as tensors, the result takes out_dtype
         a8, w8, scale = a.to(torch.float8_e4m3fn), w.to(torch.float8_e4m3fn), torch.ones(1)
         for out_dtype, fast in ((None, False), (torch.float16, True)):

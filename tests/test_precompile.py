@@ -63,6 +63,24 @@ def test_files_and_the_registry_add_items(tmp_path, capsys):
     assert names and all(n.endswith("_sm_86") for n in names)
 
 
+def test_fp8_registry_entries_build_fp8_kernels(tmp_path, monkeypatch, capsys):
+    """An FP8 entry is keyed by its operands' dtype: its kernel reads FP8 and writes bf16."""
+    from flashoverlap import registry
+
+    (tmp_path / "h100_x2.yaml").write_text(
+        "gpu: NVIDIA H100\nworld: 2\nentries:\n- {collective: all_reduce, transport: nvlink, dtype: float8_e4m3fn,"
+        " shape: [4096, 8192, 8192], config: {tile_n: 128}}\n"
+    )
+    monkeypatch.setenv("FLASHOVERLAP_CONFIG_DIRS", str(tmp_path))
+    registry.reload()
+    try:
+        names = listed(capsys, "--gpu-arch", "sm_90", "--registry")
+    finally:
+        monkeypatch.delenv("FLASHOVERLAP_CONFIG_DIRS")
+        registry.reload()
+    assert "fo_gemm_float8_e4m3fn_bfloat16_nk_128x128x128_c1x1_persistent_tma_sm_90a" in names
+
+
 @pytest.mark.parametrize(
     "argv, message",
     [

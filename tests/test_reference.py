@@ -239,3 +239,11 @@ def ragged_worker(rank: int, world: int, store_path: str):
 def test_ranks_with_different_m_exchange_groups_of_shared_columns(world):
     with tempfile.TemporaryDirectory() as tmp:
         mp.spawn(ragged_worker, args=(world, os.path.join(tmp, "store")), nprocs=world, join=True)
+
+
+def test_fp8_operands_are_refused():
+    """The executor replays 16-bit calls; FP8's scales are not modelled (it would add unscaled values)."""
+    a, w = (torch.randn(rows, 32).to(torch.float8_e4m3fn) for rows in (128, 256))
+    plan = make_plan(128, 256, tile_m=128, tile_n=256, cluster_m=1, ctas=1, layout="rows")
+    with pytest.raises(ValueError, match="replays 16-bit calls"):
+        run_plan(a, w, plan, comm.exchange("all_reduce", 128, 1))
