@@ -85,7 +85,7 @@ def spec_for(call: dict[str, str | None], cfg: OverlapConfig, capability: tuple[
     if cfg.sequential:
         return None
     spec = kernel_spec(cfg, call["dtype"], call["weight_layout"], capability, call["input_dtype"])[1]
-    return dataclasses.replace(spec, fast_accum=call["fast_accum"]) if call["fast_accum"] else spec
+    return dataclasses.replace(spec, fast_accum=call["fast_accum"] and spec.family == "sm90")
 
 
 def main(argv: Sequence[str] | None = None) -> int:

@@ -128,7 +128,8 @@ def _kernel(
     if dtype in FP8_DTYPES:
         fp8 = fp8 or Fp8(torch.bfloat16)  # (as prepare's)
         cfg, spec = kernel_spec(cfg, DTYPES[fp8.out_dtype], weight_layout, capability, FP8_DTYPES[dtype])
-        spec = dataclasses.replace(spec, fast_accum=fp8.fast_accum)
+        # (Ada's FP8 mma.sync accumulates in fp32 itself: its kernels have no fast mode, nor need one)
+        spec = dataclasses.replace(spec, fast_accum=fp8.fast_accum and spec.family == "sm90")
     else:
         cfg, spec = kernel_spec(cfg, DTYPES[dtype], weight_layout, capability)
     total_sms = torch.cuda.get_device_properties(device).multi_processor_count

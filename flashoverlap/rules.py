@@ -18,7 +18,7 @@ import torch
 
 from .config import PULLS as PULLS
 from .config import REDUCTIONS, ROW_MAJOR, OverlapConfig, family_problems, gemm_instance
-from .gemm.generator import FAMILIES, FP8_DTYPES, FP8_TILE_K, GemmSpec
+from .gemm.generator import FAMILIES, FP8_DTYPES, GemmSpec
 from .plan import late_after, rotation_rows, scheduled_tiles, spare_sms
 
 COLLECTIVES = ("all_reduce", "reduce_scatter", "all_to_all")
@@ -113,13 +113,7 @@ def takes_every_call(cfg: OverlapConfig, collective: str) -> bool:
     return layout not in EQUAL_SEGMENTS and not (cfg.symmetric and collective == "all_to_all")
 
 
-FP8_MIN_CAPABILITY = (8, 9)  # FP8 tensor cores: Ada (sm_89) on
-
-
-def fp8_overlaps(capability: tuple[int, int]) -> bool:
-    """Whether a GPU of compute ``capability`` has FP8 signal GEMMs: Hopper's (sm_90a WGMMA). On Ada
-    (sm_89) an FP8 call takes the plain path (``torch._scaled_mm`` and the collective)."""
-    return capability == (9, 0)
+FP8_MIN_CAPABILITY = (8, 9)  # FP8 tensor cores: Ada (sm_89, the sm80 kernels' mma.sync) on
 
 
 @functools.lru_cache(maxsize=256)  # once per config and GPU kind: every call resolves its config
@@ -148,8 +142,8 @@ def kernel_spec(
 ) -> tuple[OverlapConfig, GemmSpec]:
     """``cfg`` resolved for the device (:func:`for_device`) and the GEMM instance it runs there;
     ``input_dtype``: the operands' (None: ``dtype``)."""
-    # FP8 kernels' K tile where the config leaves it (128 bytes, as the 16-bit ones' 64); configs
-    # validate tile_k for 16-bit operands, so the resolved config keeps its own
+    # FP8 kernels' K tile where the config leaves it (the family's fp8_tile_k: as many bytes as the
+    # 16-bit ones'); configs validate tile_k for 16-bit operands, so the resolved config keeps its own
     fp8_k = input_dtype in FP8_DTYPES and cfg.tile_k is None
     cfg, arch = for_device(cfg, capability)
     spec = GemmSpec(
@@ -157,7 +151,7 @@ def kernel_spec(
         weight_layout=weight_layout,
         tile_m=cfg.tile_m,
         tile_n=cfg.tile_n,
-        tile_k=FP8_TILE_K[0] if fp8_k else cfg.tile_k,
+        tile_k=FAMILIES[cfg.kernel]["fp8_tile_k"][0] if fp8_k else cfg.tile_k,
         cluster_m=cfg.cluster_m,
         scheduler=cfg.scheduler,
         epilogue=cfg.epilogue,

@@ -221,35 +221,38 @@ def test_an_fp8_call_is_timed_and_run_with_its_scales(one_rank_group, monkeypatc
     assert planned[-1] == (torch.float8_e4m3fn, 256, fast) and timed[-1][1] == fast
 
 
-def test_fp8_calls_without_fp8_kernels_here_run_plain_or_fail_before_communicating(one_rank_group, monkeypatch):
-    """Ada (sm_89) has FP8 tensor cores but no FP8 signal GEMMs yet: its calls run the plain
-    ``torch._scaled_mm`` and collective, and a config asking for the overlap fails; so does FP8 on
-    a GPU without FP8 (sm_80), and an explicit sm80 kernel on Hopper: all before communicating."""
-    capability = [(8, 9)]
-    taken = []
+def test_fp8_calls_are_refused_before_communicating_where_no_fp8_kernel_runs(one_rank_group, monkeypatch):
+    """FP8 needs FP8 tensor cores (Ada, sm_89, on); an explicit config's K tile must be one an FP8
+    kernel there takes (Hopper's may run the sm80 family when asked, as Ada's do): refused before
+    anything is communicated."""
+    capability = [(8, 0)]
     monkeypatch.setattr(decision, "world_size", lambda group: 2)
     monkeypatch.setattr(decision, "check_inputs", lambda a, w, layout: (4096, 8192, 64))
     monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: capability[0])
-    monkeypatch.setattr(decision, "tuned_config", lambda *args: pytest.fail("looked up a call that runs plain"))
-
-    def plain(ex, group, layout, world, fp8=None):
-        return lambda a, w, scales: taken.append((ex.collective, scales.b.item(), fp8))
-
-    monkeypatch.setattr(runtime, "plain", plain)
-    a, w, scales = fp8_operands(4096, 8192)
-    flashoverlap.gemm_reduce_scatter(a, w, **scales)
-    assert taken == [("reduce_scatter", 0.5, Fp8(torch.bfloat16))]
     monkeypatch.setattr(comm, "exchange", lambda *args, **kwargs: pytest.fail("communicated before refusing"))
-    with pytest.raises(ValueError, match="no FP8 overlap kernels for sm_89"):
-        flashoverlap.gemm_all_reduce(a, w, **scales, config={})
-    capability[0] = (8, 0)
+    a, w, scales = fp8_operands(4096, 8192)
     with pytest.raises(ValueError, match="FP8 tensor cores .* is sm_80"):
         flashoverlap.gemm_all_to_all(a, w, **scales)
-    capability[0] = (9, 0)
-    with pytest.raises(ValueError, match="FP8 operands run on the sm90 kernels"):
-        flashoverlap.gemm_all_reduce(a, w, **scales, config={"kernel": "sm80"})
-    with pytest.raises(ValueError, match=r"tile_k 64 not in \(128,\)"):  # (an FP8 kernel's own K tile)
-        flashoverlap.gemm_all_reduce(a, w, **scales, config={"tile_k": 64})
+    for capability[0], config in [((8, 9), {}), ((9, 0), {"kernel": "sm80"}), ((9, 0), {})]:
+        with pytest.raises(ValueError, match=r"tile_k 32 not in \((64|128),\)"):  # (not an FP8 K tile there)
+            flashoverlap.gemm_all_reduce(a, w, **scales, config={**config, "tile_k": 32})
+
+
+def test_ada_fp8_calls_run_plain_unless_a_config_asks_for_the_sm80_family(one_rank_group, monkeypatch):
+    """Ada's FP8 overlap is opt-in (its kernels unmeasured there): without config= the plain
+    torch._scaled_mm and collective, with one the sm80 family's FP8 kernel."""
+    planned, taken = [], []
+    a, w, scales = fp8_operands(4096, 8192)
+    untuned_all_reduce(monkeypatch, 4096, 8192)
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (8, 9))
+    monkeypatch.setattr(decision, "prepare", lambda *args, **kw: planned.append(args[6]) or pytest.skip("planned"))
+    monkeypatch.setattr(decision, "budget_communicator", lambda *args: "budget")
+    monkeypatch.setattr(runtime, "plain", lambda *args: lambda a, w, scales: taken.append(scales))
+    flashoverlap.gemm_all_reduce(a, w, **scales)
+    assert len(taken) == 1 and not planned
+    with pytest.raises(pytest.skip.Exception):
+        flashoverlap.gemm_all_reduce(a, w, **scales, config={})
+    assert planned[0].kernel == "auto" and rules.for_device(planned[0], (8, 9))[0].kernel == "sm80"
 
 
 def test_fp8_calls_have_no_backward(one_rank_group, monkeypatch):

@@ -67,9 +67,25 @@ def test_fast_accumulation_is_an_fp8_mainloop_of_its_own():
         GemmSpec(fast_accum=True)
 
 
+ADA_FP8 = GemmSpec(input_dtype="float8_e4m3fn", tile_n=128, tile_k=64, epilogue="direct", arch="sm_89")
+
+
+def test_ada_fp8_source_takes_the_fp8_mma_and_leaves_16_bit_sources_alone():
+    src = generate(ADA_FP8)
+    assert "cutlass::arch::Sm89" in src and "GemmShape<16, 8, 32>" in src and "GemmShape<128, 128, 64>" in src
+    assert "using ElementIn = cutlass::float_e4m3_t;" in src and "ElementIn, LayoutB, kAlignmentIn" in src
+    assert "constexpr int kAlignmentIn = 16;" in src and "LinearCombination<Element, kAlignment" in src
+    bf16 = generate(GemmSpec(tile_k=32, epilogue="direct", arch="sm_89"))  # (the kernel cache keys on it)
+    assert "ElementIn" not in bf16 and "cutlass::arch::Sm80" in bf16 and "GemmShape<16, 8, 16>" in bf16
+
+
 def test_fp8_spec_rejects_what_its_kernels_cannot_do():
-    with pytest.raises(ValueError, match=r"FP8 needs the sm90 kernels on Hopper; Ada \(sm_89\) FP8 kernels"):
+    with pytest.raises(ValueError, match=r"FP8 needs FP8 tensor cores \(sm_89, sm_90, sm_90a\), not sm_86"):
+        GemmSpec(input_dtype="float8_e4m3fn", tile_k=64, epilogue="direct", arch="sm_86")
+    with pytest.raises(ValueError, match=r"tile_k 32 not in \(64,\) \(sm80 kernels\)"):
         GemmSpec(input_dtype="float8_e4m3fn", tile_k=32, epilogue="direct", arch="sm_89")
+    with pytest.raises(ValueError, match="fast_accum is for FP8 inputs on the sm90 kernels"):
+        GemmSpec(input_dtype="float8_e4m3fn", tile_k=64, epilogue="direct", arch="sm_89", fast_accum=True)
     with pytest.raises(ValueError, match=r"tile_k 64 not in \(128,\).*weight_layout 'nk'.*got 'kn'"):
         GemmSpec(input_dtype="float8_e4m3fn", weight_layout="kn")
     with pytest.raises(ValueError, match=r"input_dtype 'int8' not in"):
@@ -160,6 +176,15 @@ def test_fp8_source_compiles_for_sm90a(spec, tmp_path):
     ids=lambda s: s.name,
 )
 def test_sm80_family_compiles(spec, tmp_path):
+    obj = jit.build(spec.name, generate(spec), arch=spec.arch, cutlass=True, object_only=True, output=tmp_path / "k.o")
+    assert obj.stat().st_size > 0
+
+
+@pytest.mark.nvcc
+@needs_nvcc
+def test_ada_fp8_source_compiles_for_sm89(tmp_path):
+    """Ada's FP8 mma.sync under the sm80 family's persistent loop and signal epilogue (RTX 4090, L40)."""
+    spec = ADA_FP8
     obj = jit.build(spec.name, generate(spec), arch=spec.arch, cutlass=True, object_only=True, output=tmp_path / "k.o")
     assert obj.stat().st_size > 0
 

@@ -177,18 +177,20 @@ def fp8_operand(rows: int, k: int, dtype: str, gen: torch.Generator) -> tuple[to
 
 
 @pytest.mark.parametrize(
-    "input_dtype, out_dtype, epilogue",
+    "input_dtype, out_dtype, epilogue, kernel",
     [
-        ("float8_e4m3fn", "bfloat16", "tma"),
-        ("float8_e4m3fn", "bfloat16", "direct"),
-        ("float8_e4m3fn", "float16", "tma"),
-        ("float8_e5m2", "bfloat16", "tma"),
+        ("float8_e4m3fn", "bfloat16", "tma", "sm90"),
+        ("float8_e4m3fn", "bfloat16", "direct", "sm90"),
+        ("float8_e4m3fn", "float16", "tma", "sm90"),
+        ("float8_e5m2", "bfloat16", "tma", "sm90"),
+        ("float8_e4m3fn", "bfloat16", "direct", "sm80"),  # Ada's FP8 mma.sync kernels, forced here
     ],
 )
 @pytest.mark.parametrize("shape", FP8_SHAPES, ids=str)
-def test_fp8_signal_gemm_with_per_tensor_scales(shape, input_dtype, out_dtype, epilogue):
-    """The Hopper FP8 signal GEMM alone, scale_a * scale_b as the epilogue's alpha on the device:
-    torch._scaled_mm's result within FP8 tolerance, every group's counter at its target."""
+def test_fp8_signal_gemm_with_per_tensor_scales(shape, input_dtype, out_dtype, epilogue, kernel):
+    """The FP8 signal GEMM alone (Hopper's, or the Ada family's), scale_a * scale_b as the
+    epilogue's alpha on the device: torch._scaled_mm's result within FP8 tolerance, every group's
+    counter at its target."""
     if torch.cuda.get_device_capability() != (9, 0):
         pytest.skip("the FP8 signal GEMMs are Hopper (sm_90a) kernels")
     m, n, k = shape
@@ -197,9 +199,9 @@ def test_fp8_signal_gemm_with_per_tensor_scales(shape, input_dtype, out_dtype, e
     a, scale_a = fp8_operand(m, k, input_dtype, gen)
     w, scale_b = fp8_operand(n, k, input_dtype, gen)  # [N, K]: K-major, as FP8 WGMMA reads B
     ref = (a.float() * scale_a) @ (w.float() * scale_b).t()
-    cfg = for_collective(OverlapConfig(epilogue=epilogue), "all_reduce")
+    cfg = for_collective(OverlapConfig(epilogue=epilogue, kernel=kernel), "all_reduce")
     cfg, spec = kernel_spec(cfg, out_dtype, "nk", (9, 0), input_dtype)
-    assert spec.tile_k == 128 and spec.input_dtype == input_dtype
+    assert spec.tile_k == (128 if kernel == "sm90" else 64) and spec.input_dtype == input_dtype
     kernel = get_kernel(spec)
     sm_count = torch.cuda.get_device_properties(0).multi_processor_count - cfg.comm_sms
     plan = _plan(kernel, cfg, sm_count, shape, a.device)

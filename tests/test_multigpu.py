@@ -229,7 +229,13 @@ def test_gemm_reduce_scatter_and_all_to_all_on_all_gpus(nccl):
 
 
 FP8_CONFIGS = {
-    "all_reduce": [OverlapConfig(), OverlapConfig(reduction="pull_scatter"), OverlapConfig(late_budget=True), None],
+    "all_reduce": [
+        OverlapConfig(),
+        OverlapConfig(reduction="pull_scatter"),
+        OverlapConfig(late_budget=True),
+        OverlapConfig(kernel="sm80"),  # Ada's FP8 kernels, forced here
+        None,
+    ],
     "reduce_scatter": [OverlapConfig(layout="segments", reduction="pull"), OverlapConfig(layout="cols"), None],
     "all_to_all": [OverlapConfig(layout="rows"), None],
 }

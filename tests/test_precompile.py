@@ -45,9 +45,12 @@ def test_fp8_items_name_the_hopper_fp8_kernels(capsys):
     assert listed(capsys, "--gpu-arch", "sm_90", fast) == [
         "fo_gemm_float8_e4m3fn_bfloat16_nk_128x256x128_c1x1_persistent_tma_fastaccum_sm_90a"
     ]
+    assert listed(capsys, "--gpu-arch", "sm_89", '{"input_dtype": "float8_e5m2", "fast_accum": true}') == [
+        "fo_gemm_float8_e5m2_bfloat16_nk_128x256x64_c1x1_persistent_direct_sm_89"  # (Ada: no fast mode)
+    ]
     with pytest.raises(SystemExit):
-        precompile.main(["--gpu-arch", "sm_89", '{"input_dtype": "float8_e5m2"}', "--list"])
-    assert "FP8 needs the sm90 kernels" in capsys.readouterr().err
+        precompile.main(["--gpu-arch", "sm_86", '{"input_dtype": "float8_e5m2"}', "--list"])
+    assert "FP8 needs FP8 tensor cores" in capsys.readouterr().err
 
 
 def test_files_and_the_registry_add_items(tmp_path, capsys):
