@@ -127,7 +127,7 @@ def tidy(bench_rows: Iterable[dict], date: str, commit: str, run: str, note: str
             ("decomposition", f"chunks={chunks}" if chunks else "", decomp),
             ("async-tp", "", _num(row.get("t_asynctp_ms"))),
             ("flashoverlap", config, _num(row.get("t_fo_ms"))),
-            ("signal-gemm", re.sub(r" nccl=\w+$", "", config), _num(row.get("t_kernel_ms"))),  # whatever the NCCL path
+            ("signal-gemm", re.sub(r" nccl=\w+", "", config), _num(row.get("t_kernel_ms"))),  # whatever the NCCL path
         ]
         for variant, label, ms in entries:
             key = (shape, variant, label if variant in ("flashoverlap", "signal-gemm") else "")

@@ -177,10 +177,11 @@ def decomposed(
     product = plain(ex, None, "nk", 1, fp8)
     out = torch.empty((ex.rows, n), dtype=a.dtype if fp8 is None else fp8.out_dtype, device=a.device)
     stream.wait_stream(caller)
-    for cols in torch.arange(n).tensor_split(chunks):
+    unit = 1 if fp8 is None else 16  # (torch._scaled_mm takes multiples of 16 columns)
+    for cols in torch.arange(n // unit).tensor_split(chunks):
         if not len(cols):
             continue
-        c0, c1 = int(cols[0]), int(cols[-1]) + 1
+        c0, c1 = int(cols[0]) * unit, (int(cols[-1]) + 1) * unit
         part = product(a, w[c0:c1], scales)
         stream.wait_stream(caller)
         with torch.cuda.stream(stream):
@@ -307,7 +308,9 @@ def bench_shape(shape: tuple[int, int, int], args: argparse.Namespace, inputs: s
                 "collective": collective,
                 "dtype": str(dtype).removeprefix("torch."),
                 "inputs": inputs,
-                "config": config_label(configs[j], cfg, collective) + ("" if path == "c10d" else f" nccl={path}"),
+                "config": config_label(configs[j], cfg, collective)
+                + ("" if path == "c10d" else f" nccl={path}")
+                + (" fast_accum" if fp8 is not None and fp8.fast_accum else ""),
                 "waves": plan.num_waves if plan else "",
                 "groups": plan.num_groups if plan else "",
                 "t_gemm_ms": t_gemm,
