@@ -88,9 +88,9 @@ def decide(
     """Which path a call takes and with which config (every check first; a call without
     ``config=`` that is not tuned for its very shape is timed on first use, :func:`trial`).
     ``exchanged``: the call's :class:`Exchange` is appended to it; FP8 operands: their ``scales`` and
-    ``fp8`` (result dtype, accumulation: inputs.check_scales). Kept in the group's state for the next call like it
-    (same arguments, operand shapes, dtypes and device; not one whose counts are exchanged): a
-    repeated call pays the input checks and one lookup, not the decision."""
+    ``fp8`` (result dtype, accumulation: inputs.check_scales). Kept in the group's state for the
+    next call like it (same arguments, operand shapes, dtypes and device; not one whose counts are
+    exchanged): a repeated call pays the input checks and one lookup, not the decision."""
     world = world_size(group)
     given = resolve(config) if config is not None else None
     explicit = resolutions(given, collective)[0] if given is not None else None  # its layout resolved below
@@ -264,11 +264,11 @@ def _start(
     fp8: Fp8 | None = None,
 ) -> Start:
     """The config a call starts from: the one given, else the registry's for the group's transport
-    (a hint where tuned for another shape), else the defaults (``fp8``: FP8's); resolved for the call,
-    without what its ranks cannot run (a window without NVLink, pulls without peer access, neither
-    across hosts).
-    Every rank's host and GPU are asked first, once per group (comm.peer.every_rank): ranks on
-    different GPUs are refused (:func:`check_gpus`) before any choice rests on this rank's own."""
+    (a hint where tuned for another shape), else the defaults (``fp8``: FP8's); resolved for the
+    call, without what its ranks cannot run (a window without NVLink, pulls without peer access,
+    neither across hosts). Every rank's host and GPU are asked first, once per group
+    (comm.peer.every_rank): ranks on different GPUs are refused (:func:`check_gpus`) before any
+    choice rests on this rank's own."""
     backend = comm.cuda_backend(group)
     p2p = backend == "nccl"  # gloo carries CUDA tensors in collectives, not point to point
     if explicit is not None and not p2p and comm.comm_pattern(collective, explicit.layout) == "exchange":

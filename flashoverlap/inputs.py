@@ -10,7 +10,7 @@ import torch.distributed as dist
 from .comm.nccl import group_fact
 
 DTYPES = {torch.bfloat16: "bfloat16", torch.float16: "float16"}
-# FP8 operands (with scales; the result bf16 / fp16): Hopper's kernels, torch._scaled_mm's semantics
+# FP8 operands (with scales; the result bf16 / fp16): torch._scaled_mm's semantics
 FP8_DTYPES = {torch.float8_e4m3fn: "float8_e4m3fn", torch.float8_e5m2: "float8_e5m2"}
 OPERAND_DTYPES = {**DTYPES, **FP8_DTYPES}
 

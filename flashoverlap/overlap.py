@@ -5,7 +5,7 @@ Operands of every public entry point: a: [M, K]; weight: [N, K] like ``torch.nn.
 device; N and K multiples of 8. FP8 operands (float8_e4m3fn / float8_e5m2, weight [N, K], N and K
 multiples of 16) take ``torch._scaled_mm``'s per-tensor float32 ``scale_a`` and ``scale_b`` (on the
 device: C = scale_a * scale_b * a @ weight.T, accumulated in fp32) and give ``out_dtype`` (bf16, the
-default, or fp16); Hopper overlaps them, Ada runs them plain; they have no backward. Every rank
+default, or fp16); Hopper overlaps them, Ada where config= asks; they have no backward. Every rank
 passes the same shapes (but M for an all-to-all whose counts are exchanged, ``splits`` without
 ``output_splits``, or given, ``rows_per_rank``). ``config``: an :class:`OverlapConfig`, a dict of its
 fields, or a YAML path (default: the registry's entry nearest the call, see
@@ -52,8 +52,8 @@ def gemm_all_reduce(
     use_fast_accum: bool = False,
 ) -> torch.Tensor:
     """``all_reduce(a @ weight.T)`` over ``group`` -> [M, N], overlapped with the GEMM."""
-    fp8 = (scale_a, scale_b, out_dtype, use_fast_accum)
-    return _gemm_collective(a, weight, "all_reduce", group, config, weight_layout, fp8=fp8)
+    fp8_args = (scale_a, scale_b, out_dtype, use_fast_accum)
+    return _gemm_collective(a, weight, "all_reduce", group, config, weight_layout, fp8_args=fp8_args)
 
 
 def gemm_reduce_scatter(
@@ -70,8 +70,8 @@ def gemm_reduce_scatter(
 ) -> torch.Tensor:
     """``reduce_scatter_tensor`` of ``a @ weight.T`` over ``group``: rank r gets the summed rows
     [r * M / world, (r + 1) * M / world) -> [M / world, N]; M must be a multiple of the world size."""
-    fp8 = (scale_a, scale_b, out_dtype, use_fast_accum)
-    return _gemm_collective(a, weight, "reduce_scatter", group, config, weight_layout, fp8=fp8)
+    fp8_args = (scale_a, scale_b, out_dtype, use_fast_accum)
+    return _gemm_collective(a, weight, "reduce_scatter", group, config, weight_layout, fp8_args=fp8_args)
 
 
 def gemm_all_to_all(
@@ -96,8 +96,8 @@ def gemm_all_to_all(
     host sync), and the ranks may then pass different M (MoE experts; none included). Ranks whose M
     differ and that know every rank's M (``rows_per_rank``, e.g. from the dispatcher's token
     counts) pass it with ``splits`` and ``output_splits``: then nothing is exchanged."""
-    counts, fp8 = (splits, output_splits, rows_per_rank), (scale_a, scale_b, out_dtype, use_fast_accum)
-    return _gemm_collective(a, weight, "all_to_all", group, config, weight_layout, *counts, fp8=fp8)
+    counts, fp8_args = (splits, output_splits, rows_per_rank), (scale_a, scale_b, out_dtype, use_fast_accum)
+    return _gemm_collective(a, weight, "all_to_all", group, config, weight_layout, *counts, fp8_args=fp8_args)
 
 
 def with_gradients(
@@ -179,19 +179,19 @@ def _gemm_collective(
     output_splits: Sequence[int] | None = None,
     rows_per_rank: Sequence[int] | None = None,
     exchanged: list[Exchange] | None = None,
-    fp8: tuple = (None, None, None, False),
+    fp8_args: tuple = (None, None, None, False),
 ) -> torch.Tensor:
     """A call (see the module's docstring): with gradients where autograd asks for them (CUDA
     tensors; others fail the checks below), inside a graph ``torch.compile`` traces the one operator
     ``flashoverlap::gemm_collective`` (no graph break, so ``fullgraph=True`` works; its group and
     config reach it as strings fixed when the graph is traced), else run here: a repeat of a call
     decided before (:func:`_call_key`) runs what it decided straight away. ``exchanged``: where given,
-    the call's :class:`Exchange` is appended to it (for the gradients; not where traced); ``fp8``:
+    the call's :class:`Exchange` is appended to it (for the gradients; not where traced); ``fp8_args``:
     (scale_a, scale_b, out_dtype, use_fast_accum) as the public calls take them (inputs.check_scales)."""
     tensors = isinstance(a, torch.Tensor) and isinstance(weight, torch.Tensor)
     scales = kind = None
     if tensors:  # (checked on every call: a repeat's scales are new tensors)
-        scales, kind = check_scales(a, weight, weight_layout, *fp8)
+        scales, kind = check_scales(a, weight, weight_layout, *fp8_args)
     if tensors and a.is_cuda and _wants_gradients(a, weight):
         if scales is not None:
             raise ValueError("FP8 calls have no backward: pass operands that do not require gradients")
@@ -199,7 +199,7 @@ def _gemm_collective(
     if torch.compiler.is_compiling():
         counts = [None if s is None else [int(c) for c in s] for s in (splits, output_splits, rows_per_rank)]
         return torch.ops.flashoverlap.gemm_collective(
-            a, weight, collective, _group_name(group), _config_text(config), weight_layout, *counts, *fp8
+            a, weight, collective, _group_name(group), _config_text(config), weight_layout, *counts, *fp8_args
         )
     key = None
     if tensors and splits is None and output_splits is None and rows_per_rank is None:
@@ -279,7 +279,8 @@ def _gemm_collective_op(
         if a.dtype in FP8_DTYPES:
             raise ValueError("FP8 calls run on CUDA devices (their plain path is torch._scaled_mm)")
         return with_gradients(a, weight, collective, pg, _config_of(config), weight_layout, *counts)
-    return _gemm_collective(a, weight, collective, pg, _config_of(config), weight_layout, *counts, fp8=_padded(fp8))
+    fp8_args = _padded(fp8)
+    return _gemm_collective(a, weight, collective, pg, _config_of(config), weight_layout, *counts, fp8_args=fp8_args)
 
 
 def _padded(fp8: tuple) -> tuple:

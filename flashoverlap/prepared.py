@@ -122,8 +122,8 @@ def _kernel(
     dtype: torch.dtype, fp8: Fp8 | None, weight_layout: str, device: torch.device, cfg: OverlapConfig
 ) -> tuple[OverlapConfig, SignalGemm, int]:
     """``cfg`` completed for the device, its kernel (operands ``dtype``; FP8 ones: result and
-    accumulation as ``fp8`` says), and the SMs that kernel's grid gets (every SM under a late budget: its plan keeps
-    ``comm_sms`` of them for the last waves only)."""
+    accumulation as ``fp8`` says), and the SMs that kernel's grid gets (every SM under a late
+    budget: its plan keeps ``comm_sms`` of them for the last waves only)."""
     capability = torch.cuda.get_device_capability(device)
     if dtype in FP8_DTYPES:
         fp8 = fp8 or Fp8(torch.bfloat16)  # (as prepare's)
