@@ -106,10 +106,12 @@ def check_scales(
 ) -> tuple[Scales | None, Fp8 | None]:
     """A call's FP8 arguments checked against its operands (whose dtypes :func:`check_inputs` checks):
     (its :class:`Scales`, its :class:`Fp8`) for FP8 operands, (None, None) for 16-bit ones, which
-    take none of them. FP8: float32 per-tensor scales on the operands' device, both given; the
-    result bfloat16 (the default) or float16; the weight [N, K] (FP8 tensor cores read both operands
-    K-major)."""
-    if a.dtype not in FP8_DTYPES and weight.dtype not in FP8_DTYPES:
+    take none of them (and for operands of two dtypes, which check_inputs refuses). FP8: float32
+    per-tensor scales on the operands' device, both given; the result bfloat16 (the default) or
+    float16; the weight [N, K] (FP8 tensor cores read both operands K-major)."""
+    if a.dtype != weight.dtype:  # (refused by check_inputs, with both dtypes named)
+        return None, None
+    if a.dtype not in FP8_DTYPES:
         if scale_a is not None or scale_b is not None or out_dtype is not None or use_fast_accum:
             raise ValueError(
                 f"scale_a, scale_b, out_dtype and use_fast_accum are for FP8 operands "

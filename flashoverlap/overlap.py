@@ -168,6 +168,9 @@ class _WithGradients(torch.autograd.Function):
         return grad_a, grad_w, None, None, None, None, None, None, None
 
 
+_NO_FP8 = (None, None, None, False)  # the public calls' FP8 arguments, left out
+
+
 def _gemm_collective(
     a: torch.Tensor,
     weight: torch.Tensor,
@@ -179,7 +182,7 @@ def _gemm_collective(
     output_splits: Sequence[int] | None = None,
     rows_per_rank: Sequence[int] | None = None,
     exchanged: list[Exchange] | None = None,
-    fp8_args: tuple = (None, None, None, False),
+    fp8_args: tuple = _NO_FP8,
 ) -> torch.Tensor:
     """A call (see the module's docstring): with gradients where autograd asks for them (CUDA
     tensors; others fail the checks below), inside a graph ``torch.compile`` traces the one operator
@@ -189,10 +192,12 @@ def _gemm_collective(
     the call's :class:`Exchange` is appended to it (for the gradients; not where traced); ``fp8_args``:
     (scale_a, scale_b, out_dtype, use_fast_accum) as the public calls take them (inputs.check_scales)."""
     tensors = isinstance(a, torch.Tensor) and isinstance(weight, torch.Tensor)
+    # FP8 arguments are checked on every call (a repeat's scales are new tensors); a call without
+    # any is 16-bit, or FP8 refused on its first use (below, before deciding: never kept)
     scales = kind = None
-    if tensors:  # (checked on every call: a repeat's scales are new tensors)
+    if tensors and fp8_args != _NO_FP8:
         scales, kind = check_scales(a, weight, weight_layout, *fp8_args)
-    if tensors and a.is_cuda and _wants_gradients(a, weight):
+    if tensors and _wants_gradients(a, weight) and a.is_cuda:
         if scales is not None:
             raise ValueError("FP8 calls have no backward: pass operands that do not require gradients")
         return with_gradients(a, weight, collective, group, config, weight_layout, splits, output_splits, rows_per_rank)
@@ -210,6 +215,8 @@ def _gemm_collective(
             if exchanged is not None:
                 exchanged.append(ex)
             return run(a, weight, scales)
+    if tensors and scales is None:
+        check_scales(a, weight, weight_layout, *fp8_args)  # (FP8 operands without their scales)
     chosen = decision.decide(
         a,
         weight,
@@ -238,8 +245,18 @@ def _call_key(
     call); None where the call must be decided (and checked) in full."""
     if not (config is None or type(config) is OverlapConfig) or not (a.is_contiguous() and weight.is_contiguous()):
         return None
-    shapes = a.shape, weight.shape, a.dtype, weight.dtype, a.device, weight.device
-    return collective, config, weight_layout, *shapes, fp8
+    return (
+        collective,
+        config,
+        weight_layout,
+        a.shape,
+        weight.shape,
+        a.dtype,
+        weight.dtype,
+        a.device,
+        weight.device,
+        fp8,
+    )
 
 
 @torch.compiler.assume_constant_result

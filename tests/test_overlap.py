@@ -13,6 +13,10 @@ from flashoverlap import registry
 from .helpers import ENTRY_POINTS, bf16, spawn_ranks
 
 
+def fp8(*shape: int) -> torch.Tensor:
+    return torch.randn(*shape).to(torch.float8_e4m3fn)
+
+
 @pytest.mark.parametrize("fn", ENTRY_POINTS, ids=lambda f: f.__name__)
 def test_uninitialised_process_group_is_reported(monkeypatch, fn):
     monkeypatch.setattr(dist, "is_initialized", lambda: False)
@@ -38,6 +42,9 @@ def test_uninitialised_process_group_is_reported(monkeypatch, fn):
         (bf16(64, 64), bf16(64, 64), {}, ValueError, "a is on cpu, expected a cuda tensor"),
         (bf16(64, 64), bf16(64, 64), {"config": {"tile_m": 96}}, ValueError, "tile_m 96 not in"),
         (bf16(64, 64), bf16(64, 64), {"config": {"bogus": 1}}, ValueError, "unknown key"),
+        (bf16(64, 64), bf16(64, 64), {"scale_a": torch.ones(1)}, ValueError, "are for FP8 operands"),
+        (fp8(64, 64), fp8(64, 64), {}, ValueError, "FP8 operands need scale_a"),
+        (fp8(64, 64), bf16(64, 64), {}, ValueError, "dtypes differ"),
     ],
 )
 @pytest.mark.parametrize("fn", ENTRY_POINTS, ids=lambda f: f.__name__)
