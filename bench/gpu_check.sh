@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # On a GPU machine: install, build, then the chosen steps (default: all; ~25 min on 2x H200, so
 # run a few steps per call where calls are time-limited).
-#   bash bench/gpu_check.sh [tests] [stress] [bench] [sm80] [swizzle] [tune] [brute] [suite] [graphs] [small] [host] [symm]
+#   bash bench/gpu_check.sh [tests] [stress] [bench] [sm80] [swizzle] [tune] [brute] [suite] [graphs] [small] [host] [symm] [fp8]
 # STOP_AFTER_S: start no step once this many seconds have passed (where the call that runs this is
 # killed at a time limit, the archive below is made only if the script ends by itself).
 # Logs and CSVs in $OUT/flashoverlap-results.tgz ($OUT default /tmp/flashoverlap-check). Wheels the machine lacks
@@ -27,6 +27,9 @@
 #   host    host time per call of each path on a host-bound shape, and where it goes (bench/host_profile.py)
 #   symm    NCCL ring vs symmetric-memory vs copy-engine kernels on a few CTAs beside the GEMM
 #           (bench/symmetric_probe.py; NCCL's kernel choices in symm.log)
+#   fp8     FP8 e4m3 (per-tensor scales, bf16 out): the kernels alone against cuBLAS (bench/fp8_probe.py,
+#           one GPU), then the all-reduce suite untuned against torch._scaled_mm + the collective,
+#           promoted and fast accumulation, for TRANSPORTS (nvlink pcie)
 set -uo pipefail
 source bench/gpu_env.sh
 steps=${*:-tests stress bench sm80 swizzle tune brute suite}
@@ -144,6 +147,16 @@ for step in $steps; do
   host)
     timeout 120 torchrun --nproc-per-node "$NGPU" bench/host_profile.py > "$OUT/host.log" 2>&1
     grep "us per call" "$OUT/host.log" ;;
+  fp8)
+    CUDA_VISIBLE_DEVICES=0 timeout 200 python3 bench/fp8_probe.py > "$OUT/fp8_probe.log" 2>&1
+    grep -v '^\[flashoverlap\]' "$OUT/fp8_probe.log" | tail -n 40
+    for accum in promoted fast; do
+      fast=(); [ "$accum" = fast ] && fast=(--fast-accum)
+      for transport in ${TRANSPORTS:-nvlink pcie}; do
+        bench "fp8_${accum}_$transport" -- --dtype float8_e4m3fn "${fast[@]}" --transport "$transport" \
+          --shapes-file bench/suite.yaml --rounds "${ROUNDS:-10}" --configs registry '{}' --csv "$OUT/fp8_${accum}_$transport.csv"
+      done
+    done ;;
   symm)
     NCCL_DEBUG=INFO NCCL_DEBUG_SUBSYS=INIT,TUNING timeout 300 torchrun --nproc-per-node "$NGPU" \
       bench/symmetric_probe.py > "$OUT/symm.log" 2>&1
