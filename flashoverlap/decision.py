@@ -95,8 +95,8 @@ def decide(
     given = resolve(config) if config is not None else None
     explicit = resolutions(given, collective)[0] if given is not None else None  # its layout resolved below
     m, n, k = check_inputs(a, weight, weight_layout)
-    if (a.dtype in FP8_DTYPES) != (scales is not None):
-        raise ValueError(f"FP8 operands take scales, others none: a is {a.dtype}, scales {scales}")
+    if not (a.dtype in FP8_DTYPES) == (scales is not None) == (fp8 is not None):
+        raise ValueError(f"FP8 operands take scales and their kind, others neither: a is {a.dtype}, {scales}, {fp8}")
     key, kept = None, state.of(group).decisions
     if splits is None and output_splits is None and rows_per_rank is None:  # (else exchanged per call)
         key = (collective, given, weight_layout, m, n, k, a.dtype, fp8, a.device.index)

@@ -5,8 +5,8 @@
 
 Each item is a JSON object of :class:`~flashoverlap.config.OverlapConfig` fields plus, optionally,
 ``collective`` (default all_reduce), ``dtype`` (bfloat16: the output's), ``input_dtype`` (the
-operands': ``dtype``, or float8_e4m3fn / float8_e5m2 for the Hopper FP8 kernels; ``fast_accum``: the
-calls' ``use_fast_accum``) and ``weight_layout`` (nk: weight [N, K] as in torch Linear; kn: [K, N]);
+operands': ``dtype``, or float8_e4m3fn / float8_e5m2 for the FP8 kernels; ``fast_accum``: the calls'
+``use_fast_accum``) and ``weight_layout`` (nk: weight [N, K] as in torch Linear; kn: [K, N]);
 ``--file`` reads a YAML list of them. ``--registry`` adds
 every tuned config of the registry (the package's ``configs/*.yaml`` and ``FLASHOVERLAP_CONFIG_DIRS``, whatever
 GPU they were tuned on; those the target GPU has no kernel for are skipped, as items are with
@@ -132,8 +132,11 @@ def main(argv: Sequence[str] | None = None) -> int:
         except (ValueError, TypeError) as exc:
             parser.error(f"{json.dumps(item)}: {exc}")
     for entry in registry.entries() if args.registry else []:
-        # (an FP8 entry is keyed by its operands' dtype: its kernel's, bf16 out as calls default to)
+        # (an FP8 entry is keyed by its operands' dtype: its kernel's, bf16 out as calls default to;
+        # off Hopper FP8 calls overlap only with config=, never from the registry)
         fp8 = entry.dtype in FP8_DTYPES
+        if fp8 and capability != (9, 0):
+            continue
         dtypes = {"dtype": "bfloat16", "input_dtype": entry.dtype} if fp8 else {"dtype": entry.dtype}
         call = {**CALL_KEYS, "collective": entry.collective, **dtypes}
         wanted += [(entry.source, call, cfg, True) for cfg in resolutions(entry.config, entry.collective)]

@@ -233,24 +233,34 @@ def test_fp8_calls_are_refused_before_communicating_where_no_fp8_kernel_runs(one
     a, w, scales = fp8_operands(4096, 8192)
     with pytest.raises(ValueError, match="FP8 tensor cores .* is sm_80"):
         flashoverlap.gemm_all_to_all(a, w, **scales)
-    for capability[0], config in [((8, 9), {}), ((9, 0), {"kernel": "sm80"}), ((9, 0), {})]:
-        with pytest.raises(ValueError, match=r"tile_k 32 not in \((64|128),\)"):  # (not an FP8 K tile there)
-            flashoverlap.gemm_all_reduce(a, w, **scales, config={**config, "tile_k": 32})
+    for capability[0], config in [((8, 9), {"tile_k": 32}), ((9, 0), {"kernel": "sm80", "tile_k": 32})]:
+        with pytest.raises(ValueError, match=r"tile_k 32 not in \(64,\) \(sm80 kernels\)"):  # (8 bits: K >= 64)
+            flashoverlap.gemm_all_reduce(a, w, **scales, config=config)
+    with pytest.raises(ValueError, match=r"tile_k 64 not in \(128,\)"):  # (Hopper's FP8 K tile)
+        flashoverlap.gemm_all_reduce(a, w, **scales, config={"tile_k": 64})
 
 
 def test_ada_fp8_calls_run_plain_unless_a_config_asks_for_the_sm80_family(one_rank_group, monkeypatch):
     """Ada's FP8 overlap is opt-in (its kernels unmeasured there): without config= the plain
     torch._scaled_mm and collective, with one the sm80 family's FP8 kernel."""
+
+    class Planned(Exception):
+        pass
+
+    def prepare(*args, **kw):
+        planned.append(args[6])
+        raise Planned
+
     planned, taken = [], []
     a, w, scales = fp8_operands(4096, 8192)
     untuned_all_reduce(monkeypatch, 4096, 8192)
     monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (8, 9))
-    monkeypatch.setattr(decision, "prepare", lambda *args, **kw: planned.append(args[6]) or pytest.skip("planned"))
+    monkeypatch.setattr(decision, "prepare", prepare)
     monkeypatch.setattr(decision, "budget_communicator", lambda *args: "budget")
     monkeypatch.setattr(runtime, "plain", lambda *args: lambda a, w, scales: taken.append(scales))
     flashoverlap.gemm_all_reduce(a, w, **scales)
     assert len(taken) == 1 and not planned
-    with pytest.raises(pytest.skip.Exception):
+    with pytest.raises(Planned):
         flashoverlap.gemm_all_reduce(a, w, **scales, config={})
     assert planned[0].kernel == "auto" and rules.for_device(planned[0], (8, 9))[0].kernel == "sm80"
 

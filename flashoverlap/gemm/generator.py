@@ -74,7 +74,7 @@ EPILOGUES = {
 @dataclass(frozen=True)
 class GemmSpec:
     """One compiled GEMM: C[M, N] = alpha * A[M, K] @ B, fp32 accumulate, ``dtype`` out (bf16 / fp16);
-    ``input_dtype`` (A and B): ``dtype`` itself (None) or FP8 (Hopper kernels, weight "nk")."""
+    ``input_dtype`` (A and B): ``dtype`` itself (None) or FP8 (sm_89 on, weight "nk")."""
 
     dtype: str = "bfloat16"
     weight_layout: str = "nk"
@@ -114,7 +114,7 @@ class GemmSpec:
         if self.input_dtype in FP8_DTYPES:
             if self.weight_layout != "nk":
                 problems.append(
-                    f"FP8 inputs need weight_layout 'nk' (K-major B for FP8 WGMMA), got {self.weight_layout!r}"
+                    f"FP8 inputs need weight_layout 'nk' (FP8 tensor cores read B K-major), got {self.weight_layout!r}"
                 )
         elif self.input_dtype not in INPUT_DTYPES:
             problems.append(f"input_dtype {self.input_dtype!r} not in {sorted(INPUT_DTYPES)}")
