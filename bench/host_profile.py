@@ -1,5 +1,7 @@
 """Where a call's host time goes (torchrun). On a shape small enough that the host is the
-bottleneck, calls back to back run at the host's pace, so ms per call is host time; then a
+bottleneck, calls back to back run at the host's pace, so ms per call is host time (the paths
+through c10d take turns in balanced orders, blocks of calls each, the median block reported: the
+host's drift falls on every path alike); then a
 cProfile of each flashoverlap path ("overlapped": the collectives through c10d,
 FLASHOVERLAP_NCCL=c10d; "direct": through NCCL's C API, the default, replayed natively from the
 third call on; "python": the same enqueued from Python every call, FLASHOVERLAP_REPLAY=0).
@@ -12,6 +14,7 @@ import cProfile
 import json
 import os
 import pstats
+import statistics
 import sys
 import time
 
@@ -25,20 +28,22 @@ from flashoverlap.decision import budget_communicator
 from flashoverlap.prepared import prepare
 from flashoverlap.rules import for_collective
 from flashoverlap.runtime import run_overlapped, sequential
+from flashoverlap.timing import balanced_orders
 
 CALLS = 400
+BLOCK = 50  # calls per timed block where the paths take turns
 
 
-def per_call_us(fn) -> float:
+def per_call_us(fn, calls: int = CALLS) -> float:
     for _ in range(20):
         fn()
     torch.cuda.synchronize()
     dist.barrier()
     start = time.perf_counter()
-    for _ in range(CALLS):
+    for _ in range(calls):
         fn()
     torch.cuda.synchronize()
-    return (time.perf_counter() - start) / CALLS * 1e6
+    return (time.perf_counter() - start) / calls * 1e6
 
 
 def main() -> None:
@@ -84,9 +89,16 @@ def main() -> None:
             state.forget_decisions()
         os.environ["FLASHOVERLAP_REPLAY"] = "0" if case == "python" else "1"
 
+    turns = [case for case in cases if case not in ("direct", "python")]  # (one NCCL path: no re-deciding)
+    path(turns[0])
+    blocks: dict[str, list[float]] = {case: [] for case in turns}
+    for _ in range(CALLS // BLOCK // len(turns) + 1):
+        for order in balanced_orders(len(turns)):
+            for v in order:
+                blocks[turns[v]].append(per_call_us(cases[turns[v]], BLOCK))
     for case, fn in cases.items():
         path(case)
-        us = per_call_us(fn)
+        us = statistics.median(blocks[case]) if case in blocks else per_call_us(fn)
         if rank == 0:
             print(f"{m}x{n}x{k} {case:>14}: {us:7.1f} us per call", flush=True)
     for case in ("fallback", "overlapped", "direct", "python"):
