@@ -75,7 +75,7 @@ def probe(shape: tuple[int, int, int], iters: int) -> dict[str, tuple[float, flo
         for tile in TILES:
             prep = prepared(shape, tile, fast)
             buffer = torch.empty(m * n, dtype=torch.bfloat16, device="cuda")
-            prep.launch(a[0], w[0], buffer, torch.cuda.current_stream(), alpha=(scales.a * scales.b).reshape(1))
+            prep.launch(a[0], w[0], buffer, torch.cuda.current_stream(), alpha=scales.alpha())
             prep.counters.zero_()
             name = f"signal {tile[0]}x{tile[1]} c{tile[2]} fast_accum={fast}"
             rows[name] = (timed(kernel_alone(prep, a, w, scales), iters), error(buffer.view(m, n)))

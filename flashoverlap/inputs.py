@@ -31,6 +31,11 @@ class Scales(NamedTuple):
     a: torch.Tensor
     b: torch.Tensor
 
+    def alpha(self) -> torch.Tensor:
+        """Their product, the GEMM epilogue's alpha: one float32 on the device, made on the current
+        stream (a new tensor each time: a native replay substitutes its address)."""
+        return torch.mul(self.a, self.b).reshape(1)
+
 
 class Fp8(NamedTuple):
     """What an FP8 call's kernel and plain path rest on besides its operands: its result's dtype, and

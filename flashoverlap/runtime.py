@@ -101,7 +101,7 @@ def run_overlapped(
     caller = torch.cuda.current_stream(device)
     # what this call allocates: with the operands, what a replay substitutes; first an FP8 GEMM's
     # alpha, the scales' product (on the caller's stream, before the GEMM that reads it there)
-    fresh: list[torch.Tensor] = [] if scales is None else [torch.mul(scales.a, scales.b).reshape(1)]
+    fresh: list[torch.Tensor] = [] if scales is None else [scales.alpha()]
 
     def alloc(shape):
         fresh.append(torch.empty(shape, dtype=dtype, device=device))

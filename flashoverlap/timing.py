@@ -56,7 +56,7 @@ def kernel_alone(
     set ``i % len(a)``, into a scratch buffer, counters reset after each call (FP8 operands: scaled
     by ``scales``' product)."""
     buf = torch.empty(prep.plan.numel, dtype=prep.out_dtype, device=a[0].device)
-    alpha = None if scales is None else (scales.a * scales.b).reshape(1)
+    alpha = None if scales is None else scales.alpha()
 
     def run(i: int) -> None:
         stream = torch.cuda.current_stream()

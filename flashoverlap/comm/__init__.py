@@ -361,8 +361,7 @@ def communicate_group(
         return
     if ex.reduction == "pull_scatter":  # the waits for the other ranks' partial sums of this rank's
         bounds = shares(plan.bounds[g], plan.bounds[g + 1], group.world)  # share: finish_group reads them there
-        for _ in group.arrivals(g, buffer[bounds[group.rank] : bounds[group.rank + 1]]):
-            pass
+        group.arrived(g, buffer[bounds[group.rank] : bounds[group.rank + 1]])
         return
     if ex.reduction != "nccl":  # every rank's partial sums of the group, rank after rank
         into = recv[len(ex.recv) * plan.bounds[g] : len(ex.recv) * plan.bounds[g + 1]]
@@ -421,8 +420,7 @@ def _pull_segment(
     world, (r0, r1) = len(ex.recv), plan.segment_rows(g)
     mine = chunk.view(world, -1)
     if ex.collective == "reduce_scatter":
-        for _ in group.arrivals(g, mine[group.rank]):
-            pass
+        group.arrived(g, mine[group.rank])
         return
     into = out.view(world, -1)[:, r0 * plan.n : r1 * plan.n]
     _pull(group, g, mine[group.rank], into)

@@ -60,9 +60,9 @@ COUNTERS, SUMMED, DONE = 0, MAX_GROUPS, 2 * MAX_GROUPS
 
 class Pulls:
     """What comm's pulls need of a group of ranks: ``rank``, ``world``, ``others`` (every rank but
-    this one), :meth:`arrivals`, :meth:`mine`, :meth:`at` (sums that read in place: ``pull_scatter``,
-    a reduce-scatter's pull) and (``pull_scatter``) :meth:`summed` and :meth:`sums`; :class:`Peers`
-    on GPUs, :class:`Gathered` on gloo."""
+    this one), :meth:`arrivals`, :meth:`mine`, :meth:`arrived` and :meth:`at` (sums that read in
+    place: ``pull_scatter``, a reduce-scatter's pull) and (``pull_scatter``) :meth:`summed` and
+    :meth:`sums`; :class:`Peers` on GPUs, :class:`Gathered` on gloo."""
 
     rank: int
     world: int
@@ -71,6 +71,12 @@ class Pulls:
 
     def arrivals(self, g: int, chunk: torch.Tensor) -> Iterator[tuple[int, torch.Tensor]]:
         raise NotImplementedError
+
+    def arrived(self, g: int, chunk: torch.Tensor) -> None:
+        """Wait (on the current stream) until every other rank's ``chunk`` of group ``g`` is there,
+        for sums that then read it in place (:meth:`at`)."""
+        for _ in self.arrivals(g, chunk):
+            pass
 
     def at(self, rank: int, chunk: torch.Tensor) -> torch.Tensor:
         """Rank ``rank``'s bytes at ``chunk``'s place in its memory, to be read where they are (the
