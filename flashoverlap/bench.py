@@ -166,15 +166,15 @@ def overlap_efficiency(t_seq: float, t_ovl: float, t_gemm: float, t_comm: float)
 
 
 def decomposed(
-    a, w, ex, chunks: int, stream: torch.cuda.Stream, scales: Scales | None = None, fp8: Fp8 | None = None
+    a, w, ex, chunks: int, stream: torch.cuda.Stream, product, scales: Scales | None = None, fp8: Fp8 | None = None
 ) -> torch.Tensor:
     """The usual hand-written overlap: the GEMM in ``chunks`` column blocks on the current stream,
-    each block's collective (and its copy into the output) on ``stream`` while the next multiplies
-    (FP8 operands: ``torch._scaled_mm`` with ``scales``, as ``fp8`` says)."""
+    each block's collective (and its copy into the output) on ``stream`` while the next multiplies;
+    ``product(a, w_block, scales)``: the block's GEMM (runtime.plain on one rank: FP8 operands'
+    ``torch._scaled_mm`` with ``scales``, as ``fp8`` says)."""
 
     caller = torch.cuda.current_stream()
     n = w.shape[0]
-    product = plain(ex, None, "nk", 1, fp8)
     out = torch.empty((ex.rows, n), dtype=a.dtype if fp8 is None else fp8.out_dtype, device=a.device)
     stream.wait_stream(caller)
     unit = 1 if fp8 is None else 16  # (torch._scaled_mm takes multiples of 16 columns)
@@ -263,7 +263,7 @@ def bench_shape(shape: tuple[int, int, int], args: argparse.Namespace, inputs: s
     side = torch.cuda.Stream()
     for chunk in chunks:
         variants[f"decomp{chunk}"] = lambda i, chunk=chunk: decomposed(
-            a[i % sets], w[i % sets], ex, chunk, side, scales, fp8
+            a[i % sets], w[i % sets], ex, chunk, side, product, scales, fp8
         )
     # (torch's FP8 fused_scaled_matmul_reduce_scatter is not among the variants yet)
     fused = async_tp(a[0], w[0]) if collective == "reduce_scatter" and fp8 is None else None
