@@ -1,11 +1,12 @@
 """The FP8 signal GEMM alone on every SM against torch._scaled_mm, per tile and accumulation mode.
 
-    python bench/fp8_probe.py [--shapes 8192x8192x8192 ...] [--iters 20]
+    python bench/fp8_probe.py [--shapes 8192x8192x8192 ...] [--tiles 256x128 128x128c2 ...]
+                              [--accum promoted fast] [--iters 20]
 
 One GPU (Hopper). For each shape: torch._scaled_mm with and without use_fast_accum, and the signal
-GEMM (no collective, counters reset after each call) for each tile shape with CUTLASS's FP8 mainloop
-(the tensor cores' partial sums promoted into fp32 accumulators, as _scaled_mm by default) and with
-its fast-accumulation mainloop (GemmSpec.fast_accum). Per-tensor scales, bf16 out; median ms over
+GEMM (no collective, counters reset after each call) for each tile shape (MxN, cluster cC) with the
+tensor cores' partial sums promoted into fp32 accumulators (as _scaled_mm by default) and with CUTLASS's
+fast-accumulation mainloop (GemmSpec.fast_accum). Per-tensor scales, bf16 out; median ms over
 ``--iters`` timed calls after warm-up, operands rotated through sets larger than L2; the error of
 each against a float32 product of the scaled operands.
 """
@@ -23,7 +24,14 @@ from flashoverlap.prepared import Prepared, prepare
 from flashoverlap.rules import for_collective
 from flashoverlap.timing import input_sets, kernel_alone
 
-TILES = [(128, 256, 1), (128, 128, 1), (128, 128, 2)]  # tile_m, tile_n, cluster_m
+TILES = ["128x256", "256x128", "256x128c2", "128x128", "128x128c2"]
+
+
+def parse_tile(text: str) -> tuple[int, int, int]:
+    """A tile as written on the command line, "256x128c2": (tile_m, tile_n, cluster_m)."""
+    dims, _, cluster = text.partition("c")
+    tile_m, tile_n = (int(v) for v in dims.split("x"))
+    return tile_m, tile_n, int(cluster or 1)
 
 
 def timed(fn, iters: int) -> float:
@@ -49,7 +57,9 @@ def prepared(shape: tuple[int, int, int], tile: tuple[int, int, int], fast_accum
     return prepare(*shape, torch.float8_e4m3fn, "nk", device, cfg, fp8=Fp8(torch.bfloat16, fast_accum))
 
 
-def probe(shape: tuple[int, int, int], iters: int) -> dict[str, tuple[float, float]]:
+def probe(
+    shape: tuple[int, int, int], tiles: list[tuple[int, int, int]], accums: list[str], iters: int
+) -> dict[str, tuple[float, float]]:
     """{variant: (ms per call, rel err)} for one shape (see the module's docstring)."""
     m, n, k = shape
     fp8 = torch.float8_e4m3fn
@@ -63,7 +73,7 @@ def probe(shape: tuple[int, int, int], iters: int) -> dict[str, tuple[float, flo
         return ((out.float() - ref).norm() / ref.norm()).item()
 
     rows = {}
-    for fast in (False, True):
+    for fast in (accum == "fast" for accum in accums):
 
         def scaled(i: int, fast: bool = fast) -> torch.Tensor:
             b = w[i % sets].t()
@@ -72,7 +82,7 @@ def probe(shape: tuple[int, int, int], iters: int) -> dict[str, tuple[float, flo
             )
 
         rows[f"_scaled_mm fast_accum={fast}"] = (timed(scaled, iters), error(scaled(0)))
-        for tile in TILES:
+        for tile in tiles:
             prep = prepared(shape, tile, fast)
             buffer = torch.empty(m * n, dtype=torch.bfloat16, device="cuda")
             prep.launch(a[0], w[0], buffer, torch.cuda.current_stream(), alpha=scales.alpha())
@@ -85,13 +95,15 @@ def probe(shape: tuple[int, int, int], iters: int) -> dict[str, tuple[float, flo
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--shapes", nargs="+", default=["8192x8192x8192", "4096x8192x8192", "16384x8192x4096"])
+    parser.add_argument("--tiles", nargs="+", default=[parse_tile(t) for t in TILES], type=parse_tile)
+    parser.add_argument("--accum", nargs="+", default=["promoted", "fast"], choices=["promoted", "fast"])
     parser.add_argument("--iters", type=int, default=20)
     args = parser.parse_args()
     print(f"{torch.cuda.get_device_name()}: ms per call (TFLOP/s), rel err against float32")
     for text in args.shapes:
         m, n, k = shape = tuple(int(v) for v in text.split("x"))
         print(f"\n{text}")
-        for name, (ms, err) in probe(shape, args.iters).items():
+        for name, (ms, err) in probe(shape, args.tiles, args.accum, args.iters).items():
             print(f"  {name:42s} {ms:7.3f} ms ({2 * m * n * k / ms / 1e9:5.0f})  rel err {err:.1e}")
 
 

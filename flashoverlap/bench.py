@@ -8,7 +8,8 @@ all_to_all splits the rows evenly over the ranks. Beside each flashoverlap confi
 run: the GEMM and the collective alone, sequential (torch.matmul then the NCCL collective), the
 usual hand-written overlap (the GEMM split into column chunks, each chunk's collective on a second
 stream while the next chunk multiplies; best of 2, 4 and 8 chunks), torch's async-TP
-``fused_matmul_reduce_scatter`` for reduce_scatter where it runs, and the ideal max(gemm, comm).
+``fused_matmul_reduce_scatter`` (FP8: ``fused_scaled_matmul_reduce_scatter``) for reduce_scatter
+where it runs, and the ideal max(gemm, comm).
 ``fallback``: a flashoverlap call forced onto the sequential path (``config={"sequential": true}``),
 what a call decided sequential costs beside ``seq``; ``seq`` is also timed twice, as two variants,
 whose ratio is the run's noise floor (the fallback's difference from ``seq`` means little below it:
@@ -191,10 +192,13 @@ def decomposed(
     return out
 
 
-def async_tp(a: torch.Tensor, w: torch.Tensor) -> Callable[[torch.Tensor, torch.Tensor], torch.Tensor] | None:
-    """torch's fused_matmul_reduce_scatter (symmetric memory), or None where it does not run here.
-    Only over NVLink (registry.transport): it moves data through CUDA IPC peer memory, not NCCL, so
-    with P2P disabled it would use the very links the emulated machine lacks."""
+def async_tp(
+    a: torch.Tensor, w: torch.Tensor, scales: Scales | None = None, fp8: Fp8 | None = None
+) -> Callable[[torch.Tensor, torch.Tensor], torch.Tensor] | None:
+    """torch's fused_matmul_reduce_scatter (symmetric memory; FP8 operands: its
+    fused_scaled_matmul_reduce_scatter with ``scales``), or None where it does not run here. Only over
+    NVLink (registry.transport): it moves data through CUDA IPC peer memory, not NCCL, so with P2P
+    disabled it would use the very links the emulated machine lacks."""
     from . import registry
 
     if registry.transport() != "nvlink":
@@ -206,7 +210,12 @@ def async_tp(a: torch.Tensor, w: torch.Tensor) -> Callable[[torch.Tensor, torch.
         symm_mem.enable_symm_mem_for_group(name)
 
         def fused(x, y):
-            return torch.ops.symm_mem.fused_matmul_reduce_scatter(x, y.t(), "sum", scatter_dim=0, group_name=name)
+            if fp8 is None:
+                return torch.ops.symm_mem.fused_matmul_reduce_scatter(x, y.t(), "sum", scatter_dim=0, group_name=name)
+            shape = [x.shape[0], y.shape[0]]
+            return torch.ops.symm_mem.fused_scaled_matmul_reduce_scatter(
+                x, y.t(), scales.a, scales.b, "sum", 0, 0, name, shape, None, None, fp8.out_dtype, fp8.fast_accum
+            )
 
         fused(a, w)
         torch.cuda.synchronize()
@@ -265,8 +274,7 @@ def bench_shape(shape: tuple[int, int, int], args: argparse.Namespace, inputs: s
         variants[f"decomp{chunk}"] = lambda i, chunk=chunk: decomposed(
             a[i % sets], w[i % sets], ex, chunk, side, product, scales, fp8
         )
-    # (torch's FP8 fused_scaled_matmul_reduce_scatter is not among the variants yet)
-    fused = async_tp(a[0], w[0]) if collective == "reduce_scatter" and fp8 is None else None
+    fused = async_tp(a[0], w[0], scales, fp8) if collective == "reduce_scatter" else None
     if fused is not None:
         variants["asynctp"] = lambda i: fused(a[i % sets], w[i % sets])
     cfgs = [for_call(resolve(cfg), ex, shape) if cfg is not None else None for cfg in configs]

@@ -50,10 +50,11 @@ from .rules import (
 
 log = logging.getLogger(__name__)
 _DEFAULTS = OverlapConfig()  # frozen: built once (each construction validates)
-# FP8 operands' defaults where their partial sums are promoted (no fast accumulation): 128 x 128
-# tiles. That mainloop keeps a second set of fp32 accumulators: a 128 x 256 tile spills registers and
-# ran ~3x slower alone than 128 x 128 (docs/experiments.md, FP8).
-_FP8_DEFAULTS = OverlapConfig(tile_n=128)
+# FP8 operands' defaults: 256 x 128 tiles. Where the partial sums are promoted (no fast accumulation)
+# each warp group keeps scratch accumulators for one 64-row atom beside its fp32 ones: 256 x 128 fits
+# the register file where 128 x 256 (one 64 x 256 atom per warp group) spills and runs ~3x slower
+# (csrc/fp8_promotion.cuh; docs/experiments.md, FP8). With fast accumulation it was as fast or faster.
+_FP8_DEFAULTS = OverlapConfig(tile_m=256, tile_n=128)
 Communicator = dist.ProcessGroup | comm.Direct | comm.Peers
 
 
@@ -285,7 +286,7 @@ def _start(
     # defaults, which replace a hint of sequential
     timed = explicit is None and not (found is not None and found.exact)
     hint = found.config if found is not None and not (timed and found.config.sequential) else None
-    cfg = for_call(given or hint or (_FP8_DEFAULTS if fp8 is not None and not fp8.fast_accum else _DEFAULTS), ex, shape)
+    cfg = for_call(given or hint or (_DEFAULTS if fp8 is None else _FP8_DEFAULTS), ex, shape)
     # NCCL carries a group across hosts over the network, and peer memory reaches no other host: your
     # config is refused; a registry entry (or the nearest one) drops its window (transport net) and
     # pulls (comm.peer.unavailable) below

@@ -184,19 +184,20 @@ def fp8_operands(m: int, n: int) -> tuple[torch.Tensor, torch.Tensor, dict]:
 
 
 def test_an_fp8_call_is_timed_and_run_with_its_scales(one_rank_group, monkeypatch):
-    """An untuned FP8 call on Hopper plans its kernels (FP8's default tiles: 128 x 128 where partial
-    sums are promoted, the usual 128 x 256 with fast accumulation) for its result's dtype, times its
+    """An untuned FP8 call on Hopper plans its kernels (FP8's default 256 x 128 tiles, not 16-bit's
+    128 x 256, whatever the accumulation) for its result's dtype, times its
     candidates and the plain ``torch._scaled_mm`` with the call's scales, and runs with each call's
     own scales; a call of another result dtype or accumulation is another kind (decided apart)."""
     m, n = 4096, 8192
     planned, timed, ran = [], [], []
     untuned_all_reduce(monkeypatch, m, n)
     inner = decision.prepare
-    monkeypatch.setattr(
-        decision,
-        "prepare",
-        lambda *args, **kw: planned.append((args[3], args[6].tile_n, kw["fp8"])) or inner(*args, **kw),
-    )
+
+    def prepare(*args, **kw):
+        planned.append((args[3], (args[6].tile_m, args[6].tile_n), kw["fp8"]))
+        return inner(*args, **kw)
+
+    monkeypatch.setattr(decision, "prepare", prepare)
     monkeypatch.setattr(decision, "budget_communicator", lambda *args: "budget")
     monkeypatch.setattr(runtime, "run_overlapped", lambda prep, a, w, ex, b, **kw: ran.append(kw["scales"]))
     monkeypatch.setattr(runtime, "sequential", lambda *args: timed.append(args[5:]))
@@ -211,14 +212,15 @@ def test_an_fp8_call_is_timed_and_run_with_its_scales(one_rank_group, monkeypatc
     flashoverlap.gemm_all_reduce(a, w, **scales)
     again = {"scale_a": torch.ones(1), "scale_b": torch.ones(1)}
     flashoverlap.gemm_all_reduce(a, w, **again)
-    assert set(planned) == {(torch.float8_e4m3fn, 128, Fp8(torch.bfloat16))}
+    assert set(planned) == {(torch.float8_e4m3fn, (256, 128), Fp8(torch.bfloat16))}
     assert [(s.a, s.b) for s in ran[-2:]] == [tuple(scales.values()), tuple(again.values())]
     assert [(s.a, s.b, kind) for s, kind in timed] == [(*scales.values(), Fp8(torch.bfloat16))]
     flashoverlap.gemm_all_reduce(a, w, **scales, out_dtype=torch.float16)
-    assert planned[-1] == (torch.float8_e4m3fn, 128, Fp8(torch.float16)) and timed[-1][1] == Fp8(torch.float16)
+    assert planned[-1] == (torch.float8_e4m3fn, (256, 128), Fp8(torch.float16))
+    assert timed[-1][1] == Fp8(torch.float16)
     flashoverlap.gemm_all_reduce(a, w, **scales, use_fast_accum=True)
     fast = Fp8(torch.bfloat16, fast_accum=True)
-    assert planned[-1] == (torch.float8_e4m3fn, 256, fast) and timed[-1][1] == fast
+    assert planned[-1] == (torch.float8_e4m3fn, (256, 128), fast) and timed[-1][1] == fast
 
 
 def test_fp8_calls_are_refused_before_communicating_where_no_fp8_kernel_runs(one_rank_group, monkeypatch):

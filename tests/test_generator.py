@@ -1,6 +1,7 @@
 import dataclasses
 import re
 import shutil
+import subprocess
 
 import pytest
 
@@ -53,7 +54,10 @@ def test_fp8_source_reads_fp8_operands_and_writes_the_output_dtype():
     assert "Shape<_128, _256, _128>" in src
     assert "constexpr int kAlignmentIn = 16;" in src and "constexpr int kAlignment = 8;" in src  # 16 bytes each
     assert "ElementIn, LayoutA, kAlignmentIn" in src and "ElementIn, LayoutB, kAlignmentIn" in src
-    assert "KernelTmaWarpSpecializedCooperative>" in src  # the accurate FP8 mainloop, not FP8FastAccum
+    # the accurate FP8 mainloop (not FP8FastAccum), its promotion ours
+    assert "KernelTmaWarpSpecializedCooperative>" in src
+    assert "using CollectiveMainloop = flashoverlap::Fp8AtomPromotion<MainloopBase>;" in src
+    assert '#include "fp8_promotion.cuh"' in src
     e5m2 = generate(GemmSpec(dtype="float16", input_dtype="float8_e5m2", tile_k=128, epilogue="direct"))
     assert "using ElementIn = cutlass::float_e5m2_t;" in e5m2 and "using Element = cutlass::half_t;" in e5m2
     assert "kAlignmentIn = 8;" in generate(GemmSpec())
@@ -63,6 +67,7 @@ def test_fast_accumulation_is_an_fp8_mainloop_of_its_own():
     fast = dataclasses.replace(FP8, fast_accum=True)
     assert fast.name == "fo_gemm_float8_e4m3fn_bfloat16_nk_128x256x128_c1x1_persistent_tma_fastaccum_sm_90a"
     assert "KernelTmaWarpSpecializedCooperativeFP8FastAccum>" in generate(fast)
+    assert "Fp8AtomPromotion" not in generate(fast) and "Fp8AtomPromotion" not in generate(GemmSpec())
     with pytest.raises(ValueError, match="fast_accum is for FP8 inputs"):
         GemmSpec(fast_accum=True)
 
@@ -158,13 +163,32 @@ def test_generated_source_compiles_for_sm90a(spec, tmp_path):
     assert obj.stat().st_size > 0
 
 
+FP8_DEFAULT = dataclasses.replace(FP8, tile_m=256, tile_n=128)
+
+
 @pytest.mark.nvcc
 @needs_nvcc
-@pytest.mark.parametrize("spec", [FP8, dataclasses.replace(FP8, epilogue="direct")], ids=["tma", "direct"])
-def test_fp8_source_compiles_for_sm90a(spec, tmp_path):
-    """CUTLASS's FP8 mainloop under each signal epilogue, alpha read from the device (~1 min each)."""
-    obj = jit.build(spec.name, generate(spec), arch=spec.arch, cutlass=True, object_only=True, output=tmp_path / "k.o")
-    assert obj.stat().st_size > 0
+@pytest.mark.parametrize(
+    "spec, spills",
+    [(FP8_DEFAULT, False), (dataclasses.replace(FP8_DEFAULT, epilogue="direct"), False), (FP8, True)],
+    ids=["256x128-tma", "256x128-direct", "128x256-tma"],
+)
+def test_promoted_fp8_source_compiles_for_sm90a(spec, spills, tmp_path):
+    """The promoted FP8 mainloop under each signal epilogue, alpha read from the device (~1 min each).
+    Its scratch accumulators hold one 64-row atom per warp group: the 256 x 128 tiles FP8 calls
+    default to spill no register (ptxas), where 128 x 256 (one 64 x 256 atom) does."""
+    includes = [jit._PACKAGE_DIR / "csrc", *jit.cutlass_include_dirs()]
+    source = tmp_path / "k.cu"
+    source.write_text(generate(spec))
+    flags = [*jit.BASE_FLAGS, *jit.ARCH_FLAGS[spec.arch], *[f"-I{d}" for d in includes], "-Xptxas", "-v"]
+    done = subprocess.run(
+        [*jit.toolkit().command(), *flags, "-c", "-o", str(tmp_path / "k.o"), str(source)],
+        capture_output=True,
+        text=True,
+    )
+    assert done.returncode == 0, done.stderr[-3000:]
+    spilled = [int(v) for v in re.findall(r"(\d+) bytes spill stores", done.stderr)]
+    assert spilled and any(spilled) == spills, spilled
 
 
 @pytest.mark.nvcc

@@ -176,18 +176,41 @@ def fp8_operand(rows: int, k: int, dtype: str, gen: torch.Generator) -> tuple[to
     return (x / scale).to(getattr(torch, dtype)), scale
 
 
+def fp8_signal_gemm(a: torch.Tensor, w: torch.Tensor, alpha: torch.Tensor, cfg: OverlapConfig, out_dtype: str):
+    """C = alpha * a @ w.T by the FP8 signal GEMM of ``cfg`` alone on every SM: (C, the prepared
+    kernel); the buffer poisoned before the launch, every group's counter checked at its target."""
+    (m, k), n = a.shape, w.shape[0]
+    input_dtype = str(a.dtype).removeprefix("torch.")
+    cfg, spec = kernel_spec(for_collective(cfg, "all_reduce"), out_dtype, "nk", (9, 0), input_dtype)
+    kernel = get_kernel(spec)
+    sm_count = torch.cuda.get_device_properties(0).multi_processor_count - cfg.comm_sms
+    plan = _plan(kernel, cfg, sm_count, (m, n, k), a.device)
+    slots = torch.from_numpy(plan.slot_table().view("u1")).to(a.device)
+    counters = torch.zeros(plan.num_groups, dtype=torch.int32, device="cuda")
+    targets = plan.counter_targets(kernel.signals_per_tile)
+    prep = Prepared(plan, kernel, slots, counters, workspace=None, targets=targets, sm_count=sm_count, report=None)
+    buffer = torch.full((plan.numel,), float("nan"), dtype=getattr(torch, out_dtype), device="cuda")
+    prep.launch(a, w, buffer, torch.cuda.current_stream(), alpha=alpha.reshape(1))
+    torch.cuda.synchronize()
+    assert counters.tolist() == list(prep.targets)
+    assert plan.in_place and not torch.isnan(buffer).any(), "unwritten output elements"
+    return buffer.view(m, n), prep
+
+
 @pytest.mark.parametrize(
-    "input_dtype, out_dtype, epilogue, kernel",
+    "input_dtype, out_dtype, epilogue, kernel, tile",
     [
-        ("float8_e4m3fn", "bfloat16", "tma", "sm90"),
-        ("float8_e4m3fn", "bfloat16", "direct", "sm90"),
-        ("float8_e4m3fn", "float16", "tma", "sm90"),
-        ("float8_e5m2", "bfloat16", "tma", "sm90"),
-        ("float8_e4m3fn", "bfloat16", "direct", "sm80"),  # Ada's FP8 mma.sync kernels, forced here
+        ("float8_e4m3fn", "bfloat16", "tma", "sm90", (128, 256)),
+        ("float8_e4m3fn", "bfloat16", "tma", "sm90", (256, 128)),
+        ("float8_e4m3fn", "bfloat16", "direct", "sm90", (128, 256)),
+        ("float8_e4m3fn", "bfloat16", "direct", "sm90", (256, 128)),
+        ("float8_e4m3fn", "float16", "tma", "sm90", (128, 256)),
+        ("float8_e5m2", "bfloat16", "tma", "sm90", (128, 256)),
+        ("float8_e4m3fn", "bfloat16", "direct", "sm80", (128, 256)),  # Ada's FP8 mma.sync kernels, forced here
     ],
 )
 @pytest.mark.parametrize("shape", FP8_SHAPES, ids=str)
-def test_fp8_signal_gemm_with_per_tensor_scales(shape, input_dtype, out_dtype, epilogue, kernel):
+def test_fp8_signal_gemm_with_per_tensor_scales(shape, input_dtype, out_dtype, epilogue, kernel, tile):
     """The FP8 signal GEMM alone (Hopper's, or the Ada family's), scale_a * scale_b as the
     epilogue's alpha on the device: torch._scaled_mm's result within FP8 tolerance, every group's
     counter at its target."""
@@ -199,26 +222,37 @@ def test_fp8_signal_gemm_with_per_tensor_scales(shape, input_dtype, out_dtype, e
     a, scale_a = fp8_operand(m, k, input_dtype, gen)
     w, scale_b = fp8_operand(n, k, input_dtype, gen)  # [N, K]: K-major, as FP8 WGMMA reads B
     ref = (a.float() * scale_a) @ (w.float() * scale_b).t()
-    cfg = for_collective(OverlapConfig(epilogue=epilogue, kernel=kernel), "all_reduce")
-    cfg, spec = kernel_spec(cfg, out_dtype, "nk", (9, 0), input_dtype)
-    assert spec.tile_k == (128 if kernel == "sm90" else 64) and spec.input_dtype == input_dtype
-    kernel = get_kernel(spec)
-    sm_count = torch.cuda.get_device_properties(0).multi_processor_count - cfg.comm_sms
-    plan = _plan(kernel, cfg, sm_count, shape, a.device)
-    slots = torch.from_numpy(plan.slot_table().view("u1")).to(a.device)
-    counters = torch.zeros(plan.num_groups, dtype=torch.int32, device="cuda")
-    targets = plan.counter_targets(kernel.signals_per_tile)
-    prep = Prepared(plan, kernel, slots, counters, workspace=None, targets=targets, sm_count=sm_count, report=None)
-    buffer = torch.full((plan.numel,), float("nan"), dtype=out_torch, device="cuda")
-    prep.launch(a, w, buffer, torch.cuda.current_stream(), alpha=(scale_a * scale_b).reshape(1))
-    torch.cuda.synchronize()
-    assert counters.tolist() == list(prep.targets)
-    assert plan.in_place and not torch.isnan(buffer).any(), "unwritten output elements"
-    out = buffer.view(m, n)
+    cfg = OverlapConfig(epilogue=epilogue, kernel=kernel, tile_m=tile[0], tile_n=tile[1])
+    out, prep = fp8_signal_gemm(a, w, scale_a * scale_b, cfg, out_dtype)
+    assert prep.kernel.spec.tile_k == (128 if kernel == "sm90" else 64) and prep.kernel.spec.input_dtype == input_dtype
     assert rel_err(out, ref) < 2e-2
     if input_dtype == "float8_e4m3fn":  # (torch has no e5m2 x e5m2 _scaled_mm)
         scaled = torch._scaled_mm(a, w.t(), scale_a=scale_a, scale_b=scale_b, out_dtype=out_torch)
         assert rel_err(out, scaled.float()) < 1e-2
+
+
+@pytest.mark.parametrize("tile", [(256, 128), (128, 128), (128, 256)], ids=str)
+def test_fp8_promotion_as_precise_as_scaled_mm(tile):
+    """Promoted FP8 GEMMs (the default accumulation) add every K tile's partial sums into fp32
+    accumulators, as torch._scaled_mm does: over a long K the two agree to fp16's rounding, closer
+    than either is to a GEMM that lets the tensor cores accumulate all of K (fast accumulation;
+    fp16 out, whose rounding bf16's would hide)."""
+    if torch.cuda.get_device_capability() != (9, 0):
+        pytest.skip("Hopper's FP8 kernels")
+    m, n, k = 1024, 1024, 16384
+    gen = torch.Generator(device="cuda").manual_seed(0)
+    a, scale_a = fp8_operand(m, k, "float8_e4m3fn", gen)
+    w, scale_b = fp8_operand(n, k, "float8_e4m3fn", gen)
+    out, prep = fp8_signal_gemm(a, w, scale_a * scale_b, OverlapConfig(tile_m=tile[0], tile_n=tile[1]), "float16")
+    assert not prep.kernel.spec.fast_accum
+
+    def scaled(fast: bool) -> torch.Tensor:
+        return torch._scaled_mm(
+            a, w.t(), scale_a=scale_a, scale_b=scale_b, out_dtype=torch.float16, use_fast_accum=fast
+        ).float()
+
+    promoted = scaled(False)
+    assert rel_err(out, promoted) < 0.5 * rel_err(scaled(True), promoted)
 
 
 @pytest.fixture(scope="module")
