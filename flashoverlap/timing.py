@@ -156,8 +156,17 @@ def slowest(ranks: Sequence[Sequence[float]]) -> float:
 
 def spread(ranks: Sequence[Sequence[float]]) -> float:
     """How far apart a variant's rounds lie (:func:`time_samples`), as a fraction of their median:
-    half the range of the widest rank's (NaN where any rank's rounds are)."""
-    widths = [(max(rounds) - min(rounds)) / (2 * median_ms(rounds)) for rounds in ranks]
+    half the range of the widest rank's, without its slowest and fastest round where it has four or
+    more (NaN where any rank's rounds are). One stray round (a page fault, a clock change, another
+    process's kernel) moves a median little but a range a lot: on two H200s a copy-engine pull's
+    trials measured +-40-100 % over four rounds, one slow, and lost to sequential calls they beat by
+    10-25 % in the bench."""
+
+    def width(rounds: Sequence[float]) -> float:
+        kept = sorted(rounds)[1:-1] if len(rounds) >= 4 else rounds
+        return (max(kept) - min(kept)) / (2 * median_ms(rounds))
+
+    widths = [width(rounds) for rounds in ranks]
     return math.nan if any(math.isnan(w) for w in widths) else max(widths)
 
 

@@ -37,8 +37,12 @@ def test_statistics():
 
 
 def test_a_variant_s_time_is_the_slowest_rank_s_median_and_its_spread_the_widest_rank_s():
-    ranks = [[1.0, 1.1, 0.9, 1.0], [1.2, 1.2, 1.0, 1.4]]
-    assert timing.slowest(ranks) == pytest.approx(1.2)
-    assert timing.spread(ranks) == pytest.approx(0.4 / 2 / 1.2)
+    ranks = [[1.0, 1.1, 0.9, 1.05], [1.2, 1.3, 1.0, 1.4]]
+    assert timing.slowest(ranks) == pytest.approx(1.25)
+    # the widest rank's range without its slowest and fastest round: rank 1's 1.3 - 1.2
+    assert timing.spread(ranks) == pytest.approx(0.1 / 2 / 1.25)
+    # one stray round of four moves the median little and the spread not at all
+    assert timing.spread([[0.2, 0.2, 0.21, 0.62]]) == pytest.approx(0.01 / 2 / 0.205)
+    assert timing.spread([[1.0, 1.2, 1.1]]) == pytest.approx(0.2 / 2 / 1.1)  # fewer rounds: the whole range
     not_captured = [[math.nan] * 4, [math.nan] * 4]
     assert math.isnan(timing.slowest(not_captured)) and math.isnan(timing.spread(not_captured))
