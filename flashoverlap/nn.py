@@ -20,8 +20,13 @@ Gradients (autograd), for a loss of the full output:
   reduce-scattered back to the sequence shards: overlapped), grad_W_r = grad_y_r^T x and
   grad_b_r = grad_y_r summed over rows, no collective.
 
+:meth:`RowParallelLinear.from_fp8` makes an inference layer over an FP8 weight shard quantized per
+tensor (float8_e4m3fn, ``weight_scale``): the input is quantized per tensor as it comes (or with a
+static ``input_scale``) and multiplied as ``torch._scaled_mm`` does, the collective overlapped.
+
 CPU tensors take the plain path (``F.linear`` + the torch collective, e.g. over gloo) with the
-same autograd, so models can be debugged without GPUs. Under ``torch.compile`` the layers stay in
+same autograd, so models can be debugged without GPUs (FP8 layers: the dequantized operands
+multiplied in float32). Under ``torch.compile`` the layers stay in
 one graph (the overlapped call is one operator in it); inside CUDA graphs they can be captured and
 replayed (see the README).
 """
@@ -39,11 +44,15 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
+from . import overlap
 from .comm import gathered_rows
 from .config import OverlapConfig, resolve
-from .inputs import check_group, check_inputs, world_size
+from .inputs import DTYPES, FP8_DTYPES, check_group, check_inputs, world_size
 from .overlap import with_gradients
 from .rules import resolutions
+
+FP8 = torch.float8_e4m3fn  # FP8 layers' weights and quantized inputs (torch._scaled_mm has no e5m2 x e5m2)
+FP8_MAX = torch.finfo(FP8).max
 
 
 def _collective(sequence_parallel: bool) -> str:
@@ -118,6 +127,11 @@ class _ParallelLinear(nn.Module):
         dtype: torch.dtype | None = torch.bfloat16,
     ) -> None:
         super().__init__()
+        if dtype in FP8_DTYPES:
+            raise ValueError(
+                f"dtype {dtype}: FP8 layers hold quantized weights, made with "
+                "RowParallelLinear.from_fp8(weight, weight_scale, ...)"
+            )
         _check(group, config, sequence_parallel)
         self.in_features, self.out_features = in_features, out_features
         self.group, self.sequence_parallel, self.config = group, sequence_parallel, config
@@ -167,16 +181,114 @@ class RowParallelLinear(_ParallelLinear):
     out_features] (the first dimension, e.g. the sequence of an [s, b, h] input, is split).
     """
 
+    @classmethod
+    def from_fp8(
+        cls,
+        weight: torch.Tensor,
+        weight_scale: torch.Tensor,
+        *,
+        input_scale: torch.Tensor | None = None,
+        bias: torch.Tensor | None = None,
+        out_dtype: torch.dtype = torch.bfloat16,
+        use_fast_accum: bool = False,
+        group: dist.ProcessGroup | None = None,
+        sequence_parallel: bool = False,
+        config: OverlapConfig | dict | str | os.PathLike | None = None,
+    ) -> RowParallelLinear:
+        """An inference layer over this rank's FP8 weight shard: ``weight`` float8_e4m3fn
+        [out_features, in_features] (each a multiple of 16) dequantizing as ``weight *
+        weight_scale`` (one float32). Its input is 16-bit activations, quantized per tensor as they
+        come (scale ``amax / 448``, or ``input_scale``, one float32, where given: static), or
+        float8_e4m3fn ones with ``input_scale``. ``y = collective((x8 @ weight.T) * input scale *
+        weight_scale)`` in ``out_dtype`` (bf16 / fp16; ``use_fast_accum``: torch._scaled_mm's) plus
+        ``bias`` ([out_features], ``out_dtype``). No backward (FP8 calls have none): run it under
+        ``torch.no_grad()`` or ``torch.inference_mode()``. The tensors are kept as given (the
+        weight a parameter that needs no gradient, the scales buffers, as FP8 checkpoints name them)."""
+        if not isinstance(weight, torch.Tensor) or weight.dtype != FP8 or weight.dim() != 2:
+            raise ValueError(f"weight must be a 2-D {FP8} tensor [out_features, in_features], got {_described(weight)}")
+        out_features, in_features = weight.shape
+        if out_features % 16 or in_features % 16:
+            raise ValueError(f"FP8 weights need out_features and in_features multiples of 16, got {_described(weight)}")
+        for name, t in {"weight_scale": weight_scale, "input_scale": input_scale}.items():
+            if t is None and name == "input_scale":  # (quantized per tensor as it comes)
+                continue
+            if not isinstance(t, torch.Tensor) or t.dtype != torch.float32 or t.numel() != 1:
+                raise ValueError(f"{name} must be one float32 value (a per-tensor scale), got {_described(t)}")
+            if t.device != weight.device:
+                raise ValueError(f"{name} is on {t.device}, the weight on {weight.device}")
+        if out_dtype not in DTYPES:
+            raise ValueError(f"out_dtype must be one of {', '.join(map(str, DTYPES))}, got {out_dtype!r}")
+        if not isinstance(use_fast_accum, bool):
+            raise TypeError(f"use_fast_accum must be a bool, got {type(use_fast_accum).__name__}")
+        if bias is not None and (
+            not isinstance(bias, torch.Tensor) or bias.shape != (out_features,) or bias.dtype != out_dtype
+        ):
+            raise ValueError(f"bias must be [{out_features}] of {out_dtype}, got {_described(bias)}")
+        _check(group, config, sequence_parallel)
+        module = cls.__new__(cls)
+        nn.Module.__init__(module)
+        module.in_features, module.out_features = in_features, out_features
+        module.group, module.sequence_parallel, module.config = group, sequence_parallel, config
+        module.out_dtype, module.use_fast_accum = out_dtype, use_fast_accum
+        module.weight = nn.Parameter(weight, requires_grad=False)
+        module.bias = None if bias is None else nn.Parameter(bias, requires_grad=False)
+        module.register_buffer("weight_scale", weight_scale)
+        module.register_buffer("input_scale", input_scale)
+        return module
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         lead, world = self._rows(x, split=True)
         x2d = x.reshape(-1, self.in_features).contiguous()
-        y = with_gradients(x2d, self.weight, _collective(self.sequence_parallel), self.group, self.config)
+        if self.weight.dtype == FP8:
+            y = self._fp8(x2d)
+        else:
+            y = with_gradients(x2d, self.weight, _collective(self.sequence_parallel), self.group, self.config)
         if self.bias is not None:
             bias = _AllReduceGrad.apply(self.bias, self.group) if self.sequence_parallel else self.bias
             y = y + bias
         if self.sequence_parallel:
             return y.view(lead[0] // world, *lead[1:], self.out_features)
         return y.view(*lead, self.out_features)
+
+    def _fp8(self, x: torch.Tensor) -> torch.Tensor:
+        """The FP8 layer's collective of its product (:meth:`from_fp8`) for ``x`` [tokens, in_features]."""
+        if torch.is_grad_enabled() and x.requires_grad:
+            raise ValueError("FP8 layers have no backward: run them under torch.no_grad() or torch.inference_mode()")
+        if x.dtype == FP8:
+            if self.input_scale is None:
+                raise ValueError(f"{FP8} input needs the layer's input_scale (RowParallelLinear.from_fp8)")
+            x8, scale = x, self.input_scale
+        elif x.dtype in DTYPES or not x.is_cuda:
+            # per tensor: the largest magnitude maps to FP8's largest value (a zero input to zeros)
+            scale = self.input_scale
+            if scale is None:
+                scale = (x.abs().amax().float() / FP8_MAX).clamp(min=torch.finfo(torch.float32).tiny)
+            x8 = (x.float() / scale).clamp(-FP8_MAX, FP8_MAX).to(FP8)
+        else:
+            raise ValueError(f"FP8 layers take {', '.join(map(str, (*DTYPES, FP8)))} input, got {x.dtype}")
+        collective = _collective(self.sequence_parallel)
+        if not x.is_cuda:  # the plain path, in float32
+            dequantized = x8.float() * scale, self.weight.float() * self.weight_scale
+            return with_gradients(*dequantized, collective, self.group).to(self.out_dtype)
+        return getattr(overlap, f"gemm_{collective}")(
+            x8,
+            self.weight,
+            group=self.group,
+            config=self.config,
+            scale_a=scale,
+            scale_b=self.weight_scale,
+            out_dtype=self.out_dtype,
+            use_fast_accum=self.use_fast_accum,
+        )
+
+    def extra_repr(self) -> str:
+        fp8 = f", {FP8} weight, {self.out_dtype} out" if self.weight.dtype == FP8 else ""
+        return super().extra_repr() + fp8
+
+
+def _described(t: object) -> str:
+    """What an argument was, for an error: a tensor's dtype and shape, else its type."""
+    return f"{t.dtype} of shape {tuple(t.shape)}" if isinstance(t, torch.Tensor) else type(t).__name__
 
 
 class ColumnParallelLinear(_ParallelLinear):

@@ -342,6 +342,27 @@ def test_pipeline_on_one_gpu(nccl_one_rank, monkeypatch, mode, symmetric, nccl, 
         signal.forget_probes()
 
 
+def test_fp8_row_parallel_layer_on_one_gpu(nccl_one_rank):
+    """flashoverlap.nn's FP8 layer on CUDA: its input quantized per tensor as it comes, the call
+    torch._scaled_mm's with the layer's scales (one rank: the plain path), then its bias."""
+    if torch.cuda.get_device_capability() < (8, 9):
+        pytest.skip("FP8 tensor cores")
+    from flashoverlap.nn import FP8, FP8_MAX, RowParallelLinear
+
+    gen = torch.Generator(device="cuda").manual_seed(0)
+    w8, w_scale = fp8_operand(2048, 1024, "float8_e4m3fn", gen)
+    x = torch.randn(4, 512, 1024, device="cuda", generator=gen).bfloat16()
+    bias = torch.randn(2048, device="cuda", generator=gen).bfloat16()
+    layer = RowParallelLinear.from_fp8(w8, w_scale, bias=bias)
+    with torch.inference_mode():
+        y = layer(x)
+    x_scale = x.abs().amax().float() / FP8_MAX
+    x8 = (x.reshape(-1, 1024).float() / x_scale).clamp(-FP8_MAX, FP8_MAX).to(FP8)
+    want = torch._scaled_mm(x8, w8.t(), scale_a=x_scale, scale_b=w_scale, out_dtype=torch.bfloat16) + bias
+    assert y.shape == (4, 512, 2048)
+    torch.testing.assert_close(y.reshape(-1, 2048), want)
+
+
 @pytest.mark.parametrize(
     "collective, layout, reduction, nccl, fast, out_dtype",
     [

@@ -243,7 +243,8 @@ FP8_CONFIGS = {
 
 def fp8_worker(rank, world, store_path):
     """FP8 operands with per-tensor scales, each rank's own: every collective against the float32
-    sum of the scaled products, explicit configs and an untuned call (timed on first use)."""
+    sum of the scaled products, explicit configs and an untuned call (timed on first use); then
+    flashoverlap.nn's FP8 row-parallel layer (all-reduce, reduce-scatter)."""
     os.environ["FLASHOVERLAP_NCCL"] = "direct"
     init_rank(rank, world, store_path)
     try:
@@ -271,6 +272,17 @@ def fp8_worker(rank, world, store_path):
                 torch.cuda.synchronize()
                 rel = rel_err(out, expected[collective])
                 assert out.dtype == torch.bfloat16 and rel < 2e-2, f"{collective} {cfg} {fast}: rel err {rel:.2e}"
+        # the same through flashoverlap.nn's FP8 layer, its input FP8 already (with a static scale)
+        from flashoverlap.nn import RowParallelLinear
+
+        for sequence_parallel in (False, True):
+            layer = RowParallelLinear.from_fp8(
+                w8, scales["scale_b"], input_scale=scales["scale_a"], sequence_parallel=sequence_parallel
+            )
+            with torch.inference_mode():
+                out = layer(a8)
+            want = expected["reduce_scatter" if sequence_parallel else "all_reduce"]
+            assert rel_err(out, want) < 2e-2, f"layer, sequence_parallel={sequence_parallel}"
     finally:
         dist.destroy_process_group()
 

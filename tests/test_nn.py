@@ -5,7 +5,14 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from flashoverlap.nn import ColumnParallelLinear, RowParallelLinear, swap_column_parallel, swap_row_parallel
+from flashoverlap.nn import (
+    FP8,
+    FP8_MAX,
+    ColumnParallelLinear,
+    RowParallelLinear,
+    swap_column_parallel,
+    swap_row_parallel,
+)
 
 from .helpers import check_column_parallel, spawn_ranks
 
@@ -65,9 +72,84 @@ def column_worker(rank: int, world: int, store_path: str):
         dist.destroy_process_group()
 
 
-@pytest.mark.parametrize("fn", [worker, column_worker], ids=["row", "column"])
+def quantized(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """``x`` quantized per tensor to FP8 as the layers quantize their input: (values, scale)."""
+    scale = (x.abs().amax().float() / FP8_MAX).clamp(min=torch.finfo(torch.float32).tiny)
+    return (x.float() / scale).clamp(-FP8_MAX, FP8_MAX).to(FP8), scale
+
+
+def fp8_worker(rank: int, world: int, store_path: str):
+    """RowParallelLinear.from_fp8: each rank's FP8 shard and its input, quantized per tensor (as it
+    comes, or with a static scale, or already FP8), summed over the ranks; against every rank's
+    dequantized product, and the unquantized layer within FP8's error."""
+    dist.init_process_group("gloo", store=dist.FileStore(store_path, world), rank=rank, world_size=world)
+    try:
+        tokens, k, n = 8, 32 * world, 16
+        gen = torch.Generator().manual_seed(0)
+        x = torch.randn(tokens, k, generator=gen)
+        w = torch.randn(n, k, generator=gen)
+        b = torch.randn(n, generator=gen).to(torch.bfloat16)
+        shard = [slice(r * k // world, (r + 1) * k // world) for r in range(world)]
+        weights = [quantized(w[:, cols]) for cols in shard]  # every rank's (values, scale)
+        w8, w_scale = weights[rank]
+
+        def dequantized(x8: torch.Tensor, x_scale: torch.Tensor, r: int) -> torch.Tensor:
+            return (x8.float() * x_scale) @ (weights[r][0].float() * weights[r][1]).t()
+
+        layer = RowParallelLinear.from_fp8(w8, w_scale, bias=b)
+        assert layer.weight.dtype == FP8 and not layer.weight.requires_grad and "float8_e4m3fn weight" in repr(layer)
+        with torch.no_grad():
+            y = layer(x[:, shard[rank]].to(torch.bfloat16))
+            want = sum(dequantized(*quantized(x[:, cols].to(torch.bfloat16)), r) for r, cols in enumerate(shard))
+            torch.testing.assert_close(y, want.to(torch.bfloat16) + b)  # (the bias added to the bf16 result)
+            assert y.dtype == torch.bfloat16 and ((y.float() - x @ w.t() - b.float()).norm() / y.float().norm()) < 0.1
+            # a static input scale, and FP8 input with it
+            x_scale = torch.tensor(x.abs().max().item() / FP8_MAX)
+            static = RowParallelLinear.from_fp8(w8, w_scale, input_scale=x_scale, out_dtype=torch.float16)
+            x8 = (x / x_scale).to(FP8)
+            want = sum(dequantized(x8[:, cols], x_scale, r) for r, cols in enumerate(shard)).to(torch.float16)
+            torch.testing.assert_close(static(x[:, shard[rank]]), want)
+            torch.testing.assert_close(static(x8[:, shard[rank]]), want)
+            with pytest.raises(ValueError, match="float8_e4m3fn input needs the layer's input_scale"):
+                layer(x8[:, shard[rank]])
+            split = RowParallelLinear.from_fp8(w8, w_scale, sequence_parallel=True)
+            assert split(x[:, shard[rank]].reshape(4, 2, -1)).shape == (4 // world, 2, n)
+        with pytest.raises(ValueError, match="FP8 layers have no backward"):
+            layer(x[:, shard[rank]].requires_grad_())
+    finally:
+        dist.destroy_process_group()
+
+
+@pytest.mark.parametrize("fn", [worker, column_worker, fp8_worker], ids=["row", "column", "fp8"])
 def test_parallel_linears_forward_and_backward_match_the_unsharded_layer(fn):
     spawn_ranks(2, fn)
+
+
+W8, SCALE = torch.zeros(16, 32).to(FP8), torch.ones(())
+
+
+@pytest.mark.parametrize(
+    "args, kwargs, error, message",
+    [
+        ((W8.bfloat16(), SCALE), {}, ValueError, r"weight must be a 2-D torch.float8_e4m3fn .*got torch.bfloat16"),
+        ((W8[:, :24], SCALE), {}, ValueError, r"multiples of 16, got torch.float8_e4m3fn of shape \(16, 24\)"),
+        ((W8, SCALE.double()), {}, ValueError, "weight_scale must be one float32 value .*got torch.float64"),
+        ((W8, 1.0), {}, ValueError, "weight_scale must be one float32 value .*got float"),
+        ((W8, SCALE), {"input_scale": torch.ones(2)}, ValueError, r"input_scale must be .* of shape \(2,\)"),
+        ((W8, SCALE), {"out_dtype": torch.float32}, ValueError, "out_dtype must be one of torch.bfloat16"),
+        ((W8, SCALE), {"bias": torch.zeros(8)}, ValueError, r"bias must be \[16\] of torch.bfloat16"),
+        ((W8, SCALE), {"use_fast_accum": 1}, TypeError, "use_fast_accum must be a bool, got int"),
+        ((W8, SCALE), {"group": "tp"}, TypeError, "group must be a torch.distributed ProcessGroup"),
+    ],
+)
+def test_fp8_layers_refuse_what_they_cannot_run(args, kwargs, error, message):
+    with pytest.raises(error, match=message):
+        RowParallelLinear.from_fp8(*args, **kwargs)
+
+
+def test_fp8_layers_are_made_from_their_quantized_weights():
+    with pytest.raises(ValueError, match=r"RowParallelLinear.from_fp8\(weight, weight_scale"):
+        RowParallelLinear(32, 16, dtype=FP8)
 
 
 def compile_worker(rank: int, world: int, store_path: str):
