@@ -29,7 +29,8 @@
 #           (bench/symmetric_probe.py; NCCL's kernel choices in symm.log)
 #   fp8     FP8 e4m3 (per-tensor scales, bf16 out): the kernels alone against cuBLAS (bench/fp8_probe.py,
 #           one GPU), then the all-reduce suite untuned against torch._scaled_mm + the collective,
-#           promoted and fast accumulation, for TRANSPORTS (nvlink pcie)
+#           promoted and fast accumulation, for TRANSPORTS (nvlink pcie); six reduce-scatter shapes
+#           beside torch async-TP's FP8 op (NVLink)
 set -uo pipefail
 source bench/gpu_env.sh
 steps=${*:-tests stress bench sm80 swizzle tune brute suite}
@@ -154,9 +155,12 @@ for step in $steps; do
       fast=(); [ "$accum" = fast ] && fast=(--fast-accum)
       for transport in ${TRANSPORTS:-nvlink pcie}; do
         bench "fp8_${accum}_$transport" -- --dtype float8_e4m3fn "${fast[@]}" --transport "$transport" \
-          --shapes-file bench/suite.yaml --rounds "${ROUNDS:-10}" --configs registry '{}' --csv "$OUT/fp8_${accum}_$transport.csv"
+          --shapes-file bench/suite.yaml --rounds "${ROUNDS:-10}" --configs registry --csv "$OUT/fp8_${accum}_$transport.csv"
       done
-    done ;;
+    done
+    bench fp8_rs_nvlink -- --dtype float8_e4m3fn --collective reduce_scatter --rounds "${ROUNDS:-10}" --configs registry \
+      --shapes 4096x8192x2048 4096x8192x4096 8192x8192x4096 8192x8192x8192 16384x8192x4096 8192x8192x14336 \
+      --csv "$OUT/fp8_rs_nvlink.csv" ;;
   symm)
     NCCL_DEBUG=INFO NCCL_DEBUG_SUBSYS=INIT,TUNING timeout 300 torchrun --nproc-per-node "$NGPU" \
       bench/symmetric_probe.py > "$OUT/symm.log" 2>&1
