@@ -203,6 +203,9 @@ def async_tp(
 
     if registry.transport() != "nvlink":
         return None
+    if (scales is None) != (fp8 is None):
+        raise ValueError("async_tp: FP8 operands take their scales and kind, 16-bit ones neither")
+    op = "fused_matmul_reduce_scatter" if fp8 is None else "fused_scaled_matmul_reduce_scatter"
     try:
         import torch.distributed._symmetric_memory as symm_mem
 
@@ -221,7 +224,7 @@ def async_tp(
         torch.cuda.synchronize()
         works = True
     except Exception as exc:  # not built, no P2P, ...: report it, measure the rest
-        log.warning("async-TP fused_matmul_reduce_scatter unavailable: %s: %s", type(exc).__name__, exc)
+        log.warning("async-TP %s unavailable: %s: %s", op, type(exc).__name__, exc)
         works = False
     # every rank must time the same variants
     flag = torch.tensor([int(works)], device=a.device)
@@ -277,7 +280,8 @@ def bench_shape(shape: tuple[int, int, int], args: argparse.Namespace, inputs: s
     fused = async_tp(a[0], w[0], scales, fp8) if collective == "reduce_scatter" else None
     if fused is not None:
         variants["asynctp"] = lambda i: fused(a[i % sets], w[i % sets])
-    cfgs = [for_call(resolve(cfg), ex, shape) if cfg is not None else None for cfg in configs]
+    # (as a call resolves them: for FP8 operands a config naming no tile takes FP8's)
+    cfgs = [for_call(resolve(cfg, fp8 is not None), ex, shape) if cfg is not None else None for cfg in configs]
     errors, picked, kernels = {}, {}, {}  # kernels: config -> the name of its kernel-alone variant
     nccl = args.nccl or ["direct" if comm.uses_direct() else "c10d"]  # none given: the path a call takes
     runs = [(j, path) for j in range(len(cfgs)) for path in nccl]

@@ -113,7 +113,8 @@ class OverlapConfig:
             raise ValueError(f"{source}: {exc}") from None
 
     @classmethod
-    def from_yaml(cls, path: str | os.PathLike[str]) -> OverlapConfig:
+    def from_yaml(cls, path: str | os.PathLike[str], fp8: bool = False) -> OverlapConfig:
+        """The config a YAML file holds (``fp8``: see :func:`resolve`)."""
         path = os.fspath(path)
         try:
             with open(path) as handle:
@@ -122,7 +123,8 @@ class OverlapConfig:
             raise FileNotFoundError(f"flashoverlap config file not found: {path}") from None
         except yaml.YAMLError as exc:
             raise ValueError(f"{path}: malformed YAML: {exc}") from None
-        return cls.from_dict(data if data is not None else {}, source=path)
+        data = data if data is not None else {}
+        return cls.from_dict(_with_fp8_tiles(data) if fp8 else data, source=path)
 
 
 def _problems(cfg: OverlapConfig) -> list[str]:
@@ -232,13 +234,33 @@ def _typed(value: Any) -> Any:
     return (type(value), tuple(map(_typed, value)) if isinstance(value, list) else value)
 
 
-def resolve(config: OverlapConfig | Mapping[str, Any] | str | os.PathLike[str] | None) -> OverlapConfig:
-    """Turn what a user passed as ``config=`` into an :class:`OverlapConfig`."""
+# The tiles a call with FP8 operands starts from: where the partial sums are promoted, 128x256 (one
+# 64x256 atom per warp group) spills registers and runs ~3x slower than 256x128 alone
+# (csrc/fp8_promotion.cuh; docs/experiments.md, FP8); with fast accumulation 256x128 measured as fast
+# as 128x256 or faster on most shapes.
+FP8_TILES = {"tile_m": 256, "tile_n": 128}
+
+
+def _with_fp8_tiles(data: Any) -> Any:
+    """A config mapping for a call with FP8 operands: FP8's tiles where it names neither."""
+    if isinstance(data, Mapping) and "tile_m" not in data and "tile_n" not in data:
+        return {**FP8_TILES, **data}
+    return data
+
+
+def resolve(
+    config: OverlapConfig | Mapping[str, Any] | str | os.PathLike[str] | None, fp8: bool = False
+) -> OverlapConfig:
+    """Turn what a user passed as ``config=`` into an :class:`OverlapConfig`. ``fp8``: for a call
+    with FP8 operands, whose mapping or YAML file (or none) naming neither ``tile_m`` nor ``tile_n``
+    takes :data:`FP8_TILES`; an :class:`OverlapConfig` is taken as it is."""
     if config is None:
-        return OverlapConfig()
+        return OverlapConfig(**FP8_TILES) if fp8 else OverlapConfig()
     if isinstance(config, OverlapConfig):
         return config
     if isinstance(config, Mapping):
+        if fp8:
+            config = _with_fp8_tiles(config)
         try:
             key = tuple(sorted((k, _typed(v)) for k, v in config.items()))
             hash(key)
@@ -251,5 +273,5 @@ def resolve(config: OverlapConfig | Mapping[str, Any] | str | os.PathLike[str] |
                 _from_dicts[key] = cfg
         return cfg
     if isinstance(config, (str, os.PathLike)):
-        return OverlapConfig.from_yaml(config)
+        return OverlapConfig.from_yaml(config, fp8)
     raise TypeError(f"config must be an OverlapConfig, a mapping or a YAML path, got {type(config).__name__}")

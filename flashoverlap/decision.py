@@ -26,7 +26,7 @@ import torch.distributed as dist
 from . import comm, registry, runtime, signal, state, timing, watchdog
 from .comm import Exchange
 from .comm.nccl import group_fact
-from .config import OverlapConfig, differences, resolve
+from .config import FP8_TILES, OverlapConfig, differences, resolve
 from .inputs import FP8_DTYPES, OPERAND_DTYPES, Fp8, Scales, check_inputs, world_size
 from .prepared import Prepared, prepare, shared_columns
 from .rules import (
@@ -50,11 +50,7 @@ from .rules import (
 
 log = logging.getLogger(__name__)
 _DEFAULTS = OverlapConfig()  # frozen: built once (each construction validates)
-# FP8 operands' defaults: 256 x 128 tiles. Where the partial sums are promoted (no fast accumulation)
-# each warp group keeps scratch accumulators for one 64-row atom beside its fp32 ones: 256 x 128 fits
-# the register file where 128 x 256 (one 64 x 256 atom per warp group) spills and runs ~3x slower
-# (csrc/fp8_promotion.cuh; docs/experiments.md, FP8). With fast accumulation it was as fast or faster.
-_FP8_DEFAULTS = OverlapConfig(tile_m=256, tile_n=128)
+_FP8_DEFAULTS = OverlapConfig(**FP8_TILES)  # FP8 operands' (config.FP8_TILES says why)
 Communicator = dist.ProcessGroup | comm.Direct | comm.Peers
 
 
@@ -93,7 +89,7 @@ def decide(
     next call like it (same arguments, operand shapes, dtypes and device; not one whose counts are
     exchanged): a repeated call pays the input checks and one lookup, not the decision."""
     world = world_size(group)
-    given = resolve(config) if config is not None else None
+    given = resolve(config, getattr(a, "dtype", None) in FP8_DTYPES) if config is not None else None
     explicit = resolutions(given, collective)[0] if given is not None else None  # its layout resolved below
     m, n, k = check_inputs(a, weight, weight_layout)
     if not (a.dtype in FP8_DTYPES) == (scales is not None) == (fp8 is not None):

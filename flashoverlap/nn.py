@@ -142,16 +142,28 @@ class _ParallelLinear(nn.Module):
     @classmethod
     def from_linear(cls: type[_Linear], linear: nn.Linear, **kwargs) -> _Linear:
         """A module sharing ``linear``'s parameters (its weight is this rank's shard)."""
-        module = cls.__new__(cls)
-        nn.Module.__init__(module)
-        module.in_features, module.out_features = linear.in_features, linear.out_features
-        module.group = kwargs.pop("group", None)
-        module.sequence_parallel = kwargs.pop("sequence_parallel", False)
-        module.config = kwargs.pop("config", None)
+        group = kwargs.pop("group", None)
+        sequence_parallel = kwargs.pop("sequence_parallel", False)
+        config = kwargs.pop("config", None)
         if kwargs:
             raise TypeError(f"unexpected arguments {sorted(kwargs)}")
-        _check(module.group, module.config, module.sequence_parallel)
+        if linear.weight.dtype in FP8_DTYPES:
+            raise ValueError("an FP8 weight takes its scale: RowParallelLinear.from_fp8(weight, weight_scale, ...)")
+        module = cls._bare(linear.in_features, linear.out_features, group, sequence_parallel, config)
         module.weight, module.bias = linear.weight, linear.bias
+        return module
+
+    @classmethod
+    def _bare(
+        cls: type[_Linear], in_features: int, out_features: int, group, sequence_parallel: bool, config
+    ) -> _Linear:
+        """A module of these features, group, sequence parallelism and config (checked), without
+        parameters yet."""
+        _check(group, config, sequence_parallel)
+        module = cls.__new__(cls)
+        nn.Module.__init__(module)
+        module.in_features, module.out_features = in_features, out_features
+        module.group, module.sequence_parallel, module.config = group, sequence_parallel, config
         return module
 
     def _rows(self, x: torch.Tensor, split: bool) -> tuple[torch.Size, int]:
@@ -209,6 +221,8 @@ class RowParallelLinear(_ParallelLinear):
         out_features, in_features = weight.shape
         if out_features % 16 or in_features % 16:
             raise ValueError(f"FP8 weights need out_features and in_features multiples of 16, got {_described(weight)}")
+        if not weight.is_contiguous():
+            raise ValueError("weight must be contiguous ([out_features, in_features], row-major)")
         for name, t in {"weight_scale": weight_scale, "input_scale": input_scale}.items():
             if t is None and name == "input_scale":  # (quantized per tensor as it comes)
                 continue
@@ -224,11 +238,9 @@ class RowParallelLinear(_ParallelLinear):
             not isinstance(bias, torch.Tensor) or bias.shape != (out_features,) or bias.dtype != out_dtype
         ):
             raise ValueError(f"bias must be [{out_features}] of {out_dtype}, got {_described(bias)}")
-        _check(group, config, sequence_parallel)
-        module = cls.__new__(cls)
-        nn.Module.__init__(module)
-        module.in_features, module.out_features = in_features, out_features
-        module.group, module.sequence_parallel, module.config = group, sequence_parallel, config
+        if bias is not None and bias.device != weight.device:
+            raise ValueError(f"bias is on {bias.device}, the weight on {weight.device}")
+        module = cls._bare(in_features, out_features, group, sequence_parallel, config)
         module.out_dtype, module.use_fast_accum = out_dtype, use_fast_accum
         module.weight = nn.Parameter(weight, requires_grad=False)
         module.bias = None if bias is None else nn.Parameter(bias, requires_grad=False)
@@ -239,7 +251,7 @@ class RowParallelLinear(_ParallelLinear):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         lead, world = self._rows(x, split=True)
         x2d = x.reshape(-1, self.in_features).contiguous()
-        if self.weight.dtype == FP8:
+        if self.fp8:
             y = self._fp8(x2d)
         else:
             y = with_gradients(x2d, self.weight, _collective(self.sequence_parallel), self.group, self.config)
@@ -250,27 +262,40 @@ class RowParallelLinear(_ParallelLinear):
             return y.view(lead[0] // world, *lead[1:], self.out_features)
         return y.view(*lead, self.out_features)
 
+    @property
+    def fp8(self) -> bool:
+        """Whether this is an FP8 layer (:meth:`from_fp8`)."""
+        return "weight_scale" in self._buffers
+
     def _fp8(self, x: torch.Tensor) -> torch.Tensor:
         """The FP8 layer's collective of its product (:meth:`from_fp8`) for ``x`` [tokens, in_features]."""
+        if self.weight.dtype != FP8 or self.weight_scale.dtype != torch.float32:
+            # (module.to(dtype) converts every floating-point tensor, FP8 ones too)
+            raise ValueError(
+                f"this FP8 layer's weight is {self.weight.dtype} and its weight_scale {self.weight_scale.dtype} now, "
+                f"not {FP8} and float32: convert a model's dtype before making its FP8 layers"
+            )
         if torch.is_grad_enabled() and x.requires_grad:
             raise ValueError("FP8 layers have no backward: run them under torch.no_grad() or torch.inference_mode()")
         if x.dtype == FP8:
             if self.input_scale is None:
                 raise ValueError(f"{FP8} input needs the layer's input_scale (RowParallelLinear.from_fp8)")
             x8, scale = x, self.input_scale
-        elif x.dtype in DTYPES or not x.is_cuda:
-            # per tensor: the largest magnitude maps to FP8's largest value (a zero input to zeros)
+        elif x.dtype in DTYPES:
+            # per tensor: the largest magnitude maps to FP8's largest value (zeros, or no rows, to zeros)
             scale = self.input_scale
-            if scale is None:
+            if scale is None and x.numel():
                 scale = (x.abs().amax().float() / FP8_MAX).clamp(min=torch.finfo(torch.float32).tiny)
-            x8 = (x.float() / scale).clamp(-FP8_MAX, FP8_MAX).to(FP8)
+            elif scale is None:
+                scale = torch.ones((), device=x.device)
+            x8 = x.float().div_(scale).clamp_(-FP8_MAX, FP8_MAX).to(FP8)  # (.float() copies a 16-bit x)
         else:
             raise ValueError(f"FP8 layers take {', '.join(map(str, (*DTYPES, FP8)))} input, got {x.dtype}")
-        collective = _collective(self.sequence_parallel)
         if not x.is_cuda:  # the plain path, in float32
             dequantized = x8.float() * scale, self.weight.float() * self.weight_scale
-            return with_gradients(*dequantized, collective, self.group).to(self.out_dtype)
-        return getattr(overlap, f"gemm_{collective}")(
+            return with_gradients(*dequantized, _collective(self.sequence_parallel), self.group).to(self.out_dtype)
+        call = overlap.gemm_reduce_scatter if self.sequence_parallel else overlap.gemm_all_reduce
+        return call(
             x8,
             self.weight,
             group=self.group,
@@ -282,7 +307,7 @@ class RowParallelLinear(_ParallelLinear):
         )
 
     def extra_repr(self) -> str:
-        fp8 = f", {FP8} weight, {self.out_dtype} out" if self.weight.dtype == FP8 else ""
+        fp8 = f", {FP8} weight, {self.out_dtype} out" if self.fp8 else ""
         return super().extra_repr() + fp8
 
 

@@ -203,8 +203,9 @@ def _gemm_collective(
         return with_gradients(a, weight, collective, group, config, weight_layout, splits, output_splits, rows_per_rank)
     if torch.compiler.is_compiling():
         counts = [None if s is None else [int(c) for c in s] for s in (splits, output_splits, rows_per_rank)]
+        text = _config_text(config, kind is not None)
         return torch.ops.flashoverlap.gemm_collective(
-            a, weight, collective, _group_name(group), _config_text(config), weight_layout, *counts, *fp8_args
+            a, weight, collective, _group_name(group), text, weight_layout, *counts, *fp8_args
         )
     key = None
     if tensors and splits is None and output_splits is None and rows_per_rank is None:
@@ -266,10 +267,11 @@ def _group_name(group: dist.ProcessGroup | None) -> str:
 
 
 @torch.compiler.assume_constant_result
-def _config_text(config: OverlapConfig | dict | str | os.PathLike | None) -> str:
+def _config_text(config: OverlapConfig | dict | str | os.PathLike | None, fp8: bool = False) -> str:
     """``config`` as the operator takes it: "" for none (the registry's), else the resolved config's
-    fields as JSON (validated, and a YAML file read, once, while the graph is traced)."""
-    return "" if config is None else json.dumps(dataclasses.asdict(resolve(config)))
+    fields as JSON (validated, and a YAML file read, once, while the graph is traced; ``fp8``: for
+    FP8 operands, config.resolve's)."""
+    return "" if config is None else json.dumps(dataclasses.asdict(resolve(config, fp8)))
 
 
 @functools.lru_cache(maxsize=256)

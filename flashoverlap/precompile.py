@@ -75,7 +75,8 @@ def call_and_configs(item: dict[str, Any]) -> tuple[dict[str, str | None], tuple
         raise ValueError(f"weight_layout must be one of {sorted(WEIGHT_LAYOUTS)}, got {call['weight_layout']!r}")
     if not isinstance(call["fast_accum"], bool):
         raise ValueError(f"fast_accum must be true or false, got {call['fast_accum']!r}")
-    cfg = resolve({key: value for key, value in item.items() if key not in CALL_KEYS})
+    fields = {key: value for key, value in item.items() if key not in CALL_KEYS}
+    cfg = resolve(fields, call["input_dtype"] in FP8_DTYPES)  # (FP8 items: FP8's tiles, as calls)
     return call, resolutions(cfg, call["collective"])
 
 

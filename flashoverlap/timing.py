@@ -158,9 +158,8 @@ def spread(ranks: Sequence[Sequence[float]]) -> float:
     """How far apart a variant's rounds lie (:func:`time_samples`), as a fraction of their median:
     half the range of the widest rank's, without its slowest and fastest round where it has four or
     more (NaN where any rank's rounds are). One stray round (a page fault, a clock change, another
-    process's kernel) moves a median little but a range a lot: on two H200s a copy-engine pull's
-    trials measured +-40-100 % over four rounds, one slow, and lost to sequential calls they beat by
-    10-25 % in the bench."""
+    process's kernel) moves a median little but a range a lot, and made clear wins of the first-use
+    trial look like noise (docs/experiments.md, Calls not tuned for their shape)."""
 
     def width(rounds: Sequence[float]) -> float:
         kept = sorted(rounds)[1:-1] if len(rounds) >= 4 else rounds

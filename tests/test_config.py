@@ -69,6 +69,20 @@ def test_unknown_keys_name_source_and_allowed_keys():
         OverlapConfig.from_dict({"tile": 128}, source="my.yaml")
 
 
+def test_fp8_calls_take_fp8_tiles_where_their_config_names_none(tmp_path):
+    """A call with FP8 operands starts from FP8's tiles (config.FP8_TILES) where its mapping or YAML
+    file names neither tile; an OverlapConfig, or a config naming a tile, is taken as it is."""
+    assert resolve(None, fp8=True) == OverlapConfig(tile_m=256, tile_n=128)
+    assert resolve({"comm_sms": 8}, fp8=True) == OverlapConfig(tile_m=256, tile_n=128, comm_sms=8)
+    assert resolve({"comm_sms": 8}) == OverlapConfig(comm_sms=8)  # (the cache keeps them apart)
+    assert resolve({"tile_n": 128}, fp8=True) == OverlapConfig(tile_n=128)
+    assert resolve(OverlapConfig(comm_sms=8), fp8=True) == OverlapConfig(comm_sms=8)
+    path = tmp_path / "c.yaml"
+    path.write_text("comm_sms: 4\n")
+    assert resolve(path, fp8=True) == OverlapConfig(tile_m=256, tile_n=128, comm_sms=4)
+    assert resolve(path) == OverlapConfig(comm_sms=4)
+
+
 def test_yaml_files(tmp_path):
     good = tmp_path / "good.yaml"
     good.write_text("tile_m: 128\ntile_n: 128\ncomm_sms: 4\npartition: [1, 3, 1]\nlayout: tiles\n")

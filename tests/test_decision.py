@@ -244,7 +244,8 @@ def test_fp8_calls_are_refused_before_communicating_where_no_fp8_kernel_runs(one
 
 def test_ada_fp8_calls_run_plain_unless_a_config_asks_for_the_sm80_family(one_rank_group, monkeypatch):
     """Ada's FP8 overlap is opt-in (its kernels unmeasured there): without config= the plain
-    torch._scaled_mm and collective, with one the sm80 family's FP8 kernel."""
+    torch._scaled_mm and collective, with one the sm80 family's FP8 kernel, in FP8's tiles where the
+    config names none."""
 
     class Planned(Exception):
         pass
@@ -265,6 +266,11 @@ def test_ada_fp8_calls_run_plain_unless_a_config_asks_for_the_sm80_family(one_ra
     with pytest.raises(Planned):
         flashoverlap.gemm_all_reduce(a, w, **scales, config={})
     assert planned[0].kernel == "auto" and rules.for_device(planned[0], (8, 9))[0].kernel == "sm80"
+    # a config naming no tile takes FP8's (config.FP8_TILES); an OverlapConfig is taken as it is
+    assert (planned[0].tile_m, planned[0].tile_n) == (256, 128)
+    with pytest.raises(Planned):
+        flashoverlap.gemm_all_reduce(a, w, **scales, config=flashoverlap.OverlapConfig(comm_sms=8))
+    assert (planned[1].tile_m, planned[1].tile_n, planned[1].comm_sms) == (128, 256, 8)
 
 
 def test_fp8_calls_have_no_backward(one_rank_group, monkeypatch):

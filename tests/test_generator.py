@@ -169,14 +169,12 @@ FP8_DEFAULT = dataclasses.replace(FP8, tile_m=256, tile_n=128)
 @pytest.mark.nvcc
 @needs_nvcc
 @pytest.mark.parametrize(
-    "spec, spills",
-    [(FP8_DEFAULT, False), (dataclasses.replace(FP8_DEFAULT, epilogue="direct"), False), (FP8, True)],
-    ids=["256x128-tma", "256x128-direct", "128x256-tma"],
+    "spec", [FP8_DEFAULT, dataclasses.replace(FP8_DEFAULT, epilogue="direct")], ids=["256x128-tma", "256x128-direct"]
 )
-def test_promoted_fp8_source_compiles_for_sm90a(spec, spills, tmp_path):
+def test_promoted_fp8_source_compiles_for_sm90a(spec, tmp_path):
     """The promoted FP8 mainloop under each signal epilogue, alpha read from the device (~1 min each).
     Its scratch accumulators hold one 64-row atom per warp group: the 256 x 128 tiles FP8 calls
-    default to spill no register (ptxas), where 128 x 256 (one 64 x 256 atom) does."""
+    default to spill no register (ptxas; CUTLASS's own FP8 mainloop spills ~1 KB per thread there)."""
     includes = [jit._PACKAGE_DIR / "csrc", *jit.cutlass_include_dirs()]
     source = tmp_path / "k.cu"
     source.write_text(generate(spec))
@@ -188,7 +186,7 @@ def test_promoted_fp8_source_compiles_for_sm90a(spec, spills, tmp_path):
     )
     assert done.returncode == 0, done.stderr[-3000:]
     spilled = [int(v) for v in re.findall(r"(\d+) bytes spill stores", done.stderr)]
-    assert spilled and any(spilled) == spills, spilled
+    assert spilled and not any(spilled), spilled
 
 
 @pytest.mark.nvcc

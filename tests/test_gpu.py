@@ -11,10 +11,10 @@ import torch.distributed as dist
 
 from flashoverlap import OverlapConfig, comm, decision, enqueue, signal, state
 from flashoverlap.comm import restore
-from flashoverlap.gemm import get_kernel
+from flashoverlap.config import resolve
 from flashoverlap.inputs import Fp8, Scales
-from flashoverlap.prepared import Prepared, _plan, prepare
-from flashoverlap.rules import alternative, for_collective, kernel_spec, pulled
+from flashoverlap.prepared import prepare
+from flashoverlap.rules import alternative, for_collective, pulled
 from flashoverlap.runtime import run_overlapped
 
 from .helpers import ENTRY_POINTS, no_host_sync, rel_err, runs_on_this_gpu
@@ -180,40 +180,39 @@ def fp8_signal_gemm(a: torch.Tensor, w: torch.Tensor, alpha: torch.Tensor, cfg: 
     """C = alpha * a @ w.T by the FP8 signal GEMM of ``cfg`` alone on every SM: (C, the prepared
     kernel); the buffer poisoned before the launch, every group's counter checked at its target."""
     (m, k), n = a.shape, w.shape[0]
-    input_dtype = str(a.dtype).removeprefix("torch.")
-    cfg, spec = kernel_spec(for_collective(cfg, "all_reduce"), out_dtype, "nk", (9, 0), input_dtype)
-    kernel = get_kernel(spec)
-    sm_count = torch.cuda.get_device_properties(0).multi_processor_count - cfg.comm_sms
-    plan = _plan(kernel, cfg, sm_count, (m, n, k), a.device)
-    slots = torch.from_numpy(plan.slot_table().view("u1")).to(a.device)
-    counters = torch.zeros(plan.num_groups, dtype=torch.int32, device="cuda")
-    targets = plan.counter_targets(kernel.signals_per_tile)
-    prep = Prepared(plan, kernel, slots, counters, workspace=None, targets=targets, sm_count=sm_count, report=None)
-    buffer = torch.full((plan.numel,), float("nan"), dtype=getattr(torch, out_dtype), device="cuda")
+    fp8 = Fp8(getattr(torch, out_dtype))
+    prep = prepare(m, n, k, a.dtype, "nk", a.device, for_collective(cfg, "all_reduce"), fp8=fp8)
+    buffer = torch.full((prep.plan.numel,), float("nan"), dtype=fp8.out_dtype, device="cuda")
     prep.launch(a, w, buffer, torch.cuda.current_stream(), alpha=alpha.reshape(1))
     torch.cuda.synchronize()
-    assert counters.tolist() == list(prep.targets)
-    assert plan.in_place and not torch.isnan(buffer).any(), "unwritten output elements"
+    assert prep.counters.tolist() == list(prep.targets)
+    prep.counters.zero_()  # (prepare keeps the plan for the next test of its shape)
+    assert prep.plan.in_place and not torch.isnan(buffer).any(), "unwritten output elements"
     return buffer.view(m, n), prep
 
 
+WIDE = {"tile_m": 128, "tile_n": 256}  # (FP8 calls default to 256 x 128)
+
+
 @pytest.mark.parametrize(
-    "input_dtype, out_dtype, epilogue, kernel, tile",
+    "input_dtype, out_dtype, epilogue, kernel, fields",
     [
-        ("float8_e4m3fn", "bfloat16", "tma", "sm90", (128, 256)),
-        ("float8_e4m3fn", "bfloat16", "tma", "sm90", (256, 128)),
-        ("float8_e4m3fn", "bfloat16", "direct", "sm90", (128, 256)),
-        ("float8_e4m3fn", "bfloat16", "direct", "sm90", (256, 128)),
-        ("float8_e4m3fn", "float16", "tma", "sm90", (128, 256)),
-        ("float8_e5m2", "bfloat16", "tma", "sm90", (128, 256)),
-        ("float8_e4m3fn", "bfloat16", "direct", "sm80", (128, 256)),  # Ada's FP8 mma.sync kernels, forced here
+        ("float8_e4m3fn", "bfloat16", "tma", "sm90", WIDE),
+        ("float8_e4m3fn", "bfloat16", "tma", "sm90", {}),
+        ("float8_e4m3fn", "bfloat16", "tma", "sm90", {"scheduler": "streamk"}),  # K split over CTAs: partial sums
+        ("float8_e4m3fn", "bfloat16", "tma", "sm90", {"cluster_m": 2}),
+        ("float8_e4m3fn", "bfloat16", "direct", "sm90", WIDE),
+        ("float8_e4m3fn", "bfloat16", "direct", "sm90", {}),
+        ("float8_e4m3fn", "float16", "tma", "sm90", WIDE),
+        ("float8_e5m2", "bfloat16", "tma", "sm90", WIDE),
+        ("float8_e4m3fn", "bfloat16", "direct", "sm80", WIDE),  # Ada's FP8 mma.sync kernels, forced here
     ],
 )
 @pytest.mark.parametrize("shape", FP8_SHAPES, ids=str)
-def test_fp8_signal_gemm_with_per_tensor_scales(shape, input_dtype, out_dtype, epilogue, kernel, tile):
-    """The FP8 signal GEMM alone (Hopper's, or the Ada family's), scale_a * scale_b as the
-    epilogue's alpha on the device: torch._scaled_mm's result within FP8 tolerance, every group's
-    counter at its target."""
+def test_fp8_signal_gemm_with_per_tensor_scales(shape, input_dtype, out_dtype, epilogue, kernel, fields):
+    """The FP8 signal GEMM alone (Hopper's, or the Ada family's; ``fields``: the config's beyond FP8's
+    256 x 128 tiles), scale_a * scale_b as the epilogue's alpha on the device: torch._scaled_mm's
+    result within FP8 tolerance, every group's counter at its target."""
     if torch.cuda.get_device_capability() != (9, 0):
         pytest.skip("Hopper runs both families' FP8 kernels (Ada's sm_89 ones, forced, as sm_90)")
     m, n, k = shape
@@ -222,7 +221,7 @@ def test_fp8_signal_gemm_with_per_tensor_scales(shape, input_dtype, out_dtype, e
     a, scale_a = fp8_operand(m, k, input_dtype, gen)
     w, scale_b = fp8_operand(n, k, input_dtype, gen)  # [N, K]: K-major, as FP8 WGMMA reads B
     ref = (a.float() * scale_a) @ (w.float() * scale_b).t()
-    cfg = OverlapConfig(epilogue=epilogue, kernel=kernel, tile_m=tile[0], tile_n=tile[1])
+    cfg = resolve({"epilogue": epilogue, "kernel": kernel, **fields}, fp8=True)
     out, prep = fp8_signal_gemm(a, w, scale_a * scale_b, cfg, out_dtype)
     assert prep.kernel.spec.tile_k == (128 if kernel == "sm90" else 64) and prep.kernel.spec.input_dtype == input_dtype
     assert rel_err(out, ref) < 2e-2

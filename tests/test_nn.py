@@ -104,18 +104,30 @@ def fp8_worker(rank: int, world: int, store_path: str):
             torch.testing.assert_close(y, want.to(torch.bfloat16) + b)  # (the bias added to the bf16 result)
             assert y.dtype == torch.bfloat16 and ((y.float() - x @ w.t() - b.float()).norm() / y.float().norm()) < 0.1
             # a static input scale, and FP8 input with it
-            x_scale = torch.tensor(x.abs().max().item() / FP8_MAX)
+            xh = x.half()
+            x_scale = torch.tensor(xh.abs().max().item() / FP8_MAX)
             static = RowParallelLinear.from_fp8(w8, w_scale, input_scale=x_scale, out_dtype=torch.float16)
-            x8 = (x / x_scale).to(FP8)
+            x8 = (xh.float() / x_scale).to(FP8)
             want = sum(dequantized(x8[:, cols], x_scale, r) for r, cols in enumerate(shard)).to(torch.float16)
-            torch.testing.assert_close(static(x[:, shard[rank]]), want)
+            torch.testing.assert_close(static(xh[:, shard[rank]]), want)
             torch.testing.assert_close(static(x8[:, shard[rank]]), want)
             with pytest.raises(ValueError, match="float8_e4m3fn input needs the layer's input_scale"):
                 layer(x8[:, shard[rank]])
-            split = RowParallelLinear.from_fp8(w8, w_scale, sequence_parallel=True)
-            assert split(x[:, shard[rank]].reshape(4, 2, -1)).shape == (4 // world, 2, n)
+            # sequence parallel: this rank's rows of the sum, [s, b, h] split along s, then the bias
+            split = RowParallelLinear.from_fp8(w8, w_scale, bias=b, sequence_parallel=True)
+            xb = x.to(torch.bfloat16)
+            y = split(xb[:, shard[rank]].reshape(4, 2, -1))
+            want = sum(dequantized(*quantized(xb[:, cols]), r) for r, cols in enumerate(shard)).to(torch.bfloat16) + b
+            torch.testing.assert_close(y, want.view(4, 2, n)[rank * 4 // world : (rank + 1) * 4 // world])
+            assert layer(xb[:0, shard[rank]]).shape == (0, n)  # no rows
+            with pytest.raises(ValueError, match="FP8 layers take torch.bfloat16, torch.float16, torch.float8_e4m3fn"):
+                layer(x[:, shard[rank]])
         with pytest.raises(ValueError, match="FP8 layers have no backward"):
-            layer(x[:, shard[rank]].requires_grad_())
+            layer(xb[:, shard[rank]].requires_grad_())
+        layer.to(torch.bfloat16)  # (converts the FP8 weight and its scale too)
+        with pytest.raises(ValueError, match="weight is torch.bfloat16 and its weight_scale torch.bfloat16 now"):
+            with torch.no_grad():
+                layer(xb[:, shard[rank]])
     finally:
         dist.destroy_process_group()
 
@@ -150,6 +162,12 @@ def test_fp8_layers_refuse_what_they_cannot_run(args, kwargs, error, message):
 def test_fp8_layers_are_made_from_their_quantized_weights():
     with pytest.raises(ValueError, match=r"RowParallelLinear.from_fp8\(weight, weight_scale"):
         RowParallelLinear(32, 16, dtype=FP8)
+    linear = nn.Linear(32, 16)
+    linear.weight.data = linear.weight.data.to(FP8)
+    with pytest.raises(ValueError, match=r"an FP8 weight takes its scale: RowParallelLinear.from_fp8"):
+        RowParallelLinear.from_linear(linear)
+    with pytest.raises(ValueError, match="weight must be contiguous"):
+        RowParallelLinear.from_fp8(torch.zeros(32, 16).to(FP8).t(), torch.ones(()))
 
 
 def compile_worker(rank: int, world: int, store_path: str):

@@ -38,15 +38,16 @@ def test_items_name_the_kernels_the_runtime_would_build(capsys):
 
 def test_fp8_items_name_the_hopper_fp8_kernels(capsys):
     assert listed(capsys, "--gpu-arch", "sm_90", '{"input_dtype": "float8_e4m3fn"}', '{"input_dtype": "bfloat16"}') == [
-        "fo_gemm_float8_e4m3fn_bfloat16_nk_128x256x128_c1x1_persistent_tma_sm_90a",  # its own K tile
+        "fo_gemm_float8_e4m3fn_bfloat16_nk_256x128x128_c1x1_persistent_tma_sm_90a",  # FP8's tiles, its own K tile
         "fo_gemm_bfloat16_nk_128x256x64_c1x1_persistent_tma_sm_90a",
     ]
     fast = '{"input_dtype": "float8_e4m3fn", "fast_accum": true}'
-    assert listed(capsys, "--gpu-arch", "sm_90", fast) == [
-        "fo_gemm_float8_e4m3fn_bfloat16_nk_128x256x128_c1x1_persistent_tma_fastaccum_sm_90a"
+    assert listed(capsys, "--gpu-arch", "sm_90", fast, '{"input_dtype": "float8_e4m3fn", "tile_n": 256}') == [
+        "fo_gemm_float8_e4m3fn_bfloat16_nk_256x128x128_c1x1_persistent_tma_fastaccum_sm_90a",
+        "fo_gemm_float8_e4m3fn_bfloat16_nk_128x256x128_c1x1_persistent_tma_sm_90a",  # a tile named: as given
     ]
     assert listed(capsys, "--gpu-arch", "sm_89", '{"input_dtype": "float8_e5m2", "fast_accum": true}') == [
-        "fo_gemm_float8_e5m2_bfloat16_nk_128x256x64_c1x1_persistent_direct_sm_89"  # (Ada: no fast mode)
+        "fo_gemm_float8_e5m2_bfloat16_nk_256x128x64_c1x1_persistent_direct_sm_89"  # (Ada: no fast mode)
     ]
     with pytest.raises(SystemExit):
         precompile.main(["--gpu-arch", "sm_86", '{"input_dtype": "float8_e5m2"}', "--list"])

@@ -4,21 +4,22 @@
 // Hopper's FP8 WGMMA adds its products into the accumulators at reduced precision, so a promoted
 // FP8 GEMM (torch._scaled_mm's default) lets the tensor cores accumulate one K tile (128 elements)
 // into scratch registers and adds those into fp32 accumulators with ordinary FADDs. CUTLASS's
-// mainloop keeps a scratch copy of the whole tile's accumulators: a 64x256 slice per warp group is
-// 128 + 128 registers per thread, which spills, so only 128x128 tiles fit (and 128x128 FP8 tiles
-// move too many operand bytes per FLOP to keep up with cuBLAS). Here the scratch holds one M atom
+// mainloop keeps a scratch copy of the whole tile's accumulators: a 128x256 or 256x128 tile is
+// 128 + 128 registers per thread, which spills (and 128x128 FP8 tiles, which fit, move too many
+// operand bytes per FLOP to keep up with cuBLAS). Here the scratch holds one M atom
 // (64 rows) of the warp group's slice: with 256x128 tiles each warp group owns two atoms, 128
 // accumulator + 64 scratch registers, and promotes each atom right after its own MMAs; the other
 // warp group's MMAs keep the tensor cores busy during those adds. Same precision as CUTLASS's
-// default (a promotion every 128 K elements, every product of the tile promoted once per K tile).
+// default (a promotion every 128 K elements: once per K tile of 128, whatever the mainloop
+// arguments' mma_promotion_interval says).
 //
 // Every K tile's shared-memory stage is released as soon as its MMAs are done (they are waited on
 // for the promotion anyway), so mma_tail has nothing left to release.
 #pragma once
 
+#include "cute/arch/mma_sm90_gmma.hpp"
 #include "cute/tensor.hpp"
 #include "cutlass/cutlass.h"
-#include "cutlass/gemm/collective/collective_builder.hpp"
 
 namespace flashoverlap {
 
@@ -31,6 +32,8 @@ struct Fp8AtomPromotion : Base {
   using typename Base::SmemLayoutB;
   using typename Base::TensorStorage;
   using typename Base::TiledMma;
+  using typename Base::TileShape;
+  static_assert(cute::size<2>(TileShape{}) == 128, "one promotion per K tile: 128 FP8 elements, as torch._scaled_mm");
 
   template <class FrgTensorC>
   CUTLASS_DEVICE void mma(MainloopPipeline pipeline, PipelineState smem_pipe_read, FrgTensorC& accum, int k_tile_count,
@@ -47,6 +50,8 @@ struct Fp8AtomPromotion : Base {
     Tensor tCrB = thread_mma.make_fragment_B(thread_mma.partition_B(sB));  // (MMA,MMA_N,MMA_K,PIPE)
     CUTE_STATIC_ASSERT_V(size<1>(tCrA) == size<1>(accum));  // M
     CUTE_STATIC_ASSERT_V(size<1>(tCrB) == size<2>(accum));  // N
+    CUTE_STATIC_ASSERT_V(size<2>(tCrA) == size<2>(tCrB));   // K
+    CUTE_STATIC_ASSERT_V(size<3>(tCrA) == size<3>(tCrB));   // PIPE
 
     Tensor scratch = make_fragment_like(accum(_, 0, _));  // (MMA,MMA_N): one M atom
     clear(accum);

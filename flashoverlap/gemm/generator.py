@@ -201,7 +201,8 @@ using CollectiveEpilogue = cutlass::epilogue::collective::detail::Sm90TmaWarpSpe
     header = EPILOGUES[spec.epilogue].rsplit("/", 1)[1]
     # With FP8 operands the builder takes CUTLASS's FP8 mainloop, whose promotion of the tensor cores'
     # partial sums into fp32 accumulators (torch._scaled_mm's default, use_fast_accum=False) we replace
-    # by one that needs a third of the scratch registers (csrc/fp8_promotion.cuh).
+    # by one whose scratch registers cover one 64-row M atom, not the whole tile: half as many for a
+    # 256x128 tile, which then fits the register file (csrc/fp8_promotion.cuh).
     # KernelTmaWarpSpecializedCooperativeFP8FastAccum (spec.fast_accum) promotes nothing: fewer
     # registers and instructions, less accurate over long K.
     schedule = "KernelTmaWarpSpecializedCooperative" + "FP8FastAccum" * spec.fast_accum
