@@ -61,7 +61,7 @@ VARIANTS = {
     "collective": "the torch collective alone, on the whole output",
     "sequential": "torch.matmul, then the torch collective",
     "decomposition": "the GEMM in column chunks, each chunk's collective on a second stream (best chunk count)",
-    "async-tp": "torch's fused_matmul_reduce_scatter (symmetric memory; reduce-scatter over NVLink)",
+    "async-tp": "torch's fused_(scaled_)matmul_reduce_scatter (symmetric memory; reduce-scatter over NVLink)",
     "flashoverlap": "the flashoverlap call",
     "signal-gemm": "flashoverlap's GEMM alone, with the config's SM budget",
     "model": "the tuner's predicted time of a finalist",
