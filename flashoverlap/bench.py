@@ -36,6 +36,7 @@ import statistics
 import sys
 import time
 from collections.abc import Callable, Sequence
+from typing import NamedTuple
 
 import torch
 import torch.distributed as dist
@@ -235,6 +236,26 @@ def async_tp(
 FALLBACK = {"sequential": True}  # the config of the forced-fallback variant
 
 
+class Fp8Arguments(NamedTuple):
+    """What timed calls with FP8 operands pass (:func:`fp8_arguments`): their per-tensor ``scales``,
+    their ``fp8`` kind, and the public calls' keywords for them."""
+
+    scales: Scales | None
+    fp8: Fp8 | None
+    kwargs: dict
+
+
+def fp8_arguments(dtype: torch.dtype, k: int, fast_accum: bool = False) -> Fp8Arguments:
+    """For operands of ``dtype`` and depth ``k``: FP8 ones get per-tensor scales (the weight's
+    carries the 1 / sqrt(K) that 16-bit weights hold) and a bf16 result, as a quantized layer's;
+    16-bit ones none of them."""
+    if dtype not in FP8_DTYPES:
+        return Fp8Arguments(None, None, {})
+    scales = Scales(torch.ones(1, device="cuda"), torch.full((1,), k**-0.5, device="cuda"))
+    fp8 = Fp8(torch.bfloat16, fast_accum)
+    return Fp8Arguments(scales, fp8, {"scale_a": scales.a, "scale_b": scales.b, "use_fast_accum": fast_accum})
+
+
 def bench_shape(shape: tuple[int, int, int], args: argparse.Namespace, inputs: str) -> list[dict]:
     """One row per config and NCCL path of ``shape``, every variant timed in one run: as the
     command line ``args`` (:func:`build_parser`) asks, on ``inputs`` ``rotated`` or ``hot``."""
@@ -245,13 +266,7 @@ def bench_shape(shape: tuple[int, int, int], args: argparse.Namespace, inputs: s
     world = dist.get_world_size()
     a, w = operand_sets(m, n, k, dtype, hot=inputs == "hot")
     sets = len(a)
-    # FP8 operands: per-tensor scales (the weight's carries the 1 / sqrt(K) that 16-bit weights hold)
-    # and a bf16 result, as a quantized layer's
-    scales = fp8 = None
-    if dtype in FP8_DTYPES:
-        scales = Scales(torch.ones(1, device="cuda"), torch.full((1,), k**-0.5, device="cuda"))
-        fp8 = Fp8(torch.bfloat16, args.fast_accum)
-    kwargs = {} if fp8 is None else {"scale_a": scales.a, "scale_b": scales.b, "use_fast_accum": fp8.fast_accum}
+    scales, fp8, kwargs = fp8_arguments(dtype, k, args.fast_accum)
     c = torch.randn(m, n, device="cuda").to(dtype if fp8 is None else fp8.out_dtype)
     ex = comm.exchange(collective, m, world)
     overlapped = getattr(flashoverlap, f"gemm_{collective}")

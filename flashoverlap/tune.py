@@ -20,12 +20,12 @@ import torch.distributed as dist
 
 from . import bench, comm, overlap, report
 from .config import OverlapConfig, cli_config, resolve
-from .inputs import DTYPES
+from .inputs import DTYPES, FP8_DTYPES, OPERAND_DTYPES
 from .plan import widest_budget
 from .prepared import prepare
 from .registry import entry, incumbent, read_entries, write_registry
 from .rules import COLLECTIVES, for_call, resolutions, takes_every_call
-from .runtime import sequential
+from .runtime import plain, sequential
 from .timing import kernel_alone, operand_sets, time_variants
 from .tune_measure import comm_model, host_model, local_model, pull_model, tail_model
 from .tune_model import CommModel, HostModel, Problem, choose, partitions, pick_finalists, wave_bytes, with_local_adds
@@ -115,7 +115,18 @@ def _fitted(model, *args) -> CommModel | None:
 
 
 def tune_shape(
-    shape, collective, candidates, dtype, transport, rounds, top, margin, brute_force=0, graphs=False, current=None
+    shape,
+    collective,
+    candidates,
+    dtype,
+    transport,
+    rounds,
+    top,
+    margin,
+    brute_force=0,
+    graphs=False,
+    current=None,
+    fast_accum=False,
 ) -> tuple[dict, list[dict]]:
     """Measure, predict, confirm for one shape: (registry entry, summary rows). ``brute_force`` > 0
     also measures every partition of up to that many groups for every candidate and adds the best
@@ -124,13 +135,16 @@ def tune_shape(
     timed as graph replays, the entry marked ``timing: graphs``. ``current``: the config the
     registry being written has for this call (:func:`incumbent`), measured beside the finalists
     (unless one of them), so that a re-tune replaces it only with what measures faster in the same
-    run (the model can rank the registry's entry below the finalists where it measures faster)."""
+    run (the model can rank the registry's entry below the finalists where it measures faster).
+    ``dtype`` FP8: calls with per-tensor scales and a bf16 result (bench.fp8_arguments; ``fast_accum``:
+    unpromoted sums), candidates naming no tile in FP8's (config.resolve), the entry under ``dtype``."""
     m, n, k = shape
     a, w = operand_sets(m, n, k, dtype)
     ex = comm.exchange(collective, m, dist.get_world_size())
-    candidates, cfgs, preps = _widened(candidates, ex, shape, dtype, a[0].device)
+    fp8 = bench.fp8_arguments(dtype, k, fast_accum)
+    candidates, cfgs, preps = _widened(candidates, ex, shape, dtype, a[0].device, fp8.fp8)
     patterns = [comm.comm_pattern(collective, c.layout, c.reduction) for c in cfgs]
-    measured = (a, w, ex, dtype, rounds, graphs)
+    measured = (a, w, ex, dtype, rounds, graphs, fp8)
     problems, sequential_ms = _problems(shape, collective, cfgs, patterns, preps, candidates[0], *measured)
     choices = [(choose(p, sequential_ms, margin), j) for j, p in enumerate(problems) if p is not None]
     if not choices:
@@ -138,34 +152,37 @@ def tune_shape(
     plain = candidates.index({}) if {} in candidates and problems[candidates.index({})] is not None else None
     defaults = [prep.plan.partition for prep in preps]
     finalists = pick_finalists(choices, problems, defaults, top, plain, finalist_kinds(collective, cfgs, patterns))
-    current = _runnable(current, ex, shape, dtype, a[0].device)
-    rows = _confirm(shape, collective, candidates, finalists, current, a, w, ex, rounds, graphs)
+    current = _runnable(current, ex, shape, dtype, a[0].device, fp8.fp8)
+    rows = _confirm(shape, collective, candidates, finalists, current, a, w, ex, rounds, graphs, fp8)
     if brute_force:
         brute_ms, brute_config = _brute_force(
-            shape, collective, candidates, preps, brute_force, a, w, rounds, ex, graphs
+            shape, collective, candidates, preps, brute_force, a, w, rounds, ex, graphs, fp8
         )
         for r in rows:
             r["brute_ms"] = brute_ms * r["seq_ms"]  # measured as a ratio to sequential: same scale
             r["brute_config"] = brute_config
     timing = "graphs" if graphs else "eager"
-    return measured_entry(collective, transport, DTYPES[dtype], shape, rows, margin, timing), rows
+    return measured_entry(collective, transport, OPERAND_DTYPES[dtype], shape, rows, margin, timing), rows
 
 
-def _widened(candidates, ex, shape, dtype, device) -> tuple[list[dict], list, list]:
+def _widened(candidates, ex, shape, dtype, device, fp8=None) -> tuple[list[dict], list, list]:
     """The candidates (config fields), their configs for the call and their plans, each persistent
     one also with the widest SM budget at the same wave count: NCCL gets more SMs for free (16 -> 18
-    for the suite's grids on 132 SMs)."""
+    for the suite's grids on 132 SMs). ``fp8``: FP8 operands' kind."""
     m, n, k = shape
-    cfgs = [for_call(resolve(c), ex, shape) for c in candidates]
-    preps = [prepare(m, n, k, dtype, "nk", device, cfg, interleave=comm.interleave(ex, cfg.layout)) for cfg in cfgs]
+
+    def planned(cfg):
+        return prepare(m, n, k, dtype, "nk", device, cfg, interleave=comm.interleave(ex, cfg.layout), fp8=fp8)
+
+    cfgs = [for_call(resolve(c, fp8 is not None), ex, shape) for c in candidates]
+    preps = [planned(cfg) for cfg in cfgs]
     candidates, total = list(candidates), torch.cuda.get_device_properties(device).multi_processor_count
     for candidate, cfg, prep in list(zip(candidates, cfgs, preps)):
         wider = {**candidate, "comm_sms": widest_budget(prep.plan, total)}
         if cfg.scheduler != "persistent" or wider["comm_sms"] <= cfg.comm_sms or wider in candidates:
             continue
-        cfgs.append(for_call(resolve(wider), ex, shape))
-        segments = comm.interleave(ex, cfgs[-1].layout)
-        preps.append(prepare(m, n, k, dtype, "nk", device, cfgs[-1], interleave=segments))
+        cfgs.append(for_call(resolve(wider, fp8 is not None), ex, shape))
+        preps.append(planned(cfgs[-1]))
         candidates.append(wider)
     return candidates, cfgs, preps
 
@@ -179,16 +196,21 @@ def finalist_kinds(collective: str, cfgs: Sequence[OverlapConfig], patterns: Seq
     return [f"{p} {c.comm_sms}" if comm.reads_in_place(collective, c.reduction) else p for c, p in zip(cfgs, patterns)]
 
 
-def _problems(shape, collective, cfgs, patterns, preps, first, a, w, ex, dtype, rounds, graphs) -> tuple[list, float]:
+def _problems(
+    shape, collective, cfgs, patterns, preps, first, a, w, ex, dtype, rounds, graphs, fp8
+) -> tuple[list, float]:
     """Each candidate's call as the cost model sees it (None where a model of its communication
     could not be fitted), from its GEMM's time per wave and its communication's time by size as
     measured here, and the sequential call's predicted time; ``first``: the candidate whose calls
-    time the host (not for calls replayed as CUDA graphs)."""
+    time the host (not for calls replayed as CUDA graphs); ``fp8``: bench.fp8_arguments (the
+    collectives move the result, bf16 for FP8 operands)."""
     m, n, k = shape
     sets, world = len(a), dist.get_world_size()
     _progress(f"{m}x{n}x{k}: GEMM per wave for {len(cfgs)} candidates")
-    variants = {"gemm": lambda i: a[i % sets] @ w[i % sets].t()}
-    variants.update({f"kernel{j}": kernel_alone(p, a, w) for j, p in enumerate(preps)})
+    product = plain(ex, None, "nk", 1, fp8.fp8)
+    variants = {"gemm": lambda i: product(a[i % sets], w[i % sets], fp8.scales)}
+    variants.update({f"kernel{j}": kernel_alone(p, a, w, fp8.scales) for j, p in enumerate(preps)})
+    moved = dtype if fp8.fp8 is None else fp8.fp8.out_dtype  # what the collectives move: the result
     times = time_variants(variants, rounds, 4, 3)
     _progress(f"{m}x{n}x{k}: {collective} time by size (measured once per run)")
     # in a fixed order: every rank must measure the same collectives in the same order (a set's
@@ -196,9 +218,9 @@ def _problems(shape, collective, cfgs, patterns, preps, first, a, w, ex, dtype, 
     kinds = [(collective, False)] + [(p, c.symmetric) for c, p in zip(cfgs, patterns)]
     # the last group runs on the full communicator, in the window too where symmetric; a model that
     # cannot be fitted drops its candidates (the times are the ranks' maximum: all drop the same)
-    tails = {(p, sym): _fitted(tail_model, p, dtype, rounds, sym) for p, sym in dict.fromkeys(kinds)}
+    tails = {(p, sym): _fitted(tail_model, p, moved, rounds, sym) for p, sym in dict.fromkeys(kinds)}
     during = {
-        (c.comm_sms, p, c.symmetric): _fitted(comm_model, p, c.comm_sms, dtype, rounds, c.symmetric)
+        (c.comm_sms, p, c.symmetric): _fitted(comm_model, p, c.comm_sms, moved, rounds, c.symmetric)
         for c, p in zip(cfgs, patterns)
     }
     if tails[collective, False] is None:
@@ -206,9 +228,9 @@ def _problems(shape, collective, cfgs, patterns, preps, first, a, w, ex, dtype, 
     if graphs:
         host = HostModel()
     else:
-        host = host_model(collective, a, w, first, preps[0].plan.num_waves)
+        host = host_model(collective, a, w, first, preps[0].plan.num_waves, fp8.kwargs)
         _progress(f"{m}x{n}x{k}: host {host.base_ms:.3f} ms per call + {host.per_group_ms:.3f} ms per group")
-    elem = torch.finfo(dtype).bits // 8
+    elem = torch.finfo(moved).bits // 8
     problems = []
     for j, (cfg, prep, pattern) in enumerate(zip(cfgs, preps, patterns)):
         per_wave_ms = times[f"kernel{j}"] / prep.plan.num_waves
@@ -217,9 +239,9 @@ def _problems(shape, collective, cfgs, patterns, preps, first, a, w, ex, dtype, 
         if pattern == "pull" and collective != "all_reduce":  # a rank pulls its own segment's rows only
             sent = tuple(b / world for b in sent)
         kept = wave_bytes(prep.plan, elem, ranks, own=True)
-        local = local_model(collective, dtype, rounds) if any(kept) else None
+        local = local_model(collective, moved, rounds) if any(kept) else None
         if comm.finishes(ex, prep.plan) and pattern != "all_gather":  # result rows copied into place per group
-            kept, local = tuple(b * ex.rows / m for b in sent), local_model("all_to_all", dtype, rounds)
+            kept, local = tuple(b * ex.rows / m for b in sent), local_model("all_to_all", moved, rounds)
         comm_models = during[cfg.comm_sms, pattern, cfg.symmetric], tails[pattern, cfg.symmetric]
         if None in comm_models:
             problems.append(None)
@@ -230,40 +252,40 @@ def _problems(shape, collective, cfgs, patterns, preps, first, a, w, ex, dtype, 
         )
         # the partial sums added (a pull_scatter's share of them: in its time by size)
         if pattern == "all_gather" or pattern == "pull" and collective != "all_to_all":
-            problems[-1] = with_local_adds(problems[-1], local_model("all_gather", dtype, rounds), cfg.comm_sms)
+            problems[-1] = with_local_adds(problems[-1], local_model("all_gather", moved, rounds), cfg.comm_sms)
     sequential_ms = times["gemm"] + tails[collective, False].time_ms(m * n * elem)
     return problems, sequential_ms
 
 
-def _runnable(current: dict | None, ex, shape, dtype, device) -> dict | None:
+def _runnable(current: dict | None, ex, shape, dtype, device, fp8=None) -> dict | None:
     """The registry's config for the call where this version can run it (not a partition of another
     wave count, say), else None."""
     if current is None:
         return None
     m, n, k = shape
     try:
-        held = for_call(resolve(current), ex, shape)
-        prepare(m, n, k, dtype, "nk", device, held, interleave=comm.interleave(ex, held.layout))
+        held = for_call(resolve(current, fp8 is not None), ex, shape)
+        prepare(m, n, k, dtype, "nk", device, held, interleave=comm.interleave(ex, held.layout), fp8=fp8)
     except (TypeError, ValueError) as exc:
         _progress(f"{m}x{n}x{k}: the registry's entry is left out: {exc}")
         return None
     return current
 
 
-def _confirm(shape, collective, candidates, finalists, current, a, w, ex, rounds, graphs) -> list[dict]:
+def _confirm(shape, collective, candidates, finalists, current, a, w, ex, rounds, graphs, fp8) -> list[dict]:
     """The summary rows of the finalists (and of ``current``, the registry's config, unless among
-    them) measured against sequential, as the bench measures."""
+    them) measured against sequential, as the bench measures (``fp8``: bench.fp8_arguments)."""
     m, n, k = shape
     sets = len(a)
     overlapped = getattr(overlap, f"gemm_{collective}")
-    variants = {"seq": lambda i: sequential(a[i % sets], w[i % sets], "nk", ex, None)}
+    variants = {"seq": lambda i: sequential(a[i % sets], w[i % sets], "nk", ex, None, fp8.scales, fp8.fp8)}
     tuned = [{**candidates[j], "partition": list(choice.partition)} for choice, j in finalists]
     for f, config in enumerate(tuned):  # one candidate may come twice (defaults)
-        variants[f"fo{f}"] = lambda i, config=config: overlapped(a[i % sets], w[i % sets], config=config)
+        variants[f"fo{f}"] = lambda i, config=config: overlapped(a[i % sets], w[i % sets], config=config, **fp8.kwargs)
     if current in tuned:
         current = None
     if current is not None:
-        variants["current"] = lambda i: overlapped(a[i % sets], w[i % sets], config=current)
+        variants["current"] = lambda i: overlapped(a[i % sets], w[i % sets], config=current, **fp8.kwargs)
     what = "best predicted overall and of each kind, defaults" + (", the registry's" if current is not None else "")
     _progress(f"{m}x{n}x{k}: measuring {len(finalists)} finalists ({what}) against sequential")
     measured = time_variants(variants, 2 * rounds, 8, 3, graphs=graphs)
@@ -325,10 +347,10 @@ def config_to_write(rows: list[dict], margin: float) -> tuple[dict, float]:
 BRUTE_BATCH = 32  # variants per timing batch: their plans stay cached (state.MAX_PLANS)
 
 
-def _brute_force(shape, collective, candidates, preps, max_groups, a, w, rounds, ex, graphs) -> tuple[float, str]:
+def _brute_force(shape, collective, candidates, preps, max_groups, a, w, rounds, ex, graphs, fp8) -> tuple[float, str]:
     """Best measured (time / sequential time, config JSON) over every candidate and every partition
     of up to ``max_groups`` groups; sequential runs in every batch, so drift cancels in the ratio
-    (``graphs``: timed as CUDA graph replays)."""
+    (``graphs``: timed as CUDA graph replays; ``fp8``: bench.fp8_arguments)."""
     m, n, k = shape
     sets = len(a)
     overlapped = getattr(overlap, f"gemm_{collective}")
@@ -341,9 +363,9 @@ def _brute_force(shape, collective, candidates, preps, max_groups, a, w, rounds,
     for start in range(0, len(tried), BRUTE_BATCH):
         batch = tried[start : start + BRUTE_BATCH]
         _progress(f"{m}x{n}x{k}: brute force {start + len(batch)}/{len(tried)}")
-        variants = {"seq": lambda i: sequential(a[i % sets], w[i % sets], "nk", ex, None)}
+        variants = {"seq": lambda i: sequential(a[i % sets], w[i % sets], "nk", ex, None, fp8.scales, fp8.fp8)}
         for b, cfg in enumerate(batch):
-            variants[f"b{b}"] = lambda i, cfg=cfg: overlapped(a[i % sets], w[i % sets], config=cfg)
+            variants[f"b{b}"] = lambda i, cfg=cfg: overlapped(a[i % sets], w[i % sets], config=cfg, **fp8.kwargs)
         times = time_variants(variants, rounds, 4, 2, graphs=graphs)
         for b, cfg in enumerate(batch):
             best = min(best, (times[f"b{b}"] / times["seq"], json.dumps(cfg, sort_keys=True)))
@@ -366,7 +388,11 @@ def build_parser() -> argparse.ArgumentParser:
         help="configs to tune from: JSON objects or YAML config files (default: per collective)",
     )
     parser.add_argument("--transport", choices=sorted(bench.TRANSPORTS), default="nvlink")
-    parser.add_argument("--dtype", choices=list(DTYPES.values()), default="bfloat16")  # (no FP8 tuning yet)
+    # FP8 (e4m3: torch._scaled_mm multiplies no two e5m2 operands): per-tensor scales, a bf16 result
+    parser.add_argument("--dtype", choices=[*DTYPES.values(), "float8_e4m3fn"], default="bfloat16")
+    parser.add_argument(
+        "--fast-accum", action="store_true", help="FP8: tune calls with use_fast_accum=True (sums unpromoted)"
+    )
     parser.add_argument("--rounds", type=int, default=10)
     # the model misses what NCCL on more CTAs costs a GEMM beside it (Ampere/Ada kernels, P2P off: 16 SMs
     # predicted 3 % slower than 8, measured 18 %): more finalists, so that the measurements decide
@@ -447,6 +473,8 @@ def _checked(args: argparse.Namespace, parser: argparse.ArgumentParser) -> tuple
         parser.error("--brute-force takes a number of groups >= 1 (0: off)")
     if args.top < 1:
         parser.error(f"--top takes a number of finalists >= 1, got {args.top}")
+    if args.fast_accum and args.dtype not in FP8_DTYPES.values():
+        parser.error(f"--fast-accum is for FP8 operands (--dtype float8_e4m3fn), not {args.dtype}")
     shapes = list(args.shapes or []) + (bench.load_shapes(args.shapes_file) if args.shapes_file else [])
     if not shapes:
         parser.error("give --shapes and/or --shapes-file")
@@ -490,6 +518,7 @@ def _tune_shapes(args, shapes, candidates, existing, no_pulls, gpu, world) -> tu
             args.brute_force,
             args.graphs,
             current,
+            args.fast_accum,
         )
         entries.append(found)
         rows += summary

@@ -15,6 +15,7 @@ import torch.distributed as dist
 
 from . import comm, overlap
 from .config import resolve
+from .inputs import FP8_DTYPES
 from .plan import make_plan
 from .prepared import prepare
 from .rules import for_call
@@ -159,9 +160,14 @@ def tail_model(pattern: str, dtype, rounds: int, symmetric: bool) -> CommModel:
     return comm_model(pattern, 0, dtype, rounds, symmetric and pattern not in comm.COPY_ENGINE)
 
 
-def host_model(collective: str, a, w, candidate: dict, num_waves: int, calls: int = 10) -> HostModel:
+def host_model(
+    collective: str, a, w, candidate: dict, num_waves: int, kwargs: dict | None = None, calls: int = 10
+) -> HostModel:
     """Host time to enqueue one call (nothing waits for the GPU), with one group and with one
-    group per wave (as many as the layout makes of them); every rank makes the same calls."""
+    group per wave (as many as the layout makes of them); every rank makes the same calls
+    (``kwargs``: the calls' FP8 arguments, bench.fp8_arguments)."""
+    kwargs = kwargs or {}
+    fp8 = a[0].dtype in FP8_DTYPES
 
     overlapped = getattr(overlap, f"gemm_{collective}")
     (m, k), n = a[0].shape, w[0].shape[0]
@@ -169,16 +175,16 @@ def host_model(collective: str, a, w, candidate: dict, num_waves: int, calls: in
     for partition in dict.fromkeys([(num_waves,), (1,) * num_waves]):  # one entry when a single wave
         cfg = {**candidate, "partition": list(partition)}
         for i in range(3):  # plan, agreement and communicators first
-            overlapped(a[i % len(a)], w[i % len(w)], config=cfg)
+            overlapped(a[i % len(a)], w[i % len(w)], config=cfg, **kwargs)
         torch.cuda.synchronize()
         spent = []
         for i in range(calls):
             start = time.perf_counter()
-            overlapped(a[i % len(a)], w[i % len(w)], config=cfg)
+            overlapped(a[i % len(a)], w[i % len(w)], config=cfg, **kwargs)
             spent.append((time.perf_counter() - start) * 1e3)
         torch.cuda.synchronize()
         ex = comm.exchange(collective, m, dist.get_world_size())
-        resolved = for_call(resolve(cfg), ex, (m, n, k))
+        resolved = for_call(resolve(cfg, fp8), ex, (m, n, k))
         segments = comm.interleave(ex, resolved.layout)
         counts.append(prepare(m, n, k, a[0].dtype, "nk", a[0].device, resolved, interleave=segments).plan.num_groups)
         times.append(statistics.median(spent))

@@ -102,6 +102,11 @@ def test_summary_and_cli_errors(capsys, monkeypatch):
         tune.main(["--shapes", "8x8x8", "--output", "x.yaml", "--transport", "pcie",
                    "--candidates", '{"symmetric": true}', '{"reduction": "pull"}'])  # fmt: skip
     assert "symmetric windows and pulls need peer access" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        tune.main(["--shapes", "8x8x8", "--output", "x.yaml", "--fast-accum"])
+    assert "--fast-accum is for FP8 operands (--dtype float8_e4m3fn), not bfloat16" in capsys.readouterr().err
+    assert tune.main(["--shapes", "8x8x8", "--output", "x.yaml", "--dtype", "float8_e4m3fn", "--fast-accum"]) == 2
+    assert "torchrun" in capsys.readouterr().err  # (accepted: then it needs torchrun)
 
 
 def test_other_gpus_registry_and_a_world_of_one_are_refused_before_anything_runs(tmp_path, capsys, monkeypatch):
@@ -243,3 +248,72 @@ def test_a_retune_on_two_gpus_measures_the_registry_s_entry_beside_its_finalists
     assert run.returncode == 0, run.stderr[-3000:]
     assert "the registry's" in run.stdout + run.stderr
     assert [e.shape for e in registry.load([path])] == [shape]
+
+
+def test_fp8_calls_are_tuned_with_their_scales_and_their_result_s_dtype(monkeypatch):
+    """--dtype float8_e4m3fn: candidates naming no tile are planned in FP8's 256 x 128 and for FP8
+    operands; the GEMM and the kernels are timed with the calls' scales, the collectives modelled on
+    the bf16 result they move; the finalists and sequential are measured with the calls' FP8
+    arguments (CPU stand-ins for what runs on the GPUs)."""
+    import types
+
+    import torch
+
+    from flashoverlap import comm, overlap, tune
+    from flashoverlap.bench import Fp8Arguments
+    from flashoverlap.inputs import Fp8, Scales
+    from flashoverlap.plan import make_plan
+    from flashoverlap.tune_model import HostModel
+
+    fp8 = torch.float8_e4m3fn
+    scales, kind = Scales(torch.ones(1), torch.full((1,), 0.5)), Fp8(torch.bfloat16)
+    args = Fp8Arguments(scales, kind, {"scale_a": scales.a, "scale_b": scales.b, "use_fast_accum": False})
+    shape = (1024, 1024, 256)
+    ex = comm.exchange("all_reduce", shape[0], 2)
+    planned, used = [], []
+
+    def prepare(m, n, k, dtype, layout, device, cfg, **kw):
+        planned.append((dtype, cfg.tile_m, cfg.tile_n, kw.get("fp8")))
+        plan = make_plan(m, n, tile_m=cfg.tile_m, tile_n=cfg.tile_n, cluster_m=1, ctas=4, layout="rows")
+        return types.SimpleNamespace(plan=plan)
+
+    monkeypatch.setattr(tune, "prepare", prepare)
+    monkeypatch.setattr(tune, "widest_budget", lambda plan, total: 0)
+    gpu = types.SimpleNamespace(multi_processor_count=132)
+    monkeypatch.setattr(torch.cuda, "get_device_properties", lambda device: gpu)
+    candidates, cfgs, preps = tune._widened([{}, {"tile_n": 128}], ex, shape, fp8, torch.device("cpu"), kind)
+    assert planned == [(fp8, 256, 128, kind), (fp8, 128, 128, kind)]
+
+    def time_variants(variants, *args, **kwargs):
+        for run in variants.values():
+            run(0)
+        return dict.fromkeys(variants, 1.0)
+
+    def model(name):
+        def fitted(*args):
+            used.append((name, args))
+            return fit_comm([1, 2], [1.0, 2.0])
+
+        return fitted
+
+    monkeypatch.setattr(tune, "time_variants", time_variants)
+    monkeypatch.setattr(tune, "_progress", lambda message: None)
+    monkeypatch.setattr(tune.dist, "get_world_size", lambda group=None: 2)
+    monkeypatch.setattr(tune, "plain", lambda *a: lambda x, w, s: used.append(("product", s)))
+    monkeypatch.setattr(tune, "kernel_alone", lambda prep, a, w, s: lambda i: used.append(("kernel", s)))
+    for name in ("tail_model", "comm_model", "local_model"):
+        monkeypatch.setattr(tune, name, model(name))
+    monkeypatch.setattr(tune, "host_model", lambda *a: used.append(("host", a[-1])) or HostModel())
+    a, w = [torch.zeros(1024, 256, dtype=fp8)], [torch.zeros(1024, 256, dtype=fp8)]
+    patterns = [comm.comm_pattern("all_reduce", c.layout, c.reduction) for c in cfgs]
+    tune._problems(shape, "all_reduce", cfgs, patterns, preps, {}, a, w, ex, fp8, 2, False, args)
+    assert ("product", scales) in used and ("kernel", scales) in used and ("host", args.kwargs) in used
+    moved = [next(x for x in call if isinstance(x, torch.dtype)) for name, call in used if name.endswith("model")]
+    assert moved and set(moved) == {torch.bfloat16}
+
+    calls = []
+    monkeypatch.setattr(tune, "sequential", lambda *a: calls.append(("seq", a[-2:])))
+    monkeypatch.setattr(overlap, "gemm_all_reduce", lambda x, w, config, **kw: calls.append(("fo", kw)))
+    finalists = [(types.SimpleNamespace(partition=(1, 1), overlap_ms=1.0), 0)]
+    tune._confirm(shape, "all_reduce", candidates, finalists, None, a, w, ex, 2, False, args)
+    assert ("seq", (scales, kind)) in calls and ("fo", args.kwargs) in calls
