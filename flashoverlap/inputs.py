@@ -137,13 +137,19 @@ def check_scales(
     for name, t in given.items():
         if t is None:
             raise ValueError(f"FP8 operands need {name} (a float32 scale per tensor, as torch._scaled_mm)")
-        if not isinstance(t, torch.Tensor):
-            raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
-        if t.dtype != torch.float32 or t.numel() != 1:
-            raise ValueError(
-                f"{name} must be one float32 value (a per-tensor scale; rowwise scales are not supported yet), "
-                f"got {t.dtype} of shape {tuple(t.shape)}"
-            )
-        if t.device != a.device:
-            raise ValueError(f"{name} is on {t.device}, expected {a.device} (the operands' device)")
+        check_scale(name, t, a.device)
     return Scales(scale_a, scale_b), Fp8(out_dtype, use_fast_accum)
+
+
+def check_scale(name: str, t: object, device: torch.device, whose: str = "the operands'") -> None:
+    """One per-tensor FP8 scale: a float32 tensor of one value on ``device`` (``whose`` device that
+    is, for the message)."""
+    if not isinstance(t, torch.Tensor):
+        raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
+    if t.dtype != torch.float32 or t.numel() != 1:
+        raise ValueError(
+            f"{name} must be one float32 value (a per-tensor scale; rowwise scales are not supported yet), "
+            f"got {t.dtype} of shape {tuple(t.shape)}"
+        )
+    if t.device != device:
+        raise ValueError(f"{name} is on {t.device}, expected {device} ({whose} device)")

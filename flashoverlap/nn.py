@@ -47,7 +47,7 @@ from torch import nn
 from . import overlap
 from .comm import gathered_rows
 from .config import OverlapConfig, resolve
-from .inputs import DTYPES, FP8_DTYPES, check_group, check_inputs, world_size
+from .inputs import DTYPES, FP8_DTYPES, check_group, check_inputs, check_scale, world_size
 from .overlap import with_gradients
 from .rules import resolutions
 
@@ -224,12 +224,8 @@ class RowParallelLinear(_ParallelLinear):
         if not weight.is_contiguous():
             raise ValueError("weight must be contiguous ([out_features, in_features], row-major)")
         for name, t in {"weight_scale": weight_scale, "input_scale": input_scale}.items():
-            if t is None and name == "input_scale":  # (quantized per tensor as it comes)
-                continue
-            if not isinstance(t, torch.Tensor) or t.dtype != torch.float32 or t.numel() != 1:
-                raise ValueError(f"{name} must be one float32 value (a per-tensor scale), got {_described(t)}")
-            if t.device != weight.device:
-                raise ValueError(f"{name} is on {t.device}, the weight on {weight.device}")
+            if t is not None or name == "weight_scale":  # (no input_scale: quantized per tensor as it comes)
+                check_scale(name, t, weight.device, "the weight's")
         if out_dtype not in DTYPES:
             raise ValueError(f"out_dtype must be one of {', '.join(map(str, DTYPES))}, got {out_dtype!r}")
         if not isinstance(use_fast_accum, bool):

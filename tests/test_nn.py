@@ -146,7 +146,7 @@ W8, SCALE = torch.zeros(16, 32).to(FP8), torch.ones(())
         ((W8.bfloat16(), SCALE), {}, ValueError, r"weight must be a 2-D torch.float8_e4m3fn .*got torch.bfloat16"),
         ((W8[:, :24], SCALE), {}, ValueError, r"multiples of 16, got torch.float8_e4m3fn of shape \(16, 24\)"),
         ((W8, SCALE.double()), {}, ValueError, "weight_scale must be one float32 value .*got torch.float64"),
-        ((W8, 1.0), {}, ValueError, "weight_scale must be one float32 value .*got float"),
+        ((W8, 1.0), {}, TypeError, "weight_scale must be a torch.Tensor, got float"),
         ((W8, SCALE), {"input_scale": torch.ones(2)}, ValueError, r"input_scale must be .* of shape \(2,\)"),
         ((W8, SCALE), {"out_dtype": torch.float32}, ValueError, "out_dtype must be one of torch.bfloat16"),
         ((W8, SCALE), {"bias": torch.zeros(8)}, ValueError, r"bias must be \[16\] of torch.bfloat16"),
