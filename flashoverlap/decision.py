@@ -197,7 +197,7 @@ def _decide(
         if explicit is None and preps[0].plan.num_groups == 1:  # nothing to overlap: it would only add host time
             return plain(f"{source} make one group, nothing to overlap")
         candidates, preps = _candidates(cfg, preps, planned, start.timed, collective, shape, full, a.device)
-        exes = [ex if c.reduction == ex.reduction else comm.with_reduction(ex, c.reduction, world) for c in candidates]
+        exes = [comm.with_reduction(ex, c.reduction, world, c.comm_sms) for c in candidates]
         for c, prep, e in zip(candidates, preps, exes):
             call = (collective, "ragged" if ex.ragged else m, n, k, a.dtype, fp8, weight_layout, a.device.index, c)
             check_agreement(prep, collective, full, e, call)
@@ -330,8 +330,7 @@ def _planning(
     the plan of config ``c`` for this rank's GEMM ``mnk`` (on the shared columns of the largest M,
     ``shape``, where the ranks' M differ; ``fp8``: an FP8 GEMM's result and accumulation)."""
     m, n, k = mnk
-    if cfg.reduction != ex.reduction:
-        ex = comm.with_reduction(ex, cfg.reduction, world)
+    ex = comm.with_reduction(ex, cfg.reduction, world, cfg.comm_sms)
     check_layout(ex, cfg.layout, rotation_unit(cfg, mnk))
     if cfg.symmetric and not ex.even:
         raise ValueError(

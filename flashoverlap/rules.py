@@ -255,12 +255,17 @@ PULL_SMS = 4  # the most SMs a pull candidate leaves for its adds (the tuner's p
 READ_SMS = 16
 
 
-def reads_in_place(collective: str, reduction: str) -> bool:
+def reads_in_place(collective: str, reduction: str, comm_sms: int | None = None) -> bool:
     """Whether a pull's sums read the other ranks' partial sums in their memory (comm.peer.Pulls.at)
-    rather than copies of them: a ``pull_scatter`` all-reduce's and a ``pull`` reduce-scatter's
-    (SM loads over NVLink read every link at once; a copy engine's copies queue one after another
-    and the sums then read them again)."""
-    return reduction == "pull_scatter" or reduction == "pull" and collective == "reduce_scatter"
+    rather than copies of them: a ``pull_scatter`` all-reduce's, and a ``pull`` reduce-scatter's
+    with SMs beside the GEMM (``comm_sms`` > 0; None: not known to have none). SM loads over NVLink
+    read every link at once, where a copy engine's copies queue one after another and the sums then
+    read them again. A reduce-scatter with no SM beside the GEMM (``comm_sms`` 0) sums after it
+    anyway: there the copy engines copy the rows into local memory while the GEMM runs, for no SM,
+    and the sums read those copies at the memory's speed instead of the other GPUs' over NVLink."""
+    if reduction == "pull" and collective == "reduce_scatter":
+        return comm_sms != 0
+    return reduction == "pull_scatter"
 
 
 @functools.lru_cache(maxsize=1024)  # every call of a timed shape asks (a replace() validates)
@@ -275,8 +280,11 @@ def pulled(
     on two ranks, ``pull_scatter`` on more (``world``): every rank copying every other rank's groups
     moves w - 1 groups per rank, 3 on four ranks against 1.5 for NCCL's ring and ``pull_scatter``; a
     reduce-scatter / all-to-all in the ``segments`` layout pulls its own segment's rows (``pull``:
-    picked on 9 of 10 shapes on four H200s). None for a pull already or another layout (``rows``
-    for all-reduce). Where its sums read in place, :func:`wider_reads` is timed too."""
+    picked on 9 of 10 shapes on four H200s); a reduce-scatter's with no SM beside the GEMM, its rows
+    copied and summed after it (:func:`reads_in_place`: on four H200s 1.16x over six shapes, against
+    1.07x for sums reading in place on 8 SMs and 1.06x for the shapes' registry entries and trial
+    picks, ahead of both on every shape). None for a pull already or another layout (``rows`` for
+    all-reduce). Where its sums read in place with more SMs, :func:`wider_reads` is timed too."""
     if cfg.reduction in PULLS or cfg.layout != PULL_LAYOUTS[collective]:
         return None
     m, n, _ = shape
@@ -286,17 +294,18 @@ def pulled(
         reduction="pull_scatter" if collective == "all_reduce" and world > 2 else "pull",
         symmetric=False,
         late_budget=False,
-        comm_sms=min(spare, PULL_SMS),
+        comm_sms=0 if collective == "reduce_scatter" else min(spare, PULL_SMS),
         partition=None,
     )
 
 
 def wider_reads(pull: OverlapConfig | None, collective: str) -> OverlapConfig | None:
     """The pull candidate ``pull`` (:func:`pulled`) with :data:`READ_SMS` SMs for its sums, where they
-    read the other ranks' memory in place (:func:`reads_in_place`): on large calls reading faster
-    pays for the GEMM's lost waves, on small ones it does not, so the trial times both. None for
+    read the other ranks' memory in place with them (:func:`reads_in_place`; a reduce-scatter's
+    that had none copied the rows first): on large calls reading faster pays for the GEMM's lost
+    waves, on small ones it does not, so the trial times both. None for
     none, for copies, or where ``pull`` has as many already."""
-    if pull is None or not reads_in_place(collective, pull.reduction) or pull.comm_sms >= READ_SMS:
+    if pull is None or not reads_in_place(collective, pull.reduction, READ_SMS) or pull.comm_sms >= READ_SMS:
         return None
     return dataclasses.replace(pull, comm_sms=READ_SMS)
 

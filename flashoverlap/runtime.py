@@ -261,7 +261,7 @@ def _enqueue(
     if shared is not None:
         shared.acquire(caller)
     join(stream, caller, device)  # operands ready; earlier users of the buffers done
-    in_place = comm.reads_in_place(ex.collective, ex.reduction)  # (sums that read the other ranks' memory)
+    in_place = ex.in_place  # (sums that read the other ranks' memory)
     if peers is not None:  # the pulls from each other rank on a lane of its own where there are several
         others = len(peers.others)  # (sums that read in place copy nothing there: their waits go on `stream`)
         peers.lanes = lanes(device, others) if others > 1 and not in_place else ()
@@ -270,8 +270,11 @@ def _enqueue(
         # for the copy engine one at a time (a lane per rank, when the shares were still copied into
         # staging too: 0.86x against 1.09x on 16384x8192x4096, four H200s; not measured since)
         peers.sum_lanes = (side_stream(device, "sums"),) * others if ex.reduction == "pull_scatter" else ()
-        if len(prep.lane_done) != len(peers.lanes):
-            prep.lane_done = [[torch.cuda.Event() for _ in prep.targets] for _ in peers.lanes]
+        # Made once and only added to: calls of one plan with and without lanes (an all-to-all's copies
+        # and a reduce-scatter's reads in place) share these events, and a replay notes their handles
+        # (remade, the other kind's recorded replays enqueued freed events: "context is destroyed").
+        prep.lane_done += [[torch.cuda.Event() for _ in prep.targets] for _ in peers.lanes[len(prep.lane_done) :]]
+        if peers.lanes and prep.pulls_start is None:
             prep.pulls_start = torch.cuda.Event()
         if peers.lanes:
             enqueue.record(prep.pulls_start, stream)

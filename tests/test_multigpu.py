@@ -139,6 +139,7 @@ SPLIT_CONFIGS = [
     OverlapConfig(layout="segments", late_budget=True),
     OverlapConfig(layout="rows", late_budget=True, comm_sms=24),
     OverlapConfig(layout="segments", reduction="pull", comm_sms=4),  # this rank's rows pulled (comm.peer)
+    OverlapConfig(layout="segments", reduction="pull", comm_sms=0),  # (a reduce-scatter's copied, summed after)
 ]
 
 

@@ -78,7 +78,9 @@ def test_a_pull_candidate_leaves_the_adds_what_the_grid_spares(m, spare):
     segments = for_collective(OverlapConfig(layout="segments"), "reduce_scatter")
     for collective in ("reduce_scatter", "all_to_all"):  # their own segment's rows, on any world size
         found = pulled(segments, collective, (m, 8192, 64), 132, 4)
-        assert (found.reduction, found.layout, found.comm_sms) == ("pull", "segments", spare)
+        # (a reduce-scatter's copied on the copy engines and summed after the GEMM: no SM beside it)
+        sms = 0 if collective == "reduce_scatter" else spare
+        assert (found.reduction, found.layout, found.comm_sms) == ("pull", "segments", sms)
 
 
 def test_sums_that_read_in_place_are_also_timed_with_more_sms():
@@ -97,6 +99,12 @@ def test_sums_that_read_in_place_are_also_timed_with_more_sms():
     assert wider_reads(None, "all_reduce") is None
     assert [reads_in_place(c, r) for c, r in [("all_reduce", "pull"), ("all_reduce", "pull_scatter")]] == [False, True]
     assert [reads_in_place(c, "pull") for c in ("reduce_scatter", "all_to_all")] == [True, False]
+    # with no SM beside the GEMM a reduce-scatter's sums wait for its end: they read copies instead
+    assert [reads_in_place("reduce_scatter", "pull", sms) for sms in (0, 4)] == [False, True]
+    assert reads_in_place("all_reduce", "pull_scatter", 0)
+    copied = pulled(segments, "reduce_scatter", shape, 132, 4)
+    assert not reads_in_place("reduce_scatter", "pull", copied.comm_sms)
+    assert wider_reads(copied, "reduce_scatter").comm_sms == READ_SMS  # read in place with them
 
 
 HOPPER, ADA, AMPERE, BLACKWELL = (9, 0), (8, 9), (8, 0), (12, 0)

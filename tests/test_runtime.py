@@ -121,23 +121,10 @@ class _Streams:
         self.wait(waiter, event)
 
 
-@pytest.mark.parametrize(
-    ("collective", "reduction", "world"),
-    [
-        ("all_reduce", "pull", 2),
-        ("all_reduce", "pull", 4),
-        ("all_reduce", "pull_scatter", 4),
-        ("reduce_scatter", "pull", 4),
-        ("all_to_all", "pull", 4),
-    ],
-)
-def test_a_pull_says_it_is_done_only_after_everything_that_read_the_other_ranks_memory(
-    monkeypatch, collective, reduction, world
-):
-    """runtime._enqueue: ``copied`` (the other ranks may reuse their buffers once every rank said so)
-    comes after every copy out of their memory and every sum reading it in place, on whatever stream
-    it ran (a lane, the finisher, the sums' stream), by program order, event waits and joins; sums
-    that read in place (pull_scatter, a reduce-scatter's pull) get no lanes, copies one per rank."""
+def _pull_call(monkeypatch, collective, reduction, world, comm_sms, prep=None):
+    """One pull call of ``collective`` through runtime._enqueue on CPU stand-ins of the streams and
+    the other ranks' memory (as rank 0 of ``world``), on ``prep`` where given (else a new one):
+    (prep, peers, the streams' record of what ran where)."""
     from flashoverlap.plan import make_plan
     from flashoverlap.prepared import Prepared
 
@@ -146,8 +133,8 @@ def test_a_pull_says_it_is_done_only_after_everything_that_read_the_other_ranks_
     plan = make_plan(
         m, n, tile_m=128, tile_n=256, cluster_m=1, ctas=4, layout=layout, interleave=1 if layout == "rows" else world
     )
-    prep = Prepared(plan, *(None,) * 4, plan.counter_targets(1), 4, None)
-    ex = comm.with_reduction(comm.exchange(collective, m, world), reduction, world)
+    prep = prep or Prepared(plan, *(None,) * 4, plan.counter_targets(1), 4, None)
+    ex = comm.with_reduction(comm.exchange(collective, m, world), reduction, world, comm_sms)
     peers = comm.Peers.__new__(comm.Peers)
     regions = [torch.zeros(4 * (comm.peer.DONE + 2 * world) + 2 * plan.numel, dtype=torch.uint8) for _ in range(world)]
     peers.rank, peers.world, peers.others = 0, world, list(range(1, world))
@@ -163,7 +150,42 @@ def test_a_pull_says_it_is_done_only_after_everything_that_read_the_other_ranks_
     streams.current = streams.caller
     a, w = bf16(m, 64), bf16(n, 64)
     runtime._enqueue(prep, a, w, ex, (peers, None), streams.caller, None, (out, buffer, recv, out), None)
-    in_place = comm.reads_in_place(collective, reduction)
+    return prep, peers, streams
+
+
+def test_calls_of_one_plan_with_and_without_lanes_keep_their_events(monkeypatch):
+    """runtime._enqueue: an all-to-all's pulls (a lane per rank) and a reduce-scatter's sums reading
+    in place (none) on one plan share its lane events; a replay notes their handles, so they are made
+    once and kept (remade per kind, the other kind's replays enqueued freed events on 4x H200)."""
+    prep, _, _ = _pull_call(monkeypatch, "all_to_all", "pull", 4, 4)
+    events, start = [list(done) for done in prep.lane_done], prep.pulls_start
+    assert len(events) == 3 and start is not None
+    _pull_call(monkeypatch, "reduce_scatter", "pull", 4, 4, prep)  # in place: no lanes
+    _pull_call(monkeypatch, "all_to_all", "pull", 4, 4, prep)
+    assert prep.lane_done == events and prep.pulls_start is start
+
+
+@pytest.mark.parametrize(
+    ("collective", "reduction", "world", "comm_sms"),
+    [
+        ("all_reduce", "pull", 2, 4),
+        ("all_reduce", "pull", 4, 4),
+        ("all_reduce", "pull_scatter", 4, 4),
+        ("reduce_scatter", "pull", 4, 4),
+        ("reduce_scatter", "pull", 4, 0),  # (copied, summed after the GEMM)
+        ("all_to_all", "pull", 4, 4),
+    ],
+)
+def test_a_pull_says_it_is_done_only_after_everything_that_read_the_other_ranks_memory(
+    monkeypatch, collective, reduction, world, comm_sms
+):
+    """runtime._enqueue: ``copied`` (the other ranks may reuse their buffers once every rank said so)
+    comes after every copy out of their memory and every sum reading it in place, on whatever stream
+    it ran (a lane, the finisher, the sums' stream), by program order, event waits and joins; sums
+    that read in place (pull_scatter, a reduce-scatter's pull with SMs beside the GEMM) get no lanes,
+    copies one per rank."""
+    prep, peers, streams = _pull_call(monkeypatch, collective, reduction, world, comm_sms)
+    in_place = comm.reads_in_place(collective, reduction, comm_sms)
     assert (len(peers.lanes) > 0) == (world > 2 and not in_place)
     ((copied,),) = [[i for i, op in enumerate(streams.ops) if op[1] == "copied"]]
     reads = [(i, op) for i, op in enumerate(streams.ops) if op[1] in ("copy", "sum") and op[2]]

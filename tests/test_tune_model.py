@@ -324,6 +324,10 @@ def test_ring_bytes_per_rank_grow_with_the_world():
         rs, a2a = (pull_counts(c, "pull", w) for c in ("reduce_scatter", "all_to_all"))
         assert rs.read == a2a.copied == pytest.approx(ring_share("reduce_scatter", w))
         assert rs.copies == 0 and a2a.read == a2a.added == 0.0
+        # with no SM beside the GEMM a reduce-scatter's rows are copied, then summed locally (w in, 1 out)
+        copied = pull_counts("reduce_scatter", "pull", w, 0)
+        assert (copied.copies, copied.copied, copied.read) == (w - 1, a2a.copied, 0.0)
+        assert copied.added == pytest.approx((w + 1) / w)
 
 
 def test_nccl_is_the_measured_fit_where_measured_and_extrapolated_beyond():
