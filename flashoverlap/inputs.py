@@ -23,27 +23,38 @@ FP8_ALIGNMENT = 16  # (16 bytes of FP8; torch._scaled_mm asks the same of N and 
 
 
 class Scales(NamedTuple):
-    """An FP8 call's float32 scales, one each per tensor: C = (a_scale * b_scale) * (a @ W^T), as
-    ``torch._scaled_mm(a, W.T, scale_a=a_scale, scale_b=b_scale)``. They stay on the device: the
-    overlapped call multiplies them into the epilogue's alpha there, so a scale computed on the GPU
-    needs no host sync and a CUDA graph reads each replay's values."""
+    """An FP8 call's float32 scales, as ``torch._scaled_mm(a, W.T, scale_a=a_scale, scale_b=b_scale)``
+    takes them: one each per tensor, C = (a_scale * b_scale) * (a @ W^T); or ``rowwise``, a_scale
+    [M, 1] per row of a and b_scale [1, N] per row of W, C[i, j] = a_scale[i] * b_scale[j] * (a @ W^T)[i, j].
+    They stay on the device: the overlapped call's epilogue reads them there, so a scale computed on
+    the GPU needs no host sync and a CUDA graph reads each replay's values."""
 
     a: torch.Tensor
     b: torch.Tensor
+    rowwise: bool = False
 
     def alpha(self) -> torch.Tensor:
-        """Their product, the GEMM epilogue's alpha: one float32 on the device, made on the current
-        stream (a new tensor each time: a native replay substitutes its address)."""
+        """Per-tensor scales' product, the GEMM epilogue's alpha: one float32 on the device, made on
+        the current stream (a new tensor each time: a native replay substitutes its address)."""
         return torch.mul(self.a, self.b).reshape(1)
+
+    def epilogue(self) -> tuple[torch.Tensor | None, torch.Tensor | None, torch.Tensor | None]:
+        """What the GEMM's epilogue reads (SignalGemm.run): (alpha, row scales, column scales), the
+        product of per-tensor scales (:meth:`alpha`), or rowwise ones' M and N values."""
+        if self.rowwise:
+            return None, self.a.reshape(-1), self.b.reshape(-1)
+        return self.alpha(), None, None
 
 
 class Fp8(NamedTuple):
-    """What an FP8 call's kernel and plain path rest on besides its operands: its result's dtype, and
+    """What an FP8 call's kernel and plain path rest on besides its operands: its result's dtype,
     whether the tensor cores' partial sums go unpromoted into fp32 accumulators (torch._scaled_mm's
-    ``use_fast_accum``: faster, less accurate over long K)."""
+    ``use_fast_accum``: faster, less accurate over long K), and whether its scales are rowwise
+    (:class:`Scales`: the GEMM's direct epilogue multiplies them in)."""
 
     out_dtype: torch.dtype
     fast_accum: bool = False
+    rowwise: bool = False
 
 
 def check_group(group: object) -> None:
@@ -112,8 +123,10 @@ def check_scales(
     """A call's FP8 arguments checked against its operands (whose dtypes :func:`check_inputs` checks):
     (its :class:`Scales`, its :class:`Fp8`) for FP8 operands, (None, None) for 16-bit ones, which
     take none of them (and for operands of two dtypes, which check_inputs refuses). FP8: float32
-    per-tensor scales on the operands' device, both given; the result bfloat16 (the default) or
-    float16; the weight [N, K] (FP8 tensor cores read both operands K-major)."""
+    scales on the operands' device, both given, both per tensor or both rowwise (scale_a [M, 1],
+    scale_b [1, N], contiguous: torch._scaled_mm's); the result bfloat16 (the default) or float16
+    (per-tensor scales only, as torch._scaled_mm); the weight [N, K] (FP8 tensor cores read both
+    operands K-major)."""
     if a.dtype != weight.dtype:  # (refused by check_inputs, with both dtypes named)
         return None, None
     if a.dtype not in FP8_DTYPES:
@@ -137,8 +150,31 @@ def check_scales(
     for name, t in given.items():
         if t is None:
             raise ValueError(f"FP8 operands need {name} (a float32 scale per tensor, as torch._scaled_mm)")
-        check_scale(name, t, a.device)
-    return Scales(scale_a, scale_b), Fp8(out_dtype, use_fast_accum)
+    rows = {"scale_a": (a.shape[0], 1), "scale_b": (1, weight.shape[0])}  # rowwise: [M, 1] and [1, N]
+    rowwise = any(isinstance(t, torch.Tensor) and t.numel() != 1 for t in given.values())
+    for name, t in given.items():
+        if rowwise:
+            _check_rowwise(name, t, rows[name], a.device)
+        else:
+            check_scale(name, t, a.device)
+    if rowwise and out_dtype != torch.bfloat16:
+        raise ValueError(f"rowwise scales give a bfloat16 result (as torch._scaled_mm's), got out_dtype {out_dtype}")
+    return Scales(scale_a, scale_b, rowwise), Fp8(out_dtype, use_fast_accum, rowwise)
+
+
+def _check_rowwise(name: str, t: object, shape: tuple[int, int], device: torch.device) -> None:
+    """One of a call's rowwise FP8 scales: a contiguous float32 tensor of ``shape`` on ``device``."""
+    if not isinstance(t, torch.Tensor):
+        raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
+    if t.dtype != torch.float32 or tuple(t.shape) != shape:
+        raise ValueError(
+            f"rowwise scales are scale_a [M, 1] and scale_b [1, N], float32 (or both one value per tensor): "
+            f"{name} should be float32 {list(shape)}, got {t.dtype} {list(t.shape)}"
+        )
+    if not t.is_contiguous():
+        raise ValueError(f"{name} must be contiguous")
+    if t.device != device:
+        raise ValueError(f"{name} is on {t.device}, expected {device} (the operands' device)")
 
 
 def check_scale(name: str, t: object, device: torch.device, whose: str = "the operands'") -> None:
@@ -148,8 +184,7 @@ def check_scale(name: str, t: object, device: torch.device, whose: str = "the op
         raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
     if t.dtype != torch.float32 or t.numel() != 1:
         raise ValueError(
-            f"{name} must be one float32 value (a per-tensor scale; rowwise scales are not supported yet), "
-            f"got {t.dtype} of shape {tuple(t.shape)}"
+            f"{name} must be one float32 value (a per-tensor scale), got {t.dtype} of shape {tuple(t.shape)}"
         )
     if t.device != device:
         raise ValueError(f"{name} is on {t.device}, expected {device} ({whose} device)")

@@ -14,7 +14,7 @@ from .config import OverlapConfig
 from .gemm import SignalGemm, get_kernel
 from .inputs import DTYPES, FP8_DTYPES, Fp8
 from .plan import Plan, make_plan
-from .rules import kernel_spec
+from .rules import for_rowwise, kernel_spec
 from .streams import SIDE_ROLES, side_stream
 
 
@@ -55,9 +55,12 @@ class Prepared:
         stream: torch.cuda.Stream,
         counters: torch.Tensor | None = None,
         alpha: torch.Tensor | None = None,
+        rows: torch.Tensor | None = None,
+        cols: torch.Tensor | None = None,
     ) -> None:
         """Enqueue the signal GEMM on ``stream``, writing the plan's slots of ``buffer``, bumping
-        ``counters`` (default: the plan's own); ``alpha``: the scale of the product (SignalGemm.run)."""
+        ``counters`` (default: the plan's own); ``alpha``, ``rows``, ``cols``: the product's scales
+        (SignalGemm.run; inputs.Scales.epilogue)."""
         self.kernel.run(
             a,
             weight,
@@ -74,6 +77,8 @@ class Prepared:
             (self.plan.keep, self.plan.after),
             stream,
             alpha,
+            rows,
+            cols,
         )
 
 
@@ -127,6 +132,7 @@ def _kernel(
     capability = torch.cuda.get_device_capability(device)
     if dtype in FP8_DTYPES:
         fp8 = fp8 or Fp8(torch.bfloat16)  # (as prepare's)
+        cfg = for_rowwise(cfg, capability) if fp8.rowwise else cfg
         cfg, spec = kernel_spec(cfg, DTYPES[fp8.out_dtype], weight_layout, capability, FP8_DTYPES[dtype])
         # (Ada's FP8 mma.sync accumulates in fp32 itself: its kernels have no fast mode, nor need one)
         spec = dataclasses.replace(spec, fast_accum=fp8.fast_accum and spec.family == "sm90")

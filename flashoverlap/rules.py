@@ -137,6 +137,19 @@ def for_device(cfg: OverlapConfig, capability: tuple[int, int]) -> tuple[Overlap
     return dataclasses.replace(cfg, kernel=family, tile_k=gemm_instance(cfg, family)[2], epilogue=epilogue), arch
 
 
+def for_rowwise(cfg: OverlapConfig, capability: tuple[int, int]) -> OverlapConfig:
+    """``cfg`` for a call with rowwise FP8 scales: the sm90 kernels' ``direct`` epilogue multiplies
+    them in (the ``tma`` one stores tile rows where their slots say, and a row broadcast there would
+    need each stored row's own row of C; Ada's kernels take a per-tensor alpha alone); raises
+    ``ValueError`` for a config or GPU that cannot."""
+    if cfg.epilogue == "tma":
+        raise ValueError("rowwise FP8 scales need epilogue 'direct' (or 'auto'), got 'tma'")
+    if for_device(cfg, capability)[0].kernel != "sm90":
+        arch = f"sm_{capability[0]}{capability[1]}"
+        raise ValueError(f"rowwise FP8 scales need the sm90 kernels (Hopper); {arch} with kernel {cfg.kernel!r}")
+    return dataclasses.replace(cfg, epilogue="direct")
+
+
 def kernel_spec(
     cfg: OverlapConfig, dtype: str, weight_layout: str, capability: tuple[int, int], input_dtype: str | None = None
 ) -> tuple[OverlapConfig, GemmSpec]:

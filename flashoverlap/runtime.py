@@ -63,7 +63,7 @@ def plain(
     repeat, the matmul and the collective and nothing else (``world`` 1: the matmul alone);
     ``fp8`` given: FP8 operands, multiplied by ``torch._scaled_mm`` (weight [N, K])."""
     if fp8 is not None:
-        out_dtype, fast = fp8
+        out_dtype, fast = fp8.out_dtype, fp8.fast_accum
 
         def product(a: torch.Tensor, weight: torch.Tensor, scales: Scales) -> torch.Tensor:
             b = weight.t()
@@ -99,9 +99,11 @@ def run_overlapped(
             return run_overlapped(prep, a, weight, ex, group, tail_group, scales)
     plan, dtype = prep.plan, prep.out_dtype
     caller = torch.cuda.current_stream(device)
-    # what this call allocates: with the operands, what a replay substitutes; first an FP8 GEMM's
-    # alpha, the scales' product (on the caller's stream, before the GEMM that reads it there)
-    fresh: list[torch.Tensor] = [] if scales is None else [scales.alpha()]
+    # what changes per call: with the operands, what a replay substitutes; first an FP8 GEMM's scales
+    # as its epilogue reads them (alpha, the per-tensor scales' product made on the caller's stream
+    # before the GEMM that reads it there; or the rowwise scales themselves), then what it allocates
+    scaled = (None, None, None) if scales is None else scales.epilogue()
+    fresh: list[torch.Tensor] = [t for t in scaled if t is not None]
 
     def alloc(shape):
         fresh.append(torch.empty(shape, dtype=dtype, device=device))
@@ -151,9 +153,8 @@ def run_overlapped(
         tape = enqueue.Tape(extents) if _disjoint(extents) else None
     elif key is not None and not known:
         prep.programs[key] = None
-    alpha = None if scales is None else fresh[0]
     with enqueue.recording(tape):
-        _enqueue(prep, a, weight, ex, (group, tail_group), caller, window, (out, buffer, recv, result), timeout, alpha)
+        _enqueue(prep, a, weight, ex, (group, tail_group), caller, window, (out, buffer, recv, result), timeout, scaled)
     if tape is not None:  # (False: a step that is not a native call, on every call like it)
         prep.programs[key] = tape.program() if tape.usable else False
     if key is not None or not torch.cuda.is_current_stream_capturing():  # (a graph's owner synchronises its replays)
@@ -230,11 +231,11 @@ def _enqueue(
     window: comm.nccl.Window | None,
     tensors: tuple,
     timeout: float | None,
-    alpha: torch.Tensor | None = None,
+    scaled: tuple = (None, None, None),
 ) -> None:
     """:func:`run_overlapped`'s work on the streams: ``groups`` = (group, tail_group), ``tensors`` =
     (out, buffer, recv, result) from :func:`comm.buffers` (in ``window`` where given); ``timeout``:
-    signal.debug_timeout; ``alpha``: the GEMM's scale (FP8)."""
+    signal.debug_timeout; ``scaled``: the GEMM's scales (FP8: inputs.Scales.epilogue)."""
     device, plan = a.device, prep.plan
     (group, tail_group), (out, buffer, recv, result) = groups, tensors
     stream = side_stream(device)
@@ -285,7 +286,7 @@ def _enqueue(
         enqueue.wait(caller, peers.claimed)
     else:
         join(caller, stream, device)  # a call from another stream may not have reset the counters yet
-    prep.launch(a, weight, buffer, caller, None if peers is None else peers.counters, alpha)
+    prep.launch(a, weight, buffer, caller, None if peers is None else peers.counters, *scaled)
     if copy_out or finisher is not None and peers is not None:
         enqueue.record(prep.gemm_done, caller)
     last = len(prep.targets) - 1

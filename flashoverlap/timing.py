@@ -54,13 +54,13 @@ def kernel_alone(
 ) -> Callable[[int], None]:
     """A timing variant: the signal GEMM of ``prep`` alone (no waits, no collectives) on operand
     set ``i % len(a)``, into a scratch buffer, counters reset after each call (FP8 operands: scaled
-    by ``scales``' product)."""
+    by ``scales``, inputs.Scales.epilogue)."""
     buf = torch.empty(prep.plan.numel, dtype=prep.out_dtype, device=a[0].device)
-    alpha = None if scales is None else scales.alpha()
+    scaled = (None, None, None) if scales is None else scales.epilogue()
 
     def run(i: int) -> None:
         stream = torch.cuda.current_stream()
-        prep.launch(a[i % len(a)], w[i % len(w)], buf, stream, alpha=alpha)
+        prep.launch(a[i % len(a)], w[i % len(w)], buf, stream, None, *scaled)
         signal.reset(prep.counters, stream)
 
     return run

@@ -10,6 +10,7 @@ import pytest
 
 from flashoverlap import enqueue, jit
 from flashoverlap.comm import nccl
+from flashoverlap.gemm.kernel import RUN_ARGTYPES
 
 RUNTIME = Path(jit.__file__).parent / "csrc" / "runtime.cu"
 
@@ -21,7 +22,7 @@ def test_signatures_match_the_replay_loop():
     assert all(set(s) <= set("puin") for s in enqueue.SIGNATURES)
     # every NCCL call a Direct communicator makes can be noted
     assert {enqueue.signature(argtypes) for argtypes in nccl._SIGNATURES.values()} <= set(enqueue.SIGNATURES)
-    assert enqueue.signature([ctypes.c_void_p] * 7 + [ctypes.c_int] * 13 + [ctypes.c_void_p]) in enqueue.SIGNATURES
+    assert enqueue.signature(RUN_ARGTYPES) in enqueue.SIGNATURES
 
 
 def test_pointers_are_noted_relative_to_the_per_call_value_they_lie_in():

@@ -12,7 +12,7 @@ import torch.distributed as dist
 from flashoverlap import OverlapConfig, comm, decision, enqueue, signal, state
 from flashoverlap.comm import restore
 from flashoverlap.config import resolve
-from flashoverlap.inputs import Fp8, Scales
+from flashoverlap.inputs import Fp8, Scales, check_scales
 from flashoverlap.prepared import prepare
 from flashoverlap.rules import alternative, for_collective, pulled
 from flashoverlap.runtime import run_overlapped
@@ -228,6 +228,52 @@ def test_fp8_signal_gemm_with_per_tensor_scales(shape, input_dtype, out_dtype, e
     if input_dtype == "float8_e4m3fn":  # (torch has no e5m2 x e5m2 _scaled_mm)
         scaled = torch._scaled_mm(a, w.t(), scale_a=scale_a, scale_b=scale_b, out_dtype=out_torch)
         assert rel_err(out, scaled.float()) < 1e-2
+
+
+def fp8_rowwise(rows: int, k: int, gen: torch.Generator) -> tuple[torch.Tensor, torch.Tensor]:
+    """A random [rows, k] matrix quantized per row (rows of very different size): (e4m3 values,
+    float32 [rows, 1] scales), x ~= values * scales."""
+    x = torch.randn(rows, k, device="cuda", generator=gen) * torch.rand(rows, 1, device="cuda", generator=gen) * 8
+    scale = x.abs().amax(dim=1, keepdim=True) / FP8_MAX["float8_e4m3fn"]
+    return (x / scale).to(torch.float8_e4m3fn), scale
+
+
+@pytest.mark.parametrize(
+    "fields",
+    [{}, WIDE, {"scheduler": "streamk"}, {"cluster_m": 2}, {"layout": "cols"}, {"fast": True}],
+    ids=["default", "wide", "streamk", "cluster", "cols", "fast"],
+)
+@pytest.mark.parametrize("shape", FP8_SHAPES, ids=str)
+def test_fp8_signal_gemm_with_rowwise_scales(shape, fields):
+    """Rowwise scales (scale_a [M, 1], scale_b [1, N], torch._scaled_mm's) multiplied in by the direct
+    epilogue, which an FP8 call with them resolves to: torch._scaled_mm's result within rounding,
+    every element of the tile grid's edges included; the TMA epilogue refused."""
+    if torch.cuda.get_device_capability() != (9, 0):
+        pytest.skip("Hopper's FP8 kernels")
+    (m, n, k), fields = shape, dict(fields)
+    fast = fields.pop("fast", False)
+    gen = torch.Generator(device="cuda").manual_seed(1)
+    a, scale_a = fp8_rowwise(m, k, gen)
+    w, scale_w = fp8_rowwise(n, k, gen)
+    scales, kind = check_scales(a, w, "nk", scale_a, scale_w.t().contiguous(), None, fast)
+    cfg = for_collective(resolve(fields, fp8=True), "all_reduce")
+    prep = prepare(m, n, k, a.dtype, "nk", a.device, cfg, fp8=kind)
+    assert prep.kernel.spec.epilogue == "direct"
+    buffer = torch.full((prep.plan.numel,), float("nan"), dtype=torch.bfloat16, device="cuda")
+    prep.launch(a, w, buffer, torch.cuda.current_stream(), None, *scales.epilogue())
+    torch.cuda.synchronize()
+    assert prep.counters.tolist() == list(prep.targets)
+    prep.counters.zero_()
+    got = torch.empty(m, n, dtype=torch.bfloat16, device="cuda")
+    restore(buffer, got, prep.plan, prep.slots)  # (each tile from its slot, in any layout)
+    assert not torch.isnan(got).any(), "unwritten output elements"
+    want = torch._scaled_mm(a, w.t(), scale_a=scales.a, scale_b=scales.b, out_dtype=torch.bfloat16, use_fast_accum=fast)
+    assert rel_err(got, want.float()) < 1e-2
+    ref = (a.float() * scale_a) @ (w.float() * scale_w).t()
+    assert rel_err(got, ref) < 2e-2
+    tma = for_collective(resolve({"epilogue": "tma"}, fp8=True), "all_reduce")
+    with pytest.raises(ValueError, match="need epilogue 'direct'"):
+        prepare(m, n, k, a.dtype, "nk", a.device, tma, fp8=kind)
 
 
 @pytest.mark.parametrize("tile", [(256, 128), (128, 128), (128, 256)], ids=str)

@@ -42,13 +42,34 @@ def test_fp8_operands_take_per_tensor_scales_a_16_bit_result_and_an_accumulation
         check_scales(a, w, "nk", one, one, None, 1)
 
 
+def test_fp8_operands_take_rowwise_scales_as_scaled_mm():
+    """scale_a [M, 1] with scale_b [1, N]: the epilogue reads M and N values (inputs.Scales.epilogue)."""
+    a, w = fp8(16, 32), fp8(8, 32)
+    rows, cols = torch.rand(16, 1), torch.rand(1, 8)
+    scales, kind = check_scales(a, w, "nk", rows, cols, None, True)
+    assert scales.rowwise and kind == Fp8(torch.bfloat16, True, rowwise=True)
+    alpha, row, col = scales.epilogue()
+    assert alpha is None and torch.equal(row, rows.reshape(-1)) and torch.equal(col, cols.reshape(-1))
+    assert row.data_ptr() == rows.data_ptr() and col.data_ptr() == cols.data_ptr()  # (no copies)
+    per_tensor, _ = check_scales(a, w, "nk", torch.tensor(2.0), torch.tensor(3.0), None)
+    alpha, row, col = per_tensor.epilogue()
+    assert alpha.item() == 6.0 and row is None and col is None
+
+
 @pytest.mark.parametrize(
     "layout, scale_a, scale_b, out_dtype, message",
     [
         ("kn", torch.ones(1), torch.ones(1), None, "need weight_layout 'nk'"),
         ("nk", None, torch.ones(1), None, "need scale_a"),
         ("nk", torch.ones(1), None, None, "need scale_b"),
-        ("nk", torch.ones(16, 1), torch.ones(1), None, "rowwise scales are not supported"),
+        ("nk", torch.ones(16, 1), torch.ones(1), None, r"scale_b should be float32 \[1, 8\]"),
+        ("nk", torch.ones(1), torch.ones(1, 8), None, r"scale_a should be float32 \[16, 1\]"),
+        ("nk", torch.ones(1, 16), torch.ones(1, 8), None, r"scale_a should be float32 \[16, 1\]"),
+        ("nk", torch.ones(16, 1), torch.ones(8, 1), None, r"scale_b should be float32 \[1, 8\]"),
+        ("nk", torch.ones(16, 1, dtype=torch.float64), torch.ones(1, 8), None, "should be float32"),
+        ("nk", torch.ones(32, 1)[::2], torch.ones(1, 8), None, "scale_a must be contiguous"),
+        ("nk", torch.ones(16, 1), torch.ones(1, 8), torch.float16, "rowwise scales give a bfloat16 result"),
+        ("nk", torch.ones(16, 1), torch.ones(1, 8, device="meta"), None, "scale_b is on meta, expected cpu"),
         ("nk", torch.ones(1, dtype=torch.float64), torch.ones(1), None, "one float32 value"),
         ("nk", 1.0, torch.ones(1), None, "scale_a must be a torch.Tensor"),
         ("nk", torch.ones(1), torch.ones(1), torch.float32, "out_dtype must be one of"),

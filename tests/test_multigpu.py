@@ -244,18 +244,20 @@ FP8_CONFIGS = {
 
 def fp8_worker(rank, world, store_path):
     """FP8 operands with per-tensor scales, each rank's own: every collective against the float32
-    sum of the scaled products, explicit configs and an untuned call (timed on first use); then
-    flashoverlap.nn's FP8 row-parallel layer (all-reduce, reduce-scatter)."""
+    sum of the scaled products, explicit configs and an untuned call (timed on first use); the same
+    with rowwise scales (scale_a [M, 1], scale_b [1, N]); then flashoverlap.nn's FP8 row-parallel
+    layer (all-reduce, reduce-scatter)."""
     os.environ["FLASHOVERLAP_NCCL"] = "direct"
     init_rank(rank, world, store_path)
     try:
         m, n, k = 4096, 4096, 2048
-        products = []
+        products, operands = [], []
         for r in range(world):
             gen = torch.Generator(device="cuda").manual_seed(r)
             a, w = (torch.randn(rows, k, device="cuda", generator=gen) for rows in (m, n))
             scale_a, scale_b = a.abs().max() / 448, w.abs().max() / 448
             a8, w8 = (a / scale_a).to(torch.float8_e4m3fn), (w / scale_b).to(torch.float8_e4m3fn)
+            operands.append((a8, w8))
             scale_b = scale_b * (r + 1)  # (scales that differ by rank)
             products.append((a8.float() * scale_a) @ (w8.float() * scale_b).t())
             if r == rank:
@@ -273,6 +275,22 @@ def fp8_worker(rank, world, store_path):
                 torch.cuda.synchronize()
                 rel = rel_err(out, expected[collective])
                 assert out.dtype == torch.bfloat16 and rel < 2e-2, f"{collective} {cfg} {fast}: rel err {rel:.2e}"
+        # rowwise: every row of a and of W scaled apart (the direct epilogue multiplies them in), each
+        # rank's own scales
+        row_a = [torch.linspace(0.5, 2.0, m, device="cuda").reshape(m, 1) / 64 * (r + 1) for r in range(world)]
+        row_w = [torch.linspace(2.0, 0.5, n, device="cuda").reshape(1, n) / 64 for _ in range(world)]
+        parts = [(x.float() * row_a[r]) @ (y.float() * row_w[r].t()).t() for r, (x, y) in enumerate(operands)]
+        rowwise = {"scale_a": row_a[rank], "scale_b": row_w[rank]}
+        total = sum(parts)
+        want = {"all_reduce": total, "reduce_scatter": total[rows], "all_to_all": torch.cat([p[rows] for p in parts])}
+        for collective, configs in FP8_CONFIGS.items():
+            fn = getattr(flashoverlap, f"gemm_{collective}")
+            for cfg in [c for c in configs if c is None or c.kernel != "sm80"]:  # (Ada's kernels: per tensor)
+                for _ in range(3):
+                    out = fn(a8, w8, config=cfg, **rowwise)
+                torch.cuda.synchronize()
+                rel = rel_err(out, want[collective])
+                assert out.dtype == torch.bfloat16 and rel < 2e-2, f"rowwise {collective} {cfg}: rel err {rel:.2e}"
         # the same through flashoverlap.nn's FP8 layer, its input FP8 already (with a static scale)
         from flashoverlap.nn import RowParallelLinear
 

@@ -16,6 +16,7 @@ from flashoverlap.rules import (
     for_call,
     for_collective,
     for_device,
+    for_rowwise,
     one_wave,
     pulled,
     reads_in_place,
@@ -237,3 +238,15 @@ def test_rows_layout_takes_equal_segments_of_whole_rotation_steps_only():
         check_layout(comm.exchange("reduce_scatter", 12, 3), "segments", 8)
     with pytest.raises(ValueError, match="multiple of 8 rows"):
         check_layout(comm.exchange("reduce_scatter", 24, 2), "rows", 8)  # segments of 12 rows
+
+
+def test_rowwise_fp8_scales_take_the_direct_epilogue_of_the_sm90_kernels():
+    """rules.for_rowwise: a row broadcast needs each stored row's own row of C (the direct epilogue
+    stores tiles by hand; the TMA one where the slots say) and Hopper's kernels (Ada's take an alpha)."""
+    assert for_rowwise(OverlapConfig(), HOPPER).epilogue == "direct"
+    assert for_rowwise(OverlapConfig(epilogue="direct", tile_n=128), HOPPER).tile_n == 128
+    with pytest.raises(ValueError, match="need epilogue 'direct'"):
+        for_rowwise(OverlapConfig(epilogue="tma"), HOPPER)
+    for cfg, capability in [(OverlapConfig(), ADA), (OverlapConfig(kernel="sm80"), HOPPER)]:
+        with pytest.raises(ValueError, match="need the sm90 kernels"):
+            for_rowwise(cfg, capability)

@@ -2,7 +2,8 @@
 // The generated translation unit defines Element, Epilogue, Kernel and Gemm before including this.
 // alpha (every entry point): a device pointer to the float32 scale of the accumulators (FP8's
 // scale_a * scale_b), read by the kernel, so a scale computed on the GPU needs no host sync and a
-// captured graph reads each replay's value; null: alpha 1.
+// captured graph reads each replay's value; null: alpha 1. row_scale / col_scale (FP8 rowwise, where
+// the epilogue takes them, Epilogue::kRowwise): device pointers to M and N float32 scales; null: none.
 #pragma once
 
 #include <cstdio>
@@ -73,8 +74,8 @@ char const* fo_last_error() { return g_error; }
 int fo_signals_per_tile() { return Epilogue::kSignalsPerTile; }
 
 typename Gemm::Arguments gemm_arguments(void const* a, void const* b, void* out, void const* tiles,
-                                        unsigned* counters, float const* alpha, int M, int N, int K, int tiles_m,
-                                        int tiles_n,
+                                        unsigned* counters, float const* alpha, float const* row_scale,
+                                        float const* col_scale, int M, int N, int K, int tiles_m, int tiles_n,
                                         int sm_count, int device, int along_m, int swizzle, int rotate_m,
                                         int interleave, int keep, int after) {
   auto stride_a = cutlass::make_cute_packed_stride(typename Kernel::StrideA{}, cute::make_shape(M, K, 1));
@@ -85,7 +86,7 @@ typename Gemm::Arguments gemm_arguments(void const* a, void const* b, void* out,
       {static_cast<typename Kernel::ElementA const*>(a), stride_a, static_cast<typename Kernel::ElementB const*>(b),
        stride_b},
       Epilogue::make_arguments(static_cast<Element*>(out), static_cast<flashoverlap::TileSlot const*>(tiles),
-                               counters, alpha, M, N, tiles_m, tiles_n, interleave > 1),
+                               counters, alpha, row_scale, col_scale, M, N, tiles_m, tiles_n, interleave > 1),
       hardware(device, sm_count),
       scheduler_arguments(along_m, swizzle, rotate_m, interleave, keep, after)};
 }
@@ -116,16 +117,20 @@ int fo_stream_k_tiles(int M, int N, int K, int sm_count, int device, int along_m
 // Bytes of scratch the schedule needs (stream-K partial sums); 0 for plain persistent kernels.
 long long fo_workspace_size(int M, int N, int K, int sm_count, int device, int along_m, int swizzle) {
   auto args =
-      gemm_arguments(nullptr, nullptr, nullptr, nullptr, nullptr, nullptr, M, N, K, 1, 1, sm_count, device, along_m,
-                     swizzle, 0, 1, 0, 0);
+      gemm_arguments(nullptr, nullptr, nullptr, nullptr, nullptr, nullptr, nullptr, nullptr, M, N, K, 1, 1, sm_count,
+                     device, along_m, swizzle, 0, 1, 0, 0);
   return static_cast<long long>(Gemm::get_workspace_size(args));
 }
 
 int fo_run(void const* a, void const* b, void* out, void const* tiles, unsigned* counters, void* workspace,
-           float const* alpha, int M, int N, int K, int tiles_m, int tiles_n, int sm_count, int device, int along_m,
-           int swizzle, int rotate_m, int interleave, int keep, int after, void* stream) {
-  auto args = gemm_arguments(a, b, out, tiles, counters, alpha, M, N, K, tiles_m, tiles_n, sm_count, device, along_m,
-                             swizzle, rotate_m, interleave, keep, after);
+           float const* alpha, float const* row_scale, float const* col_scale, int M, int N, int K, int tiles_m,
+           int tiles_n, int sm_count, int device, int along_m, int swizzle, int rotate_m, int interleave, int keep,
+           int after, void* stream) {
+  if (!Epilogue::kRowwise && (row_scale != nullptr || col_scale != nullptr)) {
+    return fail("launch", "rowwise scales need the direct epilogue");
+  }
+  auto args = gemm_arguments(a, b, out, tiles, counters, alpha, row_scale, col_scale, M, N, K, tiles_m, tiles_n,
+                             sm_count, device, along_m, swizzle, rotate_m, interleave, keep, after);
   Gemm gemm;
   if (gemm.can_implement(args) != cutlass::Status::kSuccess) {
     return fail("can_implement", "CUTLASS rejected the problem (alignment or shape)");

@@ -4,7 +4,9 @@
 //   tiles[mt * tiles_n + nt] = {offset, ld, group}: the tile's rows*cols valid elements go to
 //   out[offset + r * ld + c]; once every consumer warp has stored its part, each warp adds 1
 //   to counters[group] with release semantics (group < 0: no signal). A group is complete when
-//   its counter reaches tiles_in_group * kSignalsPerTile. Accumulators are scaled by *alpha (null: 1).
+//   its counter reaches tiles_in_group * kSignalsPerTile. Accumulators are scaled by *alpha (null: 1)
+//   and, where given, by row_scale[row] and col_scale[col] of C (FP8's rowwise scales, as
+//   torch._scaled_mm's [M, 1] and [1, N]): the row is the tile's own, whatever slot it goes to.
 // Nothing else differs from a plain GEMM: the mainloop is CUTLASS's, untouched.
 #pragma once
 
@@ -34,6 +36,7 @@ class SignalEpilogue {
   using ThreadEpilogueOp = void;  // the device adapter names it; there is no thread-level op
 
   static constexpr int kSignalsPerTile = kMmaThreads / 32;
+  static constexpr bool kRowwise = true;  // takes row_scale / col_scale
 
   struct SharedStorage {};
   using TensorStorage = SharedStorage;
@@ -45,14 +48,17 @@ class SignalEpilogue {
     int tiles_m = 0;
     int tiles_n = 0;
     float const* alpha = nullptr;
+    float const* row_scale = nullptr;
+    float const* col_scale = nullptr;
   };
   using Params = Arguments;
 
   // out is the group buffer; tiles[] places each tile in it (M, N only bound the tiles; every slot is
   // read, so rows are where the slots say in any case).
-  static Arguments make_arguments(Element* out, TileSlot const* tiles, uint32_t* counters, float const* alpha, int,
-                                  int, int tiles_m, int tiles_n, bool) {
-    return {out, tiles, counters, tiles_m, tiles_n, alpha};
+  static Arguments make_arguments(Element* out, TileSlot const* tiles, uint32_t* counters, float const* alpha,
+                                  float const* row_scale, float const* col_scale, int, int, int tiles_m, int tiles_n,
+                                  bool) {
+    return {out, tiles, counters, tiles_m, tiles_n, alpha, row_scale, col_scale};
   }
 
   template <class ProblemShape>
@@ -117,6 +123,12 @@ class SignalEpilogue {
         cutlass::Array<float, 2> acc;
         acc[0] = alpha * accumulators(i);
         acc[1] = alpha * accumulators(i + 1);
+        if (params_.row_scale != nullptr) {  // (uniform over the kernel: no divergence)
+          float const row = params_.row_scale[mt * kBM + r];
+          float const* col = params_.col_scale + nt * kBN + c;
+          acc[0] = accumulators(i) * row * col[0];
+          acc[1] = accumulators(i + 1) * row * col[1];
+        }
         auto v = convert(acc);
         *reinterpret_cast<Pair*>(out + int64_t(r) * slot.ld + c) = reinterpret_cast<Pair const&>(v);
       }

@@ -46,8 +46,11 @@ class TmaSignalEpilogue : public Base {
 
   // C[M, N] row-major; no source operand (beta = 0); alpha read from the device (null: 1), through the
   // fusion's own alpha_ptr, so the stores and the signal are untouched.
-  static Arguments make_arguments(Element* out, TileSlot const* tiles, uint32_t* counters, float const* alpha, int M,
-                                  int N, int tiles_m, int tiles_n, bool remap_rows) {
+  // No rowwise scales (kRowwise): a row broadcast would need each stored row's logical row.
+  static constexpr bool kRowwise = false;
+  static Arguments make_arguments(Element* out, TileSlot const* tiles, uint32_t* counters, float const* alpha,
+                                  float const*, float const*, int M, int N, int tiles_m, int tiles_n,
+                                  bool remap_rows) {
     Arguments args{};
     args.thread.alpha_ptr = alpha;
     args.ptr_C = nullptr;

@@ -10,6 +10,10 @@ import torch
 from .. import enqueue, jit
 from .generator import GemmSpec, generate
 
+# csrc/launcher.cuh fo_run: a, b, out, tiles, counters, workspace, alpha, row and column scales;
+# 13 ints (the problem, grid and schedule); the stream
+RUN_ARGTYPES = [ctypes.c_void_p] * 9 + [ctypes.c_int] * 13 + [ctypes.c_void_p]
+
 
 class SignalGemm:
     """One compiled instance; built on first use into the on-disk cache."""
@@ -21,7 +25,7 @@ class SignalGemm:
         for fn in (lib.fo_num_ctas, lib.fo_stream_k_tiles, lib.fo_workspace_size):
             fn.argtypes = [ctypes.c_int] * 7
         lib.fo_workspace_size.restype = ctypes.c_longlong
-        lib.fo_run.argtypes = [ctypes.c_void_p] * 7 + [ctypes.c_int] * 13 + [ctypes.c_void_p]
+        lib.fo_run.argtypes = RUN_ARGTYPES
         self._lib = lib
         self.signals_per_tile: int = lib.fo_signals_per_tile()
 
@@ -54,6 +58,8 @@ class SignalGemm:
         late: tuple[int, int],
         stream: torch.cuda.Stream,
         alpha: torch.Tensor | None = None,
+        rows: torch.Tensor | None = None,
+        cols: torch.Tensor | None = None,
     ) -> None:
         """C = alpha * a @ B into ``out`` at the tile slots given by ``slots``, bumping ``counters``.
 
@@ -61,14 +67,21 @@ class SignalGemm:
         ``rotate``, ``interleave``: the tile row the schedule starts at and the segments it
         interleaves (plan.schedule_order); ``late``: (keep, after), the CTAs that go on after
         ``after`` waves of the whole grid ((0, 0): all of them; plan.late_after); ``alpha``: a float32
-        scalar on the device, read by the kernel (FP8's scale_a * scale_b; None: 1).
+        scalar on the device, read by the kernel (FP8's scale_a * scale_b; None: 1); ``rows``,
+        ``cols``: FP8's rowwise scales, M and N contiguous float32 on the device, C[i, j] scaled by
+        rows[i] * cols[j] (the direct epilogue's; both or neither).
         """
-        if alpha is not None and (alpha.dtype != torch.float32 or alpha.numel() != 1 or alpha.device != a.device):
-            raise ValueError(
-                f"alpha must be one float32 on {a.device}, got {alpha.dtype} {list(alpha.shape)} on {alpha.device}"
-            )
         m, k = a.shape
         n = weight.shape[0] if self.spec.weight_layout == "nk" else weight.shape[1]
+        for name, t, size in (("alpha", alpha, 1), ("rows", rows, m), ("cols", cols, n)):
+            if t is not None and (t.dtype != torch.float32 or t.shape != (size,) or t.device != a.device):
+                raise ValueError(
+                    f"{name} must be {size} float32 on {a.device}, got {t.dtype} {list(t.shape)} on {t.device}"
+                )
+        if (rows is None) != (cols is None):
+            raise ValueError("rowwise scales: rows and cols go together")
+        if rows is not None and not (rows.is_contiguous() and cols.is_contiguous()):
+            raise ValueError("rowwise scales must be contiguous")
         args = (
             a.data_ptr(),
             weight.data_ptr(),
@@ -77,6 +90,8 @@ class SignalGemm:
             counters.data_ptr(),
             None if workspace is None else workspace.data_ptr(),
             None if alpha is None else alpha.data_ptr(),
+            None if rows is None else rows.data_ptr(),
+            None if cols is None else cols.data_ptr(),
             m,
             n,
             k,
