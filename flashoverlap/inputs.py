@@ -127,7 +127,7 @@ def check_scales(
     scale_b [1, N], contiguous: torch._scaled_mm's); the result bfloat16 (the default) or float16
     (per-tensor scales only, as torch._scaled_mm); the weight [N, K] (FP8 tensor cores read both
     operands K-major)."""
-    if a.dtype != weight.dtype:  # (refused by check_inputs, with both dtypes named)
+    if a.dtype != weight.dtype or a.dim() != 2 or weight.dim() != 2:  # (refused by check_inputs, named)
         return None, None
     if a.dtype not in FP8_DTYPES:
         if scale_a is not None or scale_b is not None or out_dtype is not None or use_fast_accum:
@@ -149,7 +149,10 @@ def check_scales(
     given = {"scale_a": scale_a, "scale_b": scale_b}
     for name, t in given.items():
         if t is None:
-            raise ValueError(f"FP8 operands need {name} (a float32 scale per tensor, as torch._scaled_mm)")
+            raise ValueError(
+                f"FP8 operands need {name} (float32: one per tensor, or scale_a [M, 1] with scale_b [1, N], "
+                "as torch._scaled_mm)"
+            )
     rows = {"scale_a": (a.shape[0], 1), "scale_b": (1, weight.shape[0])}  # rowwise: [M, 1] and [1, N]
     rowwise = any(isinstance(t, torch.Tensor) and t.numel() != 1 for t in given.values())
     for name, t in given.items():

@@ -249,7 +249,9 @@ def without_window(cfg: OverlapConfig) -> OverlapConfig:
 
 @functools.lru_cache(maxsize=256)
 def without_pull(cfg: OverlapConfig) -> OverlapConfig:
-    return dataclasses.replace(cfg, reduction="nccl")
+    """``cfg`` on NCCL, for ranks that cannot pull: with the default SMs for NCCL's kernels where the
+    pull left none beside the GEMM (its copies took none; NCCL's kernels would wait for its end)."""
+    return dataclasses.replace(cfg, reduction="nccl", comm_sms=cfg.comm_sms or OverlapConfig.comm_sms)
 
 
 def peer_memory(cfg: OverlapConfig) -> list[str]:

@@ -171,7 +171,8 @@ def tune_shape(
 def _widened(candidates, ex, shape, dtype, device, fp8=None) -> tuple[list[dict], list, list]:
     """The candidates (config fields), their configs for the call and their plans, each persistent
     one also with the widest SM budget at the same wave count: NCCL gets more SMs for free (16 -> 18
-    for the suite's grids on 132 SMs). ``fp8``: FP8 operands' kind."""
+    for the suite's grids on 132 SMs); not a pull whose sums would then read differently (a
+    reduce-scatter's copied with none, rules.reads_in_place). ``fp8``: FP8 operands' kind."""
     m, n, k = shape
 
     def planned(cfg):
@@ -182,7 +183,8 @@ def _widened(candidates, ex, shape, dtype, device, fp8=None) -> tuple[list[dict]
     candidates, total = list(candidates), torch.cuda.get_device_properties(device).multi_processor_count
     for candidate, cfg, prep in list(zip(candidates, cfgs, preps)):
         wider = {**candidate, "comm_sms": widest_budget(prep.plan, total)}
-        if cfg.scheduler != "persistent" or wider["comm_sms"] <= cfg.comm_sms or wider in candidates:
+        reads = {comm.reads_in_place(ex.collective, cfg.reduction, sms) for sms in (cfg.comm_sms, wider["comm_sms"])}
+        if cfg.scheduler != "persistent" or wider["comm_sms"] <= cfg.comm_sms or wider in candidates or len(reads) > 1:
             continue
         cfgs.append(for_call(resolve(wider, fp8 is not None), ex, shape))
         preps.append(planned(cfgs[-1]))

@@ -127,7 +127,7 @@ CANDIDATES = {
 CANDIDATES["all_to_all"] = CANDIDATES["reduce_scatter"]
 # a reduce-scatter's pulled rows are summed in place: more SMs for the sums, as the tuner tries
 CANDIDATES["reduce_scatter"] += tuple({"layout": "segments", "reduction": "pull", "comm_sms": sms} for sms in (8, 16))
-# (with none its rows are copied and summed after the GEMM: priced as the copies alone, pull_counts)
+# (with none its rows are copied and summed after the GEMM: the copies and the local adds, pull_counts)
 CANDIDATES["reduce_scatter"] += ({"layout": "segments", "reduction": "pull", "comm_sms": 0},)
 
 

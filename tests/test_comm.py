@@ -217,6 +217,25 @@ def test_where_each_layout_leaves_its_result():
         assert tail_apart(ex.collective, layout, ex.reduction) is not alone
 
 
+def test_whether_a_pull_s_sums_read_in_place_follows_its_sms():
+    """Exchange.in_place: from the config's comm_sms where the exchange is made for it (a
+    reduce-scatter's pull with none copies its rows and stages them: buffers' recv, [world, rows * n]),
+    and where it is built directly, as with SMs beside the GEMM."""
+    from flashoverlap.comm import Exchange, buffers, with_reduction
+    from flashoverlap.plan import make_plan
+
+    plain = exchange("reduce_scatter", 1024, 4)
+    assert with_reduction(plain, "pull", 4, 8).in_place and not with_reduction(plain, "pull", 4, 0).in_place
+    assert exchange("reduce_scatter", 1024, 4, reduction="pull").in_place  # (no comm_sms: some SMs)
+    assert Exchange("all_reduce", (8,), (8,) * 4, 8, "pull_scatter").in_place
+    assert not Exchange("all_to_all", (2,) * 4, (2,) * 4, 8, "pull").in_place and not plain.in_place
+    plan = make_plan(1024, 256, tile_m=128, tile_n=128, cluster_m=1, ctas=4, layout="segments", interleave=4)
+    for comm_sms, staged in [(8, None), (0, (4 * 256 * 256,))]:
+        ex = exchange("reduce_scatter", 1024, 4, reduction="pull", comm_sms=comm_sms)
+        _, _, recv = buffers(ex, plan, torch.empty)
+        assert (None if recv is None else tuple(recv.shape)) == staged
+
+
 def test_a_pull_all_reduce_gathers_into_its_own_buffers():
     """``pull``: every rank's partial sums gathered as ``local`` does, but the GEMM writes a buffer
     of its own (given: memory the ranks map), never the result, which the adds write while the

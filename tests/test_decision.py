@@ -240,6 +240,15 @@ def test_fp8_calls_are_refused_before_communicating_where_no_fp8_kernel_runs(one
             flashoverlap.gemm_all_reduce(a, w, **scales, config=config)
     with pytest.raises(ValueError, match=r"tile_k 64 not in \(128,\)"):  # (Hopper's FP8 K tile)
         flashoverlap.gemm_all_reduce(a, w, **scales, config={"tile_k": 64})
+    # rowwise scales: the sm90 kernels' direct epilogue only
+    rowwise = {"scale_a": torch.ones(4096, 1), "scale_b": torch.ones(1, 8192)}
+    for capability[0], config, message in [
+        ((9, 0), {"epilogue": "tma"}, "need epilogue 'direct'"),
+        ((9, 0), {"kernel": "sm80"}, "need the sm90 kernels"),
+        ((8, 9), {}, "need the sm90 kernels"),
+    ]:
+        with pytest.raises(ValueError, match=message):
+            flashoverlap.gemm_all_reduce(a, w, **rowwise, config=config)
 
 
 def test_ada_fp8_calls_run_plain_unless_a_config_asks_for_the_sm80_family(one_rank_group, monkeypatch):

@@ -51,6 +51,11 @@ def test_fp8_operands_take_rowwise_scales_as_scaled_mm():
     alpha, row, col = scales.epilogue()
     assert alpha is None and torch.equal(row, rows.reshape(-1)) and torch.equal(col, cols.reshape(-1))
     assert row.data_ptr() == rows.data_ptr() and col.data_ptr() == cols.data_ptr()  # (no copies)
+    # one row: [1, 1] with [1, N] is rowwise, a single value for a with [1, N] is not
+    assert check_scales(fp8(1, 32), w, "nk", torch.ones(1, 1), cols, None)[0].rowwise
+    with pytest.raises(ValueError, match=r"scale_a should be float32 \[1, 1\]"):
+        check_scales(fp8(1, 32), w, "nk", torch.ones(1), cols, None)
+    assert check_scales(fp8(16, 32)[0], w, "nk", rows, cols, None) == (None, None)  # (check_inputs: not 2-D)
     per_tensor, _ = check_scales(a, w, "nk", torch.tensor(2.0), torch.tensor(3.0), None)
     alpha, row, col = per_tensor.epilogue()
     assert alpha.item() == 6.0 and row is None and col is None

@@ -69,6 +69,9 @@ def test_a_tuned_pull_falls_back_where_it_cannot_run():
     cfg = OverlapConfig(reduction="pull", comm_sms=4, partition=(1, 2, 1))
     assert rules.without_pull(cfg) == OverlapConfig(comm_sms=4, partition=(1, 2, 1))
     assert comm.comm_pattern("all_reduce", "rows", rules.without_pull(cfg).reduction) == "all_reduce"
+    # a pull that left no SM beside the GEMM (its copies took none) gives NCCL's kernels the default
+    copied = OverlapConfig(layout="segments", reduction="pull", comm_sms=0)
+    assert rules.without_pull(copied).comm_sms == OverlapConfig().comm_sms > 0
 
 
 class _Memory:

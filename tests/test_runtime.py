@@ -183,7 +183,8 @@ def test_a_pull_says_it_is_done_only_after_everything_that_read_the_other_ranks_
     comes after every copy out of their memory and every sum reading it in place, on whatever stream
     it ran (a lane, the finisher, the sums' stream), by program order, event waits and joins; sums
     that read in place (pull_scatter, a reduce-scatter's pull with SMs beside the GEMM) get no lanes,
-    copies one per rank."""
+    copies one per rank; sums of copies (a pull all-reduce's, a reduce-scatter's with no SM beside
+    the GEMM) come after their group's copies."""
     prep, peers, streams = _pull_call(monkeypatch, collective, reduction, world, comm_sms)
     in_place = comm.reads_in_place(collective, reduction, comm_sms)
     assert (len(peers.lanes) > 0) == (world > 2 and not in_place)
@@ -193,3 +194,11 @@ def test_a_pull_says_it_is_done_only_after_everything_that_read_the_other_ranks_
     after = streams.ops[copied][3]
     for i, (name, kind, _, _) in reads:
         assert after.get(name, -1) >= i, f"{kind} on {name} (op {i}) may still run when copied is said"
+    sums = [op for op in streams.ops if op[1] == "sum"]
+    if sums and not in_place:  # each group's copies (one per other rank), then its sum
+        copies = [(i, op[0]) for i, op in enumerate(streams.ops) if op[1] == "copy" and op[2]]
+        per = world - 1
+        assert len(copies) == per * len(sums)
+        for g, (name, _, _, clock) in enumerate(sums):
+            for i, lane in copies[g * per : (g + 1) * per]:
+                assert clock.get(lane, -1) >= i, f"group {g}'s sum on {name} may run before its copy {i} on {lane}"

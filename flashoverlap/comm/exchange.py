@@ -32,7 +32,8 @@ class Exchange:
     ``reduction`` (all-reduce): ``nccl`` (NCCL reduces, in place), ``local`` (each group is
     all-gathered, every rank's partial sums arriving here, and added here: :func:`finish_group`) or
     ``pull`` (the same, copied out of the other ranks' memory: comm.peer). ``in_place``: a pull's sums
-    read the other ranks' memory where it is (rules.reads_in_place), not copies of it."""
+    read the other ranks' memory where it is (rules.reads_in_place), not copies of it; left out, as
+    with SMs beside the GEMM (:func:`with_reduction` sets it from the config's)."""
 
     collective: str
     send: tuple[int, ...]
@@ -44,7 +45,11 @@ class Exchange:
     # all-to-all can be even here and not on another rank).
     uniform: bool = True
     sources: tuple[int, ...] | None = None  # every rank's M, where the counts were exchanged
-    in_place: bool = False
+    in_place: bool | None = None
+
+    def __post_init__(self) -> None:
+        if self.in_place is None:
+            object.__setattr__(self, "in_place", reads_in_place(self.collective, self.reduction))
 
     @property
     def even(self) -> bool:

@@ -10,7 +10,8 @@ NVLink or PCIe P2P), each rank copies the other ranks' partial sums of a group i
 memory once they say the group is there, and adds them to its own (comm.finish_group) on the SMs
 the GEMM leaves (``comm_sms``) or as it retires; a reduce-scatter / all-to-all takes its own
 segment's rows only (comm._pull_segment: an all-to-all copies them, a reduce-scatter sums them
-where they are, as below). With ``reduction: pull_scatter`` each rank adds only its share of each
+where they are, as below, or, with no SM beside the GEMM, copies them and sums the copies after
+it). With ``reduction: pull_scatter`` each rank adds only its share of each
 group (a reduce-scatter), reading the other ranks' partial sums of it straight out of their memory
 (SM loads over NVLink, :meth:`Pulls.at`: one kernel reads every link at once, where copies into
 staging queued one after another on a copy engine and the sum then read them again; on 4x H200
@@ -61,7 +62,7 @@ COUNTERS, SUMMED, DONE = 0, MAX_GROUPS, 2 * MAX_GROUPS
 class Pulls:
     """What comm's pulls need of a group of ranks: ``rank``, ``world``, ``others`` (every rank but
     this one), :meth:`arrivals`, :meth:`mine`, :meth:`arrived` and :meth:`at` (sums that read in
-    place: ``pull_scatter``, a reduce-scatter's pull) and (``pull_scatter``) :meth:`summed` and
+    place: ``pull_scatter``, a reduce-scatter's pull with SMs beside the GEMM) and (``pull_scatter``) :meth:`summed` and
     :meth:`sums`; :class:`Peers` on GPUs, :class:`Gathered` on gloo."""
 
     rank: int

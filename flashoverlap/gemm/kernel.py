@@ -78,8 +78,8 @@ class SignalGemm:
                 raise ValueError(
                     f"{name} must be {size} float32 on {a.device}, got {t.dtype} {list(t.shape)} on {t.device}"
                 )
-        if (rows is None) != (cols is None):
-            raise ValueError("rowwise scales: rows and cols go together")
+        if (rows is None) != (cols is None) or alpha is not None and rows is not None:
+            raise ValueError("scales: alpha alone, or rows and cols together (rowwise)")
         if rows is not None and not (rows.is_contiguous() and cols.is_contiguous()):
             raise ValueError("rowwise scales must be contiguous")
         args = (
