@@ -21,8 +21,9 @@ Gradients (autograd), for a loss of the full output:
   grad_b_r = grad_y_r summed over rows, no collective.
 
 :meth:`RowParallelLinear.from_fp8` makes an inference layer over an FP8 weight shard quantized per
-tensor (float8_e4m3fn, ``weight_scale``): the input is quantized per tensor as it comes (or with a
-static ``input_scale``) and multiplied as ``torch._scaled_mm`` does, the collective overlapped.
+tensor or per output channel (float8_e4m3fn, ``weight_scale``): the input is quantized as it comes
+(per tensor, or per token beside channel scales) or with a static ``input_scale``, and multiplied
+as ``torch._scaled_mm`` does (rowwise scales for channel ones), the collective overlapped.
 
 CPU tensors take the plain path (``F.linear`` + the torch collective, e.g. over gloo) with the
 same autograd, so models can be debugged without GPUs (FP8 layers: the dequantized operands
@@ -209,13 +210,16 @@ class RowParallelLinear(_ParallelLinear):
     ) -> RowParallelLinear:
         """An inference layer over this rank's FP8 weight shard: ``weight`` float8_e4m3fn
         [out_features, in_features] (each a multiple of 16) dequantizing as ``weight *
-        weight_scale`` (one float32). Its input is 16-bit activations, quantized per tensor as they
-        come (scale ``amax / 448``, or ``input_scale``, one float32, where given: static), or
+        weight_scale``: one float32 (per tensor), or [out_features, 1] / [out_features] float32 (per
+        output channel, as FP8 checkpoints with channel scales store them; a bf16 result). Its input
+        is 16-bit activations, quantized as they come (scale ``amax / 448`` of the tensor, or of each
+        token's row beside channel scales), or with ``input_scale`` (one float32, static), or
         float8_e4m3fn ones with ``input_scale``. ``y = collective((x8 @ weight.T) * input scale *
-        weight_scale)`` in ``out_dtype`` (bf16 / fp16; ``use_fast_accum``: torch._scaled_mm's) plus
-        ``bias`` ([out_features], ``out_dtype``). No backward (FP8 calls have none): run it under
-        ``torch.no_grad()`` or ``torch.inference_mode()``. The tensors are kept as given (the
-        weight a parameter that needs no gradient, the scales buffers, as FP8 checkpoints name them)."""
+        weight_scale)`` in ``out_dtype`` (bf16 / fp16; ``use_fast_accum``: torch._scaled_mm's; with
+        channel scales the call's rowwise scales, bf16) plus ``bias`` ([out_features],
+        ``out_dtype``). No backward (FP8 calls have none): run it under ``torch.no_grad()`` or
+        ``torch.inference_mode()``. The tensors are kept as given (the weight a parameter that needs
+        no gradient, the scales buffers, as FP8 checkpoints name them)."""
         if not isinstance(weight, torch.Tensor) or weight.dtype != FP8 or weight.dim() != 2:
             raise ValueError(f"weight must be a 2-D {FP8} tensor [out_features, in_features], got {_described(weight)}")
         out_features, in_features = weight.shape
@@ -223,11 +227,17 @@ class RowParallelLinear(_ParallelLinear):
             raise ValueError(f"FP8 weights need out_features and in_features multiples of 16, got {_described(weight)}")
         if not weight.is_contiguous():
             raise ValueError("weight must be contiguous ([out_features, in_features], row-major)")
-        for name, t in {"weight_scale": weight_scale, "input_scale": input_scale}.items():
-            if t is not None or name == "weight_scale":  # (no input_scale: quantized per tensor as it comes)
-                check_scale(name, t, weight.device, "the weight's")
+        channels = isinstance(weight_scale, torch.Tensor) and weight_scale.numel() != 1
+        if channels:
+            _check_channel_scales(weight_scale, out_features, weight.device)
+        else:
+            check_scale("weight_scale", weight_scale, weight.device, "the weight's")
+        if input_scale is not None:  # (none: quantized as it comes)
+            check_scale("input_scale", input_scale, weight.device, "the weight's")
         if out_dtype not in DTYPES:
             raise ValueError(f"out_dtype must be one of {', '.join(map(str, DTYPES))}, got {out_dtype!r}")
+        if channels and out_dtype != torch.bfloat16:
+            raise ValueError(f"channel weight scales give a bfloat16 result (rowwise), got out_dtype {out_dtype}")
         if not isinstance(use_fast_accum, bool):
             raise TypeError(f"use_fast_accum must be a bool, got {type(use_fast_accum).__name__}")
         if bias is not None and (
@@ -273,22 +283,29 @@ class RowParallelLinear(_ParallelLinear):
             )
         if torch.is_grad_enabled() and x.requires_grad:
             raise ValueError("FP8 layers have no backward: run them under torch.no_grad() or torch.inference_mode()")
+        channels = self.weight_scale.numel() != 1
         if x.dtype == FP8:
             if self.input_scale is None:
                 raise ValueError(f"{FP8} input needs the layer's input_scale (RowParallelLinear.from_fp8)")
             x8, scale = x, self.input_scale
         elif x.dtype in DTYPES:
-            # per tensor: the largest magnitude maps to FP8's largest value (zeros, or no rows, to zeros)
+            # the largest magnitude (of the tensor; of each row beside channel scales) maps to FP8's
+            # largest value (zeros, or no rows, to zeros)
             scale = self.input_scale
             if scale is None and x.numel():
-                scale = (x.abs().amax().float() / FP8_MAX).clamp(min=torch.finfo(torch.float32).tiny)
+                amax = x.abs().amax(dim=1, keepdim=True) if channels else x.abs().amax()
+                scale = (amax.float() / FP8_MAX).clamp(min=torch.finfo(torch.float32).tiny)
             elif scale is None:
                 scale = torch.ones((), device=x.device)
             x8 = x.float().div_(scale).clamp_(-FP8_MAX, FP8_MAX).to(FP8)  # (.float() copies a 16-bit x)
         else:
             raise ValueError(f"FP8 layers take {', '.join(map(str, (*DTYPES, FP8)))} input, got {x.dtype}")
+        scale_b = self.weight_scale
+        if channels:  # the call's rowwise scales: [tokens, 1] and [1, out_features]
+            scale = scale.reshape(-1, 1).expand(x8.shape[0], 1).contiguous()
+            scale_b = scale_b.reshape(1, -1)
         if not x.is_cuda:  # the plain path, in float32
-            dequantized = x8.float() * scale, self.weight.float() * self.weight_scale
+            dequantized = x8.float() * scale, self.weight.float() * scale_b.reshape(-1, 1)
             return with_gradients(*dequantized, _collective(self.sequence_parallel), self.group).to(self.out_dtype)
         call = overlap.gemm_reduce_scatter if self.sequence_parallel else overlap.gemm_all_reduce
         return call(
@@ -297,7 +314,7 @@ class RowParallelLinear(_ParallelLinear):
             group=self.group,
             config=self.config,
             scale_a=scale,
-            scale_b=self.weight_scale,
+            scale_b=scale_b,
             out_dtype=self.out_dtype,
             use_fast_accum=self.use_fast_accum,
         )
@@ -305,6 +322,20 @@ class RowParallelLinear(_ParallelLinear):
     def extra_repr(self) -> str:
         fp8 = f", {FP8} weight, {self.out_dtype} out" if self.fp8 else ""
         return super().extra_repr() + fp8
+
+
+def _check_channel_scales(t: torch.Tensor, out_features: int, device: torch.device) -> None:
+    """An FP8 weight's per-channel scales: float32 [out_features, 1] or [out_features], contiguous, on
+    the weight's device."""
+    if t.dtype != torch.float32 or tuple(t.shape) not in ((out_features, 1), (out_features,)):
+        raise ValueError(
+            f"weight_scale must be one float32 value (per tensor) or float32 [{out_features}, 1] / "
+            f"[{out_features}] (per output channel), got {_described(t)}"
+        )
+    if not t.is_contiguous():
+        raise ValueError("weight_scale must be contiguous")
+    if t.device != device:
+        raise ValueError(f"weight_scale is on {t.device}, the weight on {device}")
 
 
 def _described(t: object) -> str:

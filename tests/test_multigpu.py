@@ -302,6 +302,13 @@ def fp8_worker(rank, world, store_path):
                 out = layer(a8)
             want = expected["reduce_scatter" if sequence_parallel else "all_reduce"]
             assert rel_err(out, want) < 2e-2, f"layer, sequence_parallel={sequence_parallel}"
+        # channel weight scales (per output feature), FP8 input with a static scale: rowwise calls
+        x_scale = torch.tensor(1 / 64, device="cuda")
+        channel = RowParallelLinear.from_fp8(w8, row_w[rank].reshape(n, 1), input_scale=x_scale)
+        with torch.inference_mode():
+            out = channel(a8)
+        want = sum((x.float() * x_scale) @ (y.float() * row_w[r].t()).t() for r, (x, y) in enumerate(operands))
+        assert rel_err(out, want) < 2e-2, "layer, channel scales"
     finally:
         dist.destroy_process_group()
 

@@ -78,6 +78,12 @@ def quantized(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return (x.float() / scale).clamp(-FP8_MAX, FP8_MAX).to(FP8), scale
 
 
+def quantized_rows(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """``x`` quantized per row to FP8 (a weight's output channels, an input's tokens): (values, [rows, 1] scales)."""
+    scale = (x.abs().amax(dim=1, keepdim=True).float() / FP8_MAX).clamp(min=torch.finfo(torch.float32).tiny)
+    return (x.float() / scale).clamp(-FP8_MAX, FP8_MAX).to(FP8), scale
+
+
 def fp8_worker(rank: int, world: int, store_path: str):
     """RowParallelLinear.from_fp8: each rank's FP8 shard and its input, quantized per tensor (as it
     comes, or with a static scale, or already FP8), summed over the ranks; against every rank's
@@ -120,6 +126,19 @@ def fp8_worker(rank: int, world: int, store_path: str):
             want = sum(dequantized(*quantized(xb[:, cols]), r) for r, cols in enumerate(shard)).to(torch.bfloat16) + b
             torch.testing.assert_close(y, want.view(4, 2, n)[rank * 4 // world : (rank + 1) * 4 // world])
             assert layer(xb[:0, shard[rank]]).shape == (0, n)  # no rows
+            # channel weight scales ([n, 1] or [n]): the input quantized per token, rowwise scales
+            channels = [quantized_rows(w[:, cols]) for cols in shard]
+            for kept in (channels[rank][1], channels[rank][1].reshape(n)):
+                rowwise = RowParallelLinear.from_fp8(channels[rank][0], kept, bias=b)
+                y = rowwise(xb[:, shard[rank]])
+                parts = [quantized_rows(xb[:, cols]) for cols in shard]
+                want = sum((p8.float() * ps) @ (c8.float() * cs).t() for (p8, ps), (c8, cs) in zip(parts, channels))
+                torch.testing.assert_close(y, want.to(torch.bfloat16) + b)
+                assert ((y.float() - x @ w.t() - b.float()).norm() / y.float().norm()) < 0.1
+            static = RowParallelLinear.from_fp8(channels[rank][0], channels[rank][1], input_scale=x_scale)
+            want = sum((x8[:, c].float() * x_scale) @ (c8.float() * cs).t() for c, (c8, cs) in zip(shard, channels))
+            torch.testing.assert_close(static(x8[:, shard[rank]]), want.to(torch.bfloat16))
+            assert rowwise(xb[:0, shard[rank]]).shape == (0, n)
             with pytest.raises(ValueError, match="FP8 layers take torch.bfloat16, torch.float16, torch.float8_e4m3fn"):
                 layer(x[:, shard[rank]])
         with pytest.raises(ValueError, match="FP8 layers have no backward"):
@@ -152,6 +171,11 @@ W8, SCALE = torch.zeros(16, 32).to(FP8), torch.ones(())
         ((W8, SCALE), {"bias": torch.zeros(8)}, ValueError, r"bias must be \[16\] of torch.bfloat16"),
         ((W8, SCALE), {"use_fast_accum": 1}, TypeError, "use_fast_accum must be a bool, got int"),
         ((W8, SCALE), {"group": "tp"}, TypeError, "group must be a torch.distributed ProcessGroup"),
+        ((W8, torch.ones(16, 1)), {"out_dtype": torch.float16}, ValueError, "channel weight scales give a bfloat16"),
+        ((W8, torch.ones(17)), {}, ValueError, r"or float32 \[16, 1\] / \[16\] \(per output channel\)"),
+        ((W8, torch.ones(16, 2)), {}, ValueError, r"\[16, 1\] / \[16\] \(per output channel\), got .*\(16, 2\)"),
+        ((W8, torch.ones(16, 1, dtype=torch.float64)), {}, ValueError, "per output channel"),
+        ((W8, torch.ones(32, 1)[::2]), {}, ValueError, "weight_scale must be contiguous"),
     ],
 )
 def test_fp8_layers_refuse_what_they_cannot_run(args, kwargs, error, message):
