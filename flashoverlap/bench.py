@@ -105,6 +105,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument(
         "--fast-accum", action="store_true", help="FP8: unpromoted partial sums (torch._scaled_mm's use_fast_accum)"
     )
+    parser.add_argument("--rowwise", action="store_true", help="FP8: rowwise scales ([M, 1] and [1, N])")
     parser.add_argument("--transport", choices=sorted(TRANSPORTS), default="nvlink")
     parser.add_argument("--rounds", type=int, default=15, help="timed rounds per variant")
     parser.add_argument("--block", type=int, default=8, help="calls per timed round")
@@ -237,22 +238,26 @@ FALLBACK = {"sequential": True}  # the config of the forced-fallback variant
 
 
 class Fp8Arguments(NamedTuple):
-    """What timed calls with FP8 operands pass (:func:`fp8_arguments`): their per-tensor ``scales``,
-    their ``fp8`` kind, and the public calls' keywords for them."""
+    """What timed calls with FP8 operands pass (:func:`fp8_arguments`): their ``scales``, their ``fp8``
+    kind, and the public calls' keywords for them."""
 
     scales: Scales | None
     fp8: Fp8 | None
     kwargs: dict
 
 
-def fp8_arguments(dtype: torch.dtype, k: int, fast_accum: bool = False) -> Fp8Arguments:
+def fp8_arguments(
+    dtype: torch.dtype, k: int, fast_accum: bool = False, rows: tuple[int, int] | None = None
+) -> Fp8Arguments:
     """For operands of ``dtype`` and depth ``k``: FP8 ones get per-tensor scales (the weight's
-    carries the 1 / sqrt(K) that 16-bit weights hold) and a bf16 result, as a quantized layer's;
-    16-bit ones none of them."""
+    carries the 1 / sqrt(K) that 16-bit weights hold) and a bf16 result, as a quantized layer's, or
+    with ``rows`` (M, N) rowwise ones ([M, 1] and [1, N], the same values); 16-bit ones none."""
     if dtype not in FP8_DTYPES:
         return Fp8Arguments(None, None, {})
-    scales = Scales(torch.ones(1, device="cuda"), torch.full((1,), k**-0.5, device="cuda"))
-    fp8 = Fp8(torch.bfloat16, fast_accum)
+    shapes = ((1,), (1,)) if rows is None else ((rows[0], 1), (1, rows[1]))
+    a, b = torch.ones(shapes[0], device="cuda"), torch.full(shapes[1], k**-0.5, device="cuda")
+    scales = Scales(a, b, rowwise=rows is not None)
+    fp8 = Fp8(torch.bfloat16, fast_accum, rowwise=rows is not None)
     return Fp8Arguments(scales, fp8, {"scale_a": scales.a, "scale_b": scales.b, "use_fast_accum": fast_accum})
 
 
@@ -266,7 +271,7 @@ def bench_shape(shape: tuple[int, int, int], args: argparse.Namespace, inputs: s
     world = dist.get_world_size()
     a, w = operand_sets(m, n, k, dtype, hot=inputs == "hot")
     sets = len(a)
-    scales, fp8, kwargs = fp8_arguments(dtype, k, args.fast_accum)
+    scales, fp8, kwargs = fp8_arguments(dtype, k, args.fast_accum, (m, n) if args.rowwise else None)
     c = torch.randn(m, n, device="cuda").to(dtype if fp8 is None else fp8.out_dtype)
     ex = comm.exchange(collective, m, world)
     overlapped = getattr(flashoverlap, f"gemm_{collective}")
@@ -337,7 +342,8 @@ def bench_shape(shape: tuple[int, int, int], args: argparse.Namespace, inputs: s
                 "inputs": inputs,
                 "config": config_label(configs[j], cfg, collective)
                 + ("" if path == "c10d" else f" nccl={path}")
-                + (" fast_accum" if fp8 is not None and fp8.fast_accum else ""),
+                + (" fast_accum" if fp8 is not None and fp8.fast_accum else "")
+                + (" rowwise" if fp8 is not None and fp8.rowwise else ""),
                 "waves": plan.num_waves if plan else "",
                 "groups": plan.num_groups if plan else "",
                 "t_gemm_ms": t_gemm,
@@ -470,8 +476,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         except (OSError, ValueError) as exc:
             parser.error(str(exc))
     args.shapes = shapes or [(4096, 8192, 8192)]
-    if args.fast_accum and not args.dtype.startswith("float8"):
-        parser.error(f"--fast-accum is for FP8 operands (--dtype float8_e4m3fn), not {args.dtype}")
+    for flag, given in (("--fast-accum", args.fast_accum), ("--rowwise", args.rowwise)):
+        if given and not args.dtype.startswith("float8"):
+            parser.error(f"{flag} is for FP8 operands (--dtype float8_e4m3fn), not {args.dtype}")
     os.environ.update(TRANSPORTS[args.transport])  # before NCCL creates its communicators
     if args.graphs:  # "registry" variants: what calls replayed as CUDA graphs take (registry.timing)
         os.environ["FLASHOVERLAP_TIMING"] = "graphs"

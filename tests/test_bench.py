@@ -84,6 +84,9 @@ def test_cli_defaults_and_choices(capsys, monkeypatch):
     with pytest.raises(SystemExit):
         bench.main(["--fast-accum"])  # (16-bit operands: nothing to accumulate fast)
     assert "--fast-accum is for FP8 operands" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        bench.main(["--rowwise"])
+    assert "--rowwise is for FP8 operands" in capsys.readouterr().err
     assert bench.TRANSPORTS["pcie"] == {"NCCL_P2P_DISABLE": "1"}
     assert bench.TRANSPORTS["net"] == {"NCCL_P2P_DISABLE": "1", "NCCL_SHM_DISABLE": "1"}
 
