@@ -36,7 +36,6 @@ from .rules import (
     check_layout,
     for_call,
     for_device,
-    for_rowwise,
     kernel_spec,
     one_wave,
     peer_memory,
@@ -154,8 +153,8 @@ def _decide(
     if explicit is not None and world > 1 and not explicit.sequential:  # no kernel here: fail before communicating
         for_device(explicit, capability or torch.cuda.get_device_capability(a.device))
         if fp8 is not None:  # (an FP8 kernel's own limits: its K tile, its epilogue for rowwise scales)
-            held = for_rowwise(explicit, capability) if fp8.rowwise else explicit
-            kernel_spec(held, OPERAND_DTYPES[fp8.out_dtype], weight_layout, capability, OPERAND_DTYPES[a.dtype])
+            out, operands = OPERAND_DTYPES[fp8.out_dtype], OPERAND_DTYPES[a.dtype]
+            kernel_spec(explicit, out, weight_layout, capability, operands, fp8.rowwise)
     ex = comm.exchange(collective, m, world, splits, output_splits, group, a.device, rows_per_rank=rows_per_rank)
     if exchanged is not None:
         exchanged.append(ex)

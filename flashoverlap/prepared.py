@@ -14,7 +14,7 @@ from .config import OverlapConfig
 from .gemm import SignalGemm, get_kernel
 from .inputs import DTYPES, FP8_DTYPES, Fp8
 from .plan import Plan, make_plan
-from .rules import for_rowwise, kernel_spec
+from .rules import kernel_spec
 from .streams import SIDE_ROLES, side_stream
 
 
@@ -132,8 +132,7 @@ def _kernel(
     capability = torch.cuda.get_device_capability(device)
     if dtype in FP8_DTYPES:
         fp8 = fp8 or Fp8(torch.bfloat16)  # (as prepare's)
-        cfg = for_rowwise(cfg, capability) if fp8.rowwise else cfg
-        cfg, spec = kernel_spec(cfg, DTYPES[fp8.out_dtype], weight_layout, capability, FP8_DTYPES[dtype])
+        cfg, spec = kernel_spec(cfg, DTYPES[fp8.out_dtype], weight_layout, capability, FP8_DTYPES[dtype], fp8.rowwise)
         # (Ada's FP8 mma.sync accumulates in fp32 itself: its kernels have no fast mode, nor need one)
         spec = dataclasses.replace(spec, fast_accum=fp8.fast_accum and spec.family == "sm90")
     else:

@@ -151,10 +151,18 @@ def for_rowwise(cfg: OverlapConfig, capability: tuple[int, int]) -> OverlapConfi
 
 
 def kernel_spec(
-    cfg: OverlapConfig, dtype: str, weight_layout: str, capability: tuple[int, int], input_dtype: str | None = None
+    cfg: OverlapConfig,
+    dtype: str,
+    weight_layout: str,
+    capability: tuple[int, int],
+    input_dtype: str | None = None,
+    rowwise: bool = False,
 ) -> tuple[OverlapConfig, GemmSpec]:
     """``cfg`` resolved for the device (:func:`for_device`) and the GEMM instance it runs there;
-    ``input_dtype``: the operands' (None: ``dtype``)."""
+    ``input_dtype``: the operands' (None: ``dtype``); ``rowwise``: FP8 operands with rowwise scales
+    (:func:`for_rowwise`)."""
+    if rowwise:
+        cfg = for_rowwise(cfg, capability)
     # FP8 kernels' K tile where the config leaves it (the family's fp8_tile_k: as many bytes as the
     # 16-bit ones'); configs validate tile_k for 16-bit operands, so the resolved config keeps its own
     fp8_k = input_dtype in FP8_DTYPES and cfg.tile_k is None
