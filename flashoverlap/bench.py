@@ -174,7 +174,7 @@ def decomposed(
     """The usual hand-written overlap: the GEMM in ``chunks`` column blocks on the current stream,
     each block's collective (and its copy into the output) on ``stream`` while the next multiplies;
     ``product(a, w_block, scales)``: the block's GEMM (runtime.plain on one rank: FP8 operands'
-    ``torch._scaled_mm`` with ``scales``, as ``fp8`` says)."""
+    ``torch._scaled_mm`` with ``scales``, as ``fp8`` says; rowwise ones' columns of the block's)."""
 
     caller = torch.cuda.current_stream()
     n = w.shape[0]
@@ -185,7 +185,8 @@ def decomposed(
         if not len(cols):
             continue
         c0, c1 = int(cols[0]) * unit, (int(cols[-1]) + 1) * unit
-        part = product(a, w[c0:c1], scales)
+        block = scales if scales is None or not scales.rowwise else scales._replace(b=scales.b[:, c0:c1])
+        part = product(a, w[c0:c1], block)
         stream.wait_stream(caller)
         with torch.cuda.stream(stream):
             out[:, c0:c1].copy_(comm.collective(ex, part, None))
