@@ -67,11 +67,10 @@ class OverlapConfig:
       (CUDA peer access through torch symmetric memory, no NCCL, no SM: comm.peer), which keep
       their pace beside a GEMM on every SM where NCCL's copy-engine all-gather does not; ranks with
       peer access only (NVLink or PCIe P2P), layout ``rows``, no NCCL window (``symmetric``).
-      Reduce-scatter / all-to-all (layout ``segments``) pull too: each rank takes only its own
-      segment's rows of every other rank's group, and sums them where they are (reduce-scatter:
-      SM loads of the other GPUs' memory, on the ``comm_sms`` SMs; with ``comm_sms`` 0 the rows are
-      copied on the copy engines as each group lands and summed from the copies after the GEMM) or
-      copies them into its result (all-to-all). Or
+      Reduce-scatter / all-to-all (layout ``segments``) pull too: each rank copies only its own
+      segment's rows of every other rank's group as each group lands, and sums them from the copies
+      on the ``comm_sms`` SMs (reduce-scatter; with 0, after the GEMM) or copies them straight into
+      its result (all-to-all). Or
       ``pull_scatter`` (all-reduce, layout ``rows``): each rank sums only its 1 / w share of each
       group, reading the other ranks' partial sums where they are, and then copies the other
       ranks' summed shares: a reduce-scatter and an all-gather per group, 2 (w - 1) / w of a group

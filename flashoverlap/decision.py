@@ -198,7 +198,7 @@ def _decide(
         if explicit is None and preps[0].plan.num_groups == 1:  # nothing to overlap: it would only add host time
             return plain(f"{source} make one group, nothing to overlap")
         candidates, preps = _candidates(cfg, preps, planned, start.timed, collective, shape, full, a.device)
-        exes = [comm.with_reduction(ex, c.reduction, world, c.comm_sms) for c in candidates]
+        exes = [comm.with_reduction(ex, c.reduction, world) for c in candidates]
         for c, prep, e in zip(candidates, preps, exes):
             call = (collective, "ragged" if ex.ragged else m, n, k, a.dtype, fp8, weight_layout, a.device.index, c)
             check_agreement(prep, collective, full, e, call)
@@ -331,7 +331,7 @@ def _planning(
     the plan of config ``c`` for this rank's GEMM ``mnk`` (on the shared columns of the largest M,
     ``shape``, where the ranks' M differ; ``fp8``: an FP8 GEMM's result and accumulation)."""
     m, n, k = mnk
-    ex = comm.with_reduction(ex, cfg.reduction, world, cfg.comm_sms)
+    ex = comm.with_reduction(ex, cfg.reduction, world)
     check_layout(ex, cfg.layout, rotation_unit(cfg, mnk))
     if cfg.symmetric and not ex.even:
         raise ValueError(
@@ -373,7 +373,7 @@ def _candidates(
         # every rank's view, a host sync)
         pull = pulled(cfg, collective, shape, total, dist.get_world_size(full))
         if pull is not None and _trial_runs() and comm.peer.unavailable(full, device) is None:
-            others += [pull, wider_reads(pull, collective)]
+            others += [pull, wider_reads(pull)]
     for other in others:
         if other is not None and (other_prep := planned(other)).plan.num_groups > 1:
             candidates.append(other)

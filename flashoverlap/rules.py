@@ -274,20 +274,18 @@ FEWEST_COMM_SMS = 4  # NCCL's CTAs beside an Ampere/Ada GEMM when a call without
 
 PULL_SMS = 4  # the most SMs a pull candidate leaves for its adds (the tuner's pick on 2x H100)
 # SMs a pull whose sums read the other ranks' memory in place is also timed with (4x H100: the best
-# of 4 / 8 / 16 on 4 of 7 all-reduce and 4 of 6 reduce-scatter shapes; the GEMM loses waves)
+# of 4 / 8 / 16 on 4 of 7 all-reduce shapes; the GEMM loses waves)
 READ_SMS = 16
 
 
-def reads_in_place(collective: str, reduction: str, comm_sms: int | None = None) -> bool:
+def reads_in_place(reduction: str) -> bool:
     """Whether a pull's sums read the other ranks' partial sums in their memory (comm.peer.Pulls.at)
-    rather than copies of them: a ``pull_scatter`` all-reduce's, and a ``pull`` reduce-scatter's
-    with SMs beside the GEMM (``comm_sms`` > 0; None: not known to have none). SM loads over NVLink
-    read every link at once, where a copy engine's copies queue one after another and the sums then
-    read them again. A reduce-scatter with no SM beside the GEMM (``comm_sms`` 0) sums after it
-    anyway: there the copy engines copy the rows into local memory while the GEMM runs, for no SM,
-    and the sums read those copies at the memory's speed instead of the other GPUs' over NVLink."""
-    if reduction == "pull" and collective == "reduce_scatter":
-        return comm_sms != 0
+    rather than copies of them: a ``pull_scatter`` all-reduce's, whose copy engine is busy with the
+    all-gather half (SM loads over NVLink read every link at once; its copies of the shares measured
+    slower). A ``pull`` reduce-scatter's rows are copied into local memory on the copy engines while
+    the GEMM runs, for no SM, and summed there at the memory's speed on the few SMs the GEMM leaves
+    (or after it): on four H200s 1.19x over six shapes with 4 SMs for the sums, against 1.15x with
+    none and 1.07x for sums reading in place on 8."""
     return reduction == "pull_scatter"
 
 
@@ -303,11 +301,9 @@ def pulled(
     on two ranks, ``pull_scatter`` on more (``world``): every rank copying every other rank's groups
     moves w - 1 groups per rank, 3 on four ranks against 1.5 for NCCL's ring and ``pull_scatter``; a
     reduce-scatter / all-to-all in the ``segments`` layout pulls its own segment's rows (``pull``:
-    picked on 9 of 10 shapes on four H200s); a reduce-scatter's with no SM beside the GEMM, its rows
-    copied and summed after it (:func:`reads_in_place`: on four H200s 1.16x over six shapes, against
-    1.07x for sums reading in place on 8 SMs and 1.06x for the shapes' registry entries and trial
-    picks, ahead of both on every shape). None for a pull already or another layout (``rows`` for
-    all-reduce). Where its sums read in place with more SMs, :func:`wider_reads` is timed too."""
+    picked on 9 of 10 shapes on four H200s; a reduce-scatter's copied and summed on those SMs,
+    :func:`reads_in_place`). None for a pull already or another layout (``rows`` for all-reduce).
+    Where its sums read in place, :func:`wider_reads` is timed too."""
     if cfg.reduction in PULLS or cfg.layout != PULL_LAYOUTS[collective]:
         return None
     m, n, _ = shape
@@ -317,18 +313,17 @@ def pulled(
         reduction="pull_scatter" if collective == "all_reduce" and world > 2 else "pull",
         symmetric=False,
         late_budget=False,
-        comm_sms=0 if collective == "reduce_scatter" else min(spare, PULL_SMS),
+        comm_sms=min(spare, PULL_SMS),
         partition=None,
     )
 
 
-def wider_reads(pull: OverlapConfig | None, collective: str) -> OverlapConfig | None:
+def wider_reads(pull: OverlapConfig | None) -> OverlapConfig | None:
     """The pull candidate ``pull`` (:func:`pulled`) with :data:`READ_SMS` SMs for its sums, where they
-    read the other ranks' memory in place with them (:func:`reads_in_place`; a reduce-scatter's
-    that had none copied the rows first): on large calls reading faster pays for the GEMM's lost
-    waves, on small ones it does not, so the trial times both. None for
+    read the other ranks' memory in place (:func:`reads_in_place`): on large calls reading faster
+    pays for the GEMM's lost waves, on small ones it does not, so the trial times both. None for
     none, for copies, or where ``pull`` has as many already."""
-    if pull is None or not reads_in_place(collective, pull.reduction, READ_SMS) or pull.comm_sms >= READ_SMS:
+    if pull is None or not reads_in_place(pull.reduction) or pull.comm_sms >= READ_SMS:
         return None
     return dataclasses.replace(pull, comm_sms=READ_SMS)
 

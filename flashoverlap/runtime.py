@@ -271,9 +271,10 @@ def _enqueue(
         # for the copy engine one at a time (a lane per rank, when the shares were still copied into
         # staging too: 0.86x against 1.09x on 16384x8192x4096, four H200s; not measured since)
         peers.sum_lanes = (side_stream(device, "sums"),) * others if ex.reduction == "pull_scatter" else ()
-        # Made once and only added to: calls of one plan with and without lanes (an all-to-all's copies
-        # and a reduce-scatter's reads in place) share these events, and a replay notes their handles
-        # (remade, the other kind's recorded replays enqueued freed events: "context is destroyed").
+        # Made once and only added to: calls of one plan with and without lanes (copies, and sums that
+        # read in place) or with other numbers of them would share these events, and a replay notes
+        # their handles (remade, the other kind's recorded replays enqueued freed events: "context is
+        # destroyed").
         prep.lane_done += [[torch.cuda.Event() for _ in prep.targets] for _ in peers.lanes[len(prep.lane_done) :]]
         if peers.lanes and prep.pulls_start is None:
             prep.pulls_start = torch.cuda.Event()

@@ -88,13 +88,10 @@ DEFAULT_CANDIDATES = {
     ),
 }
 DEFAULT_CANDIDATES["all_to_all"] = DEFAULT_CANDIDATES["reduce_scatter"]
-# a reduce-scatter's pulled rows are summed where they are, reading the others' memory: more SMs for
-# the sums (4x H100, 16384x8192x4096: 1.19x with 8 against 1.03x with 4); an all-to-all's are copied
+# a reduce-scatter's pulled rows are summed from their copies: on more SMs, or on none (after the
+# GEMM; 4x H200, six shapes: 1.19x with 4, 1.15x with none, 1.13x with 8; an all-to-all has no sums)
 DEFAULT_CANDIDATES["reduce_scatter"] += (
     {"layout": "segments", "reduction": "pull", "comm_sms": 8},
-    {"layout": "segments", "reduction": "pull", "comm_sms": 16},
-    # none: the rows copied on the copy engines while the GEMM runs, summed after it from local memory
-    # (rules.reads_in_place; 4x H200, six shapes: 1.16x against 1.07x with 8 SMs reading in place)
     {"layout": "segments", "reduction": "pull", "comm_sms": 0},
 )
 
@@ -171,8 +168,7 @@ def tune_shape(
 def _widened(candidates, ex, shape, dtype, device, fp8=None) -> tuple[list[dict], list, list]:
     """The candidates (config fields), their configs for the call and their plans, each persistent
     one also with the widest SM budget at the same wave count: NCCL gets more SMs for free (16 -> 18
-    for the suite's grids on 132 SMs); not a pull whose sums would then read differently (a
-    reduce-scatter's copied with none, rules.reads_in_place). ``fp8``: FP8 operands' kind."""
+    for the suite's grids on 132 SMs). ``fp8``: FP8 operands' kind."""
     m, n, k = shape
 
     def planned(cfg):
@@ -183,8 +179,7 @@ def _widened(candidates, ex, shape, dtype, device, fp8=None) -> tuple[list[dict]
     candidates, total = list(candidates), torch.cuda.get_device_properties(device).multi_processor_count
     for candidate, cfg, prep in list(zip(candidates, cfgs, preps)):
         wider = {**candidate, "comm_sms": widest_budget(prep.plan, total)}
-        reads = {comm.reads_in_place(ex.collective, cfg.reduction, sms) for sms in (cfg.comm_sms, wider["comm_sms"])}
-        if cfg.scheduler != "persistent" or wider["comm_sms"] <= cfg.comm_sms or wider in candidates or len(reads) > 1:
+        if cfg.scheduler != "persistent" or wider["comm_sms"] <= cfg.comm_sms or wider in candidates:
             continue
         cfgs.append(for_call(resolve(wider, fp8 is not None), ex, shape))
         preps.append(planned(cfgs[-1]))
@@ -198,8 +193,7 @@ def finalist_kinds(collective: str, cfgs: Sequence[OverlapConfig], patterns: Seq
     other ranks' memory in place, with its SM count too: they run faster on more SMs, which the pull
     model (measured alone, one for every ``comm_sms``) cannot see, so only the GEMM's lost waves would
     rank them."""
-    in_place = [comm.reads_in_place(collective, c.reduction, c.comm_sms) for c in cfgs]
-    return [f"{p} {c.comm_sms}" if reads else p for c, p, reads in zip(cfgs, patterns, in_place)]
+    return [f"{p} {c.comm_sms}" if comm.reads_in_place(c.reduction) else p for c, p in zip(cfgs, patterns)]
 
 
 def _problems(

@@ -109,8 +109,7 @@ def comm_model(pattern: str, comm_sms: int, dtype, rounds: int, symmetric: bool 
 def pull_model(dtype, rounds: int, reduction: str = "pull") -> CommModel:
     """Time by size of a ``pull`` / ``pull_scatter`` all-reduce's group (:func:`_pulls`), measured
     once per run, alone (on every SM). A reduce-scatter's pull is priced from the ``pull`` all-reduce's
-    copies (its sums read in place, or with no SM beside the GEMM its rows are copied and summed
-    after it): the tuner measures its finalists, one per SM count (tune.finalist_kinds)."""
+    copies (its rows are copied too, then summed locally: tune_predict.pull_counts' share)."""
     return fit_sizes(reduction, _pulls(dtype, reduction), rounds)
 
 

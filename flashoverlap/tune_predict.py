@@ -13,12 +13,13 @@ measured, the time by size of each way of communicating is built here from per-G
   beside the GEMM the ring gets the share of its bus bandwidth measured on that many CTAs.
 * Pulls: every copy out of a peer's memory goes through the GPU's one copy engine, one after
   another (``copy_gap_ms`` between copies); sums that read the other ranks' memory in place
-  (``pull_scatter``'s, a reduce-scatter's) read it at the rate measured for that many SMs beside
-  the GEMM (``peer_read``) or, after it, on every SM; a ``pull`` all-reduce's local adds run on the
-  SMs the GEMM leaves (per-SM rate) or, after the GEMM, on all of them (:func:`pull_counts`: copies,
-  bytes copied, bytes read in place and bytes added locally, per byte of output, by reduction and
-  world size). While the GEMM runs the copy engine's work on one group overlaps the SMs' on
-  another (the slower sets the pace); the last group's run one after the other.
+  (``pull_scatter``'s) read it at the rate measured for that many SMs beside the GEMM
+  (``peer_read``) or, after it, on every SM; local adds (a ``pull`` all-reduce's, a reduce-scatter's
+  sums of its copies) run on the SMs the GEMM leaves (per-SM rate) or, after the GEMM, on all of
+  them (:func:`pull_counts`: copies, bytes copied, bytes read in place and bytes added locally, per
+  byte of output, by reduction and world size). While the GEMM runs the copy engine's work on one
+  group overlaps the SMs' on another (the slower sets the pace); the last group's run one after the
+  other.
 
 The GEMM runs at one rate per GPU (cuBLAS alone) and, for flashoverlap's persistent kernel, in
 whole waves of tiles at the same rate per SM. Host time is left out (calls replayed natively
@@ -39,7 +40,7 @@ import numpy as np
 from . import bench
 from .config import resolve
 from .plan import make_plan, scheduled_tiles
-from .rules import COLLECTIVES, PULL_SMS, comm_pattern, for_collective, reads_in_place, tail_apart
+from .rules import COLLECTIVES, PULL_SMS, comm_pattern, for_collective, tail_apart
 from .tune_model import Choice, CommModel, Problem, choose, wave_bytes
 
 GB_S = 1e6  # bytes per ms in one GB/s
@@ -125,10 +126,9 @@ CANDIDATES = {
     ),
 }
 CANDIDATES["all_to_all"] = CANDIDATES["reduce_scatter"]
-# a reduce-scatter's pulled rows are summed in place: more SMs for the sums, as the tuner tries
-CANDIDATES["reduce_scatter"] += tuple({"layout": "segments", "reduction": "pull", "comm_sms": sms} for sms in (8, 16))
-# (with none its rows are copied and summed after the GEMM: the copies and the local adds, pull_counts)
-CANDIDATES["reduce_scatter"] += ({"layout": "segments", "reduction": "pull", "comm_sms": 0},)
+# a reduce-scatter's pulled rows are summed from their copies on more SMs, or after the GEMM, as the
+# tuner tries
+CANDIDATES["reduce_scatter"] += tuple({"layout": "segments", "reduction": "pull", "comm_sms": sms} for sms in (8, 0))
 
 
 def ring_share(collective: str, world: int) -> float:
@@ -167,33 +167,27 @@ class PullBytes(NamedTuple):
     added: float  # bytes local adds read and write
 
 
-def pull_counts(collective: str, reduction: str, world: int, comm_sms: int | None = None) -> PullBytes:
+def pull_counts(collective: str, reduction: str, world: int) -> PullBytes:
     """Per group of pulls, per byte of the group's output. ``pull`` all-reduce: the ``w - 1`` other
     ranks' groups copied, ``w`` summed into one locally; ``pull_scatter``: a ``1 / w`` share of each
     other rank's group read in place by the sum, then the ``w - 1`` other shares' sums copied;
-    reduce-scatter: this rank's ``1 / w`` of each other rank's group read in place by the sum, or,
-    with no SM beside the GEMM (``comm_sms`` 0, rules.reads_in_place), copied and then summed with
-    its own locally; all-to-all: the same copied."""
+    reduce-scatter: this rank's ``1 / w`` of each other rank's group copied, then summed with its
+    own locally; all-to-all: the same copied."""
     if collective == "all_reduce" and reduction == "pull":
         return PullBytes(world - 1, float(world - 1), 0.0, float(world + 1))
     share = (world - 1) / world
     if collective == "all_reduce":
         return PullBytes(world - 1, share, share, 0.0)
-    if collective == "reduce_scatter" and reads_in_place(collective, reduction, comm_sms):
-        return PullBytes(0, 0.0, share, 0.0)
     if collective == "reduce_scatter":
         return PullBytes(world - 1, share, 0.0, (world + 1) / world)
     return PullBytes(world - 1, share, 0.0, 0.0)
 
 
-def pull_comm(
-    gpu: Gpu, collective: str, reduction: str, world: int, sms: int = 0, comm_sms: int | None = None
-) -> CommModel:
+def pull_comm(gpu: Gpu, collective: str, reduction: str, world: int, sms: int = 0) -> CommModel:
     """A group of pulls by bytes of output: the copies on the one copy engine, the sums (reads in
     place, local adds) on ``sms`` SMs beside the GEMM (overlapping another group's copies: the slower
-    sets the pace) or, with 0, on every SM after it (one after the other); ``comm_sms``: the config's
-    (:func:`pull_counts`)."""
-    moved = pull_counts(collective, reduction, world, comm_sms)
+    sets the pace) or, with 0, on every SM after it (one after the other)."""
+    moved = pull_counts(collective, reduction, world)
     copy_ms = moved.copied / gpu.copy_bytes_per_ms
     read_ms = moved.read / gpu.read_bytes_per_ms(sms)
     if sms:
@@ -288,7 +282,7 @@ def candidate(
     )
     wave_ms = 2.0 * cfg.tile_m * cfg.tile_n * k / (gpu.gemm_flops_per_ms / gpu.sms)  # one tile per SM per wave
     if pattern in ("pull", "pull_scatter"):
-        during, tail = (pull_comm(gpu, collective, cfg.reduction, world, s, cfg.comm_sms) for s in (cfg.comm_sms, 0))
+        during, tail = (pull_comm(gpu, collective, cfg.reduction, world, sms) for sms in (cfg.comm_sms, 0))
     else:
         during, tail = nccl_comm(gpu, collective, world, cfg.comm_sms), nccl_comm(gpu, collective, world)
     apart = cfg.comm_sms > 0 and tail_apart(collective, cfg.layout, cfg.reduction)

@@ -58,7 +58,7 @@ CONFIGS = {
         {"layout": "segments"},
         {"symmetric": True},
         {"layout": "segments", "reduction": "pull", "comm_sms": 4},
-        {"layout": "segments", "reduction": "pull", "comm_sms": 0},  # copied, summed after the GEMM
+        {"layout": "segments", "reduction": "pull", "comm_sms": 0},  # summed after the GEMM
     ],
     "all_to_all": [
         {},

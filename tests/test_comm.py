@@ -217,22 +217,18 @@ def test_where_each_layout_leaves_its_result():
         assert tail_apart(ex.collective, layout, ex.reduction) is not alone
 
 
-def test_whether_a_pull_s_sums_read_in_place_follows_its_sms():
-    """Exchange.in_place: from the config's comm_sms where the exchange is made for it (a
-    reduce-scatter's pull with none copies its rows and stages them: buffers' recv, [world, rows * n]),
-    and where it is built directly, as with SMs beside the GEMM."""
-    from flashoverlap.comm import Exchange, buffers, with_reduction
+def test_only_a_pull_scatter_s_sums_read_in_place():
+    """Exchange.in_place: a pull_scatter's sums read the other ranks' memory; a reduce-scatter's pull
+    copies its rows and stages them (buffers' recv, [world, rows * n]), an all-to-all's land in place."""
+    from flashoverlap.comm import Exchange, buffers
     from flashoverlap.plan import make_plan
 
-    plain = exchange("reduce_scatter", 1024, 4)
-    assert with_reduction(plain, "pull", 4, 8).in_place and not with_reduction(plain, "pull", 4, 0).in_place
-    assert exchange("reduce_scatter", 1024, 4, reduction="pull").in_place  # (no comm_sms: some SMs)
     assert Exchange("all_reduce", (8,), (8,) * 4, 8, "pull_scatter").in_place
-    assert not Exchange("all_to_all", (2,) * 4, (2,) * 4, 8, "pull").in_place and not plain.in_place
+    pulls = {c: exchange(c, 1024, 4, reduction="pull") for c in ("reduce_scatter", "all_to_all")}
+    assert not any(ex.in_place for ex in pulls.values()) and not exchange("reduce_scatter", 1024, 4).in_place
     plan = make_plan(1024, 256, tile_m=128, tile_n=128, cluster_m=1, ctas=4, layout="segments", interleave=4)
-    for comm_sms, staged in [(8, None), (0, (4 * 256 * 256,))]:
-        ex = exchange("reduce_scatter", 1024, 4, reduction="pull", comm_sms=comm_sms)
-        _, _, recv = buffers(ex, plan, torch.empty)
+    for collective, staged in [("reduce_scatter", (4 * 256 * 256,)), ("all_to_all", None)]:
+        _, _, recv = buffers(pulls[collective], plan, torch.empty)
         assert (None if recv is None else tuple(recv.shape)) == staged
 
 

@@ -94,9 +94,9 @@ class _Stream(SimpleNamespace):
 
 def _streams(peers: list, calls: int, targets: tuple[int, ...], adds: str = "copied") -> list[list]:
     """Every rank's calls, as ops on its streams, recorded from :class:`peer.Peers`' methods as
-    runtime._enqueue orders them, for ``adds`` of copies (``copied``: a ``pull`` all-reduce), of the
-    other ranks' rows read where they are (``read``: a ``pull`` reduce-scatter) or of shares read so
-    and their sums copied (``scatter``: ``pull_scatter``): comm (after the caller's previous work,
+    runtime._enqueue orders them, for ``adds`` of copies (``copied``: a ``pull`` all-reduce or
+    reduce-scatter) or of shares read where they are and their sums copied (``scatter``:
+    ``pull_scatter``): comm (after the caller's previous work,
     each group's pulls -- ``copied``: from each other rank on a lane of its own where there are
     several, joined back; else only their waits -- and, but for the last group, the wait for this
     rank's own rows; then ``copied`` -- but for ``copied`` after finish's reads -- and the next
@@ -106,7 +106,7 @@ def _streams(peers: list, calls: int, targets: tuple[int, ...], adds: str = "cop
     after the GEMM's end; with ``scatter`` then ``summed``); with ``scatter`` a lane per other rank
     for its sums (after the first group's pulls), joined into comm before ``copied``."""
     streams, claims, current = [], {}, [None]
-    scatter, in_place = adds == "scatter", adds != "copied"
+    scatter = in_place = adds == "scatter"
 
     def record(event, stream):  # Peers.claim's ``claimed``, numbered per rank
         rank = next(p.rank for p in peers if p.claimed is event)
@@ -227,13 +227,13 @@ def _run(streams: list[list], memory: _Memory, seed: int) -> None:
             events.add(op[1])
 
 
-@pytest.mark.parametrize("adds", ["copied", "read", "scatter"])
+@pytest.mark.parametrize("adds", ["copied", "scatter"])
 @pytest.mark.parametrize("world", [2, 3, 4, 8])
 def test_pulls_copy_every_group_of_their_own_call_whatever_the_interleaving(world, adds):
     """The flags of comm.peer on a model of the ranks' streams: each rank's copies of another's
     group wait for that rank's counter (in its memory) of the same call, never the previous call's
     counts (zeroed after every rank copied: ``done``; waited on after the zeroing: ``fresh``), and
-    no GEMM overwrites rows another rank has yet to copy (or, ``read``, to read in place); with
+    no GEMM overwrites rows another rank has yet to copy (or, ``scatter``, to read in place); with
     ``scatter`` (``pull_scatter``) each copy of another rank's sum waits for that rank's ``summed``
     flag of the same call, and no GEMM overwrites a sum another rank has yet to copy."""
     regions = [torch.zeros(4096, dtype=torch.uint8) for _ in range(world)]

@@ -126,17 +126,13 @@ def worker(rank: int, world: int, store_path: str):
                     output_splits = [a2a_splits(index, s, m, world)[rank] for s in range(world)]
             position = index % len(COLLECTIVE_LAYOUTS)
             reduction = ["nccl", "local", "pull", "pull_scatter"][sum(position >= p for p in (LOCAL, PULL, SCATTER))]
-            # (a reduce-scatter's pull with no SM beside the GEMM copies the rows; with some, reads them in
-            # place: the first round of cases the one, the second the other)
-            comm_sms = 0 if index < len(COLLECTIVE_LAYOUTS) else None
-            ex = comm.exchange(collective, m, world, splits, output_splits, reduction=reduction, comm_sms=comm_sms)
+            ex = comm.exchange(collective, m, world, splits, output_splits, reduction=reduction)
             plan = rank_plan(args, ex, rank)
             a, w = operands(index, rank, plan.m, plan.n, k, dtype, weight_layout)
             window = index // len(COLLECTIVE_LAYOUTS) == 1  # the result copied out of the buffers, as from a window
             out = run_plan(a, w, plan, ex, weight_layout=weight_layout, window=window)
             expected = expected_result(index, plan, collective, k, dtype, weight_layout, rank, world)
-            what = f"case {index} ({collective}, {plan.layout}, {reduction}, in place {ex.in_place}, {dtype}"
-            what += f", window {window})"
+            what = f"case {index} ({collective}, {plan.layout}, {reduction}, {dtype}, window {window})"
             assert out.shape == expected.shape and out.dtype == dtype, what
             assert not torch.isnan(out).any(), f"{what}: unwritten elements"
             if expected.numel():

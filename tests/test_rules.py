@@ -79,33 +79,24 @@ def test_a_pull_candidate_leaves_the_adds_what_the_grid_spares(m, spare):
     segments = for_collective(OverlapConfig(layout="segments"), "reduce_scatter")
     for collective in ("reduce_scatter", "all_to_all"):  # their own segment's rows, on any world size
         found = pulled(segments, collective, (m, 8192, 64), 132, 4)
-        # (a reduce-scatter's copied on the copy engines and summed after the GEMM: no SM beside it)
-        sms = 0 if collective == "reduce_scatter" else spare
-        assert (found.reduction, found.layout, found.comm_sms) == ("pull", "segments", sms)
+        assert (found.reduction, found.layout, found.comm_sms) == ("pull", "segments", spare)
 
 
 def test_sums_that_read_in_place_are_also_timed_with_more_sms():
-    """rules.wider_reads: a pull_scatter's or a reduce-scatter's pull (sums reading the other ranks'
-    memory) again with READ_SMS SMs; nothing for copies (a pull all-reduce, an all-to-all) or none."""
+    """rules.wider_reads: a pull_scatter's pull (sums reading the other ranks' memory) again with
+    READ_SMS SMs; nothing for copies (a pull all-reduce, a reduce-scatter, an all-to-all) or none."""
     shape = (4096, 8192, 64)
     cfg = for_collective(OverlapConfig(), "all_reduce")
     scatter = pulled(cfg, "all_reduce", shape, 132, 4)
-    wider = wider_reads(scatter, "all_reduce")
+    wider = wider_reads(scatter)
     assert (wider.reduction, wider.comm_sms) == ("pull_scatter", READ_SMS) and scatter.comm_sms < READ_SMS
-    assert wider_reads(wider, "all_reduce") is None  # as many already
-    assert wider_reads(pulled(cfg, "all_reduce", shape, 132, 2), "all_reduce") is None  # copies
+    assert wider_reads(wider) is None  # as many already
+    assert wider_reads(pulled(cfg, "all_reduce", shape, 132, 2)) is None  # copies
     segments = for_collective(OverlapConfig(layout="segments"), "reduce_scatter")
-    assert wider_reads(pulled(segments, "reduce_scatter", shape, 132, 4), "reduce_scatter").comm_sms == READ_SMS
-    assert wider_reads(pulled(segments, "all_to_all", shape, 132, 4), "all_to_all") is None
-    assert wider_reads(None, "all_reduce") is None
-    assert [reads_in_place(c, r) for c, r in [("all_reduce", "pull"), ("all_reduce", "pull_scatter")]] == [False, True]
-    assert [reads_in_place(c, "pull") for c in ("reduce_scatter", "all_to_all")] == [True, False]
-    # with no SM beside the GEMM a reduce-scatter's sums wait for its end: they read copies instead
-    assert [reads_in_place("reduce_scatter", "pull", sms) for sms in (0, 4)] == [False, True]
-    assert reads_in_place("all_reduce", "pull_scatter", 0)
-    copied = pulled(segments, "reduce_scatter", shape, 132, 4)
-    assert not reads_in_place("reduce_scatter", "pull", copied.comm_sms)
-    assert wider_reads(copied, "reduce_scatter").comm_sms == READ_SMS  # read in place with them
+    for collective in ("reduce_scatter", "all_to_all"):
+        assert wider_reads(pulled(segments, collective, shape, 132, 4)) is None
+    assert wider_reads(None) is None
+    assert [reads_in_place(r) for r in ("nccl", "local", "pull", "pull_scatter")] == [False, False, False, True]
 
 
 HOPPER, ADA, AMPERE, BLACKWELL = (9, 0), (8, 9), (8, 0), (12, 0)

@@ -121,7 +121,7 @@ class _Streams:
         self.wait(waiter, event)
 
 
-def _pull_call(monkeypatch, collective, reduction, world, comm_sms, prep=None):
+def _pull_call(monkeypatch, collective, reduction, world, prep=None):
     """One pull call of ``collective`` through runtime._enqueue on CPU stand-ins of the streams and
     the other ranks' memory (as rank 0 of ``world``), on ``prep`` where given (else a new one):
     (prep, peers, the streams' record of what ran where)."""
@@ -134,7 +134,7 @@ def _pull_call(monkeypatch, collective, reduction, world, comm_sms, prep=None):
         m, n, tile_m=128, tile_n=256, cluster_m=1, ctas=4, layout=layout, interleave=1 if layout == "rows" else world
     )
     prep = prep or Prepared(plan, *(None,) * 4, plan.counter_targets(1), 4, None)
-    ex = comm.with_reduction(comm.exchange(collective, m, world), reduction, world, comm_sms)
+    ex = comm.with_reduction(comm.exchange(collective, m, world), reduction, world)
     peers = comm.Peers.__new__(comm.Peers)
     regions = [torch.zeros(4 * (comm.peer.DONE + 2 * world) + 2 * plan.numel, dtype=torch.uint8) for _ in range(world)]
     peers.rank, peers.world, peers.others = 0, world, list(range(1, world))
@@ -154,39 +154,40 @@ def _pull_call(monkeypatch, collective, reduction, world, comm_sms, prep=None):
 
 
 def test_calls_of_one_plan_with_and_without_lanes_keep_their_events(monkeypatch):
-    """runtime._enqueue: an all-to-all's pulls (a lane per rank) and a reduce-scatter's sums reading
-    in place (none) on one plan share its lane events; a replay notes their handles, so they are made
-    once and kept (remade per kind, the other kind's replays enqueued freed events on 4x H200)."""
-    prep, _, _ = _pull_call(monkeypatch, "all_to_all", "pull", 4, 4)
+    """runtime._enqueue: pulls that copy (a lane per rank) and sums that read in place (none) on one
+    plan share its lane events; a replay notes their handles, so they are made once and kept (remade
+    per kind, the other kind's replays enqueued freed events on 4x H200)."""
+    prep, _, _ = _pull_call(monkeypatch, "all_to_all", "pull", 4)
     events, start = [list(done) for done in prep.lane_done], prep.pulls_start
     assert len(events) == 3 and start is not None
-    _pull_call(monkeypatch, "reduce_scatter", "pull", 4, 4, prep)  # in place: no lanes
-    _pull_call(monkeypatch, "all_to_all", "pull", 4, 4, prep)
+    with monkeypatch.context() as reads:  # (a call on this plan whose sums read in place)
+        reads.setattr(comm.Exchange, "in_place", property(lambda ex: True))
+        _, peers, _ = _pull_call(monkeypatch, "reduce_scatter", "pull", 4, prep)
+        assert not peers.lanes
+    _pull_call(monkeypatch, "all_to_all", "pull", 4, prep)
     assert prep.lane_done == events and prep.pulls_start is start
 
 
 @pytest.mark.parametrize(
-    ("collective", "reduction", "world", "comm_sms"),
+    ("collective", "reduction", "world"),
     [
-        ("all_reduce", "pull", 2, 4),
-        ("all_reduce", "pull", 4, 4),
-        ("all_reduce", "pull_scatter", 4, 4),
-        ("reduce_scatter", "pull", 4, 4),
-        ("reduce_scatter", "pull", 4, 0),  # (copied, summed after the GEMM)
-        ("all_to_all", "pull", 4, 4),
+        ("all_reduce", "pull", 2),
+        ("all_reduce", "pull", 4),
+        ("all_reduce", "pull_scatter", 4),
+        ("reduce_scatter", "pull", 4),
+        ("all_to_all", "pull", 4),
     ],
 )
 def test_a_pull_says_it_is_done_only_after_everything_that_read_the_other_ranks_memory(
-    monkeypatch, collective, reduction, world, comm_sms
+    monkeypatch, collective, reduction, world
 ):
     """runtime._enqueue: ``copied`` (the other ranks may reuse their buffers once every rank said so)
     comes after every copy out of their memory and every sum reading it in place, on whatever stream
     it ran (a lane, the finisher, the sums' stream), by program order, event waits and joins; sums
-    that read in place (pull_scatter, a reduce-scatter's pull with SMs beside the GEMM) get no lanes,
-    copies one per rank; sums of copies (a pull all-reduce's, a reduce-scatter's with no SM beside
-    the GEMM) come after their group's copies."""
-    prep, peers, streams = _pull_call(monkeypatch, collective, reduction, world, comm_sms)
-    in_place = comm.reads_in_place(collective, reduction, comm_sms)
+    that read in place (pull_scatter) get no lanes, copies one per rank; sums of copies (a pull
+    all-reduce's, a reduce-scatter's) come after their group's copies."""
+    prep, peers, streams = _pull_call(monkeypatch, collective, reduction, world)
+    in_place = comm.reads_in_place(reduction)
     assert (len(peers.lanes) > 0) == (world > 2 and not in_place)
     ((copied,),) = [[i for i, op in enumerate(streams.ops) if op[1] == "copied"]]
     reads = [(i, op) for i, op in enumerate(streams.ops) if op[1] in ("copy", "sum") and op[2]]

@@ -271,8 +271,8 @@ def buffers(
     with a ``local`` / ``pull`` reduction every rank's partial sums, group by group ([world, group
     size] each); in the ``rows`` layout, the partial sums a reduce-scatter receives beyond the first
     (which lands in ``out``): world - 2 segments, else None; in the ``segments`` layout None for a
-    reduce-scatter (by pulls too where its sums read the other ranks' rows in place; else the rows
-    copied from each rank, [world, rows * n] by source), for an all-to-all the rows
+    reduce-scatter (by pulls the rows copied from each rank, [world, rows * n] by source), for an
+    all-to-all the rows
     received, group by group ([world, group rows] each), but None by pulls (they land in ``out``)).
     ``alloc(shape)`` makes a tensor."""
     out = alloc((ex.rows, plan.n))
@@ -284,8 +284,8 @@ def buffers(
         extra = len(ex.send) - 2 if ex.collective == "reduce_scatter" else 0
         return out, alloc((plan.numel,)), alloc((extra * ex.rows * plan.n,)) if extra > 0 else None
     if ex.reduction == "pull":  # this rank's segment rows of every rank's group: pulled into place (all-to-all),
-        buffer = shared if shared is not None else alloc((plan.numel,))  # summed where they are, or copied
-        copies = None if ex.collective == "all_to_all" or ex.in_place else alloc((len(ex.recv) * ex.rows * plan.n,))
+        buffer = shared if shared is not None else alloc((plan.numel,))  # or copied to be summed
+        copies = None if ex.collective == "all_to_all" else alloc((len(ex.recv) * ex.rows * plan.n,))
         return out, buffer, copies
     if plan.layout == "segments" and ex.collective == "reduce_scatter":  # each group's sums land in place
         return out, alloc((plan.numel,)), None
@@ -416,17 +416,13 @@ def _pull_segment(
 ) -> None:
     """Group ``g`` of a ``pull`` reduce-scatter / all-to-all (layout ``segments``: the group is
     [world, rows, n], block q the rows of rank q's segment): every rank's block of this rank's
-    segment from rank q: a reduce-scatter's only waited for here where its sums read in place
-    (finish_group sums the blocks where they are, its own in its buffer: ``group.at``), else copied
-    into row q of ``recv`` ([world, rows * n], at the group's rows; its own row stays empty: the sums
-    read it in the buffer); an all-to-all's copied straight into ``out``, row q of [world, rows * n]
-    at the group's rows of source q's segment (its own copied too, once written: the pulls wait only
-    for the other ranks' rows)."""
+    segment from rank q, a reduce-scatter's copied into row q of ``recv`` ([world, rows * n], at the
+    group's rows; its own row stays empty: finish_group's sums read it in the buffer); an
+    all-to-all's copied straight into ``out``, row q of [world, rows * n] at the group's rows of
+    source q's segment (its own copied too, once written: the pulls wait only for the other ranks'
+    rows)."""
     world, (r0, r1) = len(ex.recv), plan.segment_rows(g)
     mine = chunk.view(world, -1)
-    if ex.collective == "reduce_scatter" and ex.in_place:
-        group.arrived(g, mine[group.rank])
-        return
     into = (out if ex.collective == "all_to_all" else recv).view(world, -1)[:, r0 * plan.n : r1 * plan.n]
     _pull(group, g, mine[group.rank], into)
     if ex.collective == "all_to_all":
@@ -455,9 +451,8 @@ def finish_group(
     own, so it never holds up the next collective): a ``local`` / ``pull`` all-reduce adds the
     world's partial sums of the group (in ``recv``) straight into ``out``'s rows in the ``rows``
     layout (its groups are row bands of C), else into the group's range of ``buffer``; a ``pull``
-    reduce-scatter every rank's rows of this rank's segment, read in each rank's buffer
-    (``peers.at``) or, not read in place, in their copies in ``recv``, into ``out``'s rows of the
-    group (:func:`_pull_segment`); then in the ``cols`` layout the
+    reduce-scatter every rank's rows of this rank's segment, copied into ``recv``
+    (:func:`_pull_segment`), into ``out``'s rows of the group; then in the ``cols`` layout the
     group's [ex.rows, c1 - c0] block (of ``buffer`` after an all-reduce, local or not, else of
     ``recv``) is copied into its columns of ``out``; a ``segments`` all-to-all copies the rows each
     rank sent into that rank's segment of ``out``. Nothing for any other call (:func:`finishes`).
@@ -481,8 +476,8 @@ def finish_group(
     world = len(ex.recv)
     if ex.reduction == "pull" and ex.collective == "reduce_scatter":  # this rank's segment rows of every rank's group
         (r0, r1), mine = plan.segment_rows(g), buffer[lo:hi].view(world, -1)[peers.rank]
-        copies = None if ex.in_place else recv.view(world, -1)[:, r0 * plan.n : r1 * plan.n]
-        parts = [mine if r == peers.rank else peers.at(r, mine) if copies is None else copies[r] for r in range(world)]
+        copies = recv.view(world, -1)[:, r0 * plan.n : r1 * plan.n]
+        parts = [mine if r == peers.rank else copies[r] for r in range(world)]
         add_rows(parts, out[r0:r1].view(-1))
         return
     if ex.reduction != "nccl":

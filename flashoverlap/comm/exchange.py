@@ -31,9 +31,7 @@ class Exchange:
     (``send``), and those it receives from each (``recv``); ``rows`` = rows of its result.
     ``reduction`` (all-reduce): ``nccl`` (NCCL reduces, in place), ``local`` (each group is
     all-gathered, every rank's partial sums arriving here, and added here: :func:`finish_group`) or
-    ``pull`` (the same, copied out of the other ranks' memory: comm.peer). ``in_place``: a pull's sums
-    read the other ranks' memory where it is (rules.reads_in_place), not copies of it; left out, as
-    with SMs beside the GEMM (:func:`with_reduction` sets it from the config's)."""
+    ``pull`` (the same, copied out of the other ranks' memory: comm.peer)."""
 
     collective: str
     send: tuple[int, ...]
@@ -45,11 +43,12 @@ class Exchange:
     # all-to-all can be even here and not on another rank).
     uniform: bool = True
     sources: tuple[int, ...] | None = None  # every rank's M, where the counts were exchanged
-    in_place: bool | None = None
 
-    def __post_init__(self) -> None:
-        if self.in_place is None:
-            object.__setattr__(self, "in_place", reads_in_place(self.collective, self.reduction))
+    @property
+    def in_place(self) -> bool:
+        """Whether a pull's sums read the other ranks' memory where it is, not copies of it
+        (rules.reads_in_place)."""
+        return reads_in_place(self.reduction)
 
     @property
     def even(self) -> bool:
@@ -73,7 +72,6 @@ def exchange(
     device: torch.device | None = None,
     reduction: str = "nccl",
     rows_per_rank: Sequence[int] | None = None,
-    comm_sms: int | None = None,
 ) -> Exchange:
     """Validate and describe a call's communication; raises ``ValueError`` naming the problem.
 
@@ -82,8 +80,7 @@ def exchange(
     rank's splits are exchanged first (one small all-gather and a host sync), so every rank knows
     every rank's M (``sources``) and whether the call is even (``uniform``). ``rows_per_rank``
     (with ``splits`` and ``output_splits``): every rank's M as the caller knows it, so that ranks
-    whose M differ need no exchange (the call is then never ``uniform``). ``comm_sms``: the SMs
-    a pull's sums get beside the GEMM (:func:`with_reduction`).
+    whose M differ need no exchange (the call is then never ``uniform``).
     """
     if collective not in COLLECTIVES:
         raise ValueError(f"unknown collective {collective!r}; supported: {COLLECTIVES}")
@@ -93,15 +90,15 @@ def exchange(
         raise ValueError("rows_per_rank (every rank's M) goes with an all-to-all's splits and output_splits")
     _check_reduction(collective, reduction)
     if collective == "all_reduce":
-        return with_reduction(Exchange(collective, (m,), (m,), m), reduction, world, comm_sms)
+        return with_reduction(Exchange(collective, (m,), (m,), m), reduction, world)
     if splits is None and m % world:
         raise ValueError(f"{collective} splits M={m} rows evenly over {world} ranks: M must be a multiple of {world}")
     even = (m // world,) * world
     if collective == "reduce_scatter":
-        return with_reduction(Exchange(collective, even, even, m // world), reduction, world, comm_sms)
+        return Exchange(collective, even, even, m // world, reduction)
     if reduction != "nccl":  # (its splits kept: with_reduction)
         plain = exchange(collective, m, world, splits, output_splits, group, device, rows_per_rank=rows_per_rank)
-        return with_reduction(plain, reduction, world, comm_sms)
+        return with_reduction(plain, reduction, world)
     send = even if splits is None else _counts("splits", splits, world)
     if sum(send) != m:
         raise ValueError(f"splits {list(send)} sum to {sum(send)} rows, but a has M={m} rows")
@@ -135,16 +132,13 @@ def _check_reduction(collective: str, reduction: str) -> None:
         )
 
 
-def with_reduction(ex: Exchange, reduction: str, world: int, comm_sms: int | None = None) -> Exchange:
+def with_reduction(ex: Exchange, reduction: str, world: int) -> Exchange:
     """``ex`` (of ``world`` ranks) with ``reduction``, its splits kept (an all-reduce's gathers
-    receive every rank's partial sums); ``comm_sms``: the SMs a pull's sums get beside the GEMM (the
-    config's; None: some), which decides whether they read in place."""
+    receive every rank's partial sums)."""
     _check_reduction(ex.collective, reduction)
-    in_place = reads_in_place(ex.collective, reduction, comm_sms)
     if ex.collective == "all_reduce":
-        recv = (ex.rows,) * (world if reduction != "nccl" else 1)
-        return Exchange(ex.collective, ex.send, recv, ex.rows, reduction, in_place=in_place)
-    return replace(ex, reduction=reduction, in_place=in_place)
+        return Exchange(ex.collective, ex.send, (ex.rows,) * (world if reduction != "nccl" else 1), ex.rows, reduction)
+    return replace(ex, reduction=reduction)
 
 
 def _counts(name: str, values: Sequence[int], world: int) -> tuple[int, ...]:

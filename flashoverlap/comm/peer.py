@@ -81,8 +81,7 @@ class Pulls:
 
     def at(self, rank: int, chunk: torch.Tensor) -> torch.Tensor:
         """Rank ``rank``'s bytes at ``chunk``'s place in its memory, to be read where they are (the
-        sums of ``pull_scatter`` and of a reduce-scatter's pull), on a stream ordered after
-        :meth:`arrivals`' wait for the group."""
+        sums of ``pull_scatter``), on a stream ordered after :meth:`arrivals`' wait for the group."""
         raise NotImplementedError
 
     def mine(self, g: int) -> None:
