@@ -177,7 +177,15 @@ def load(results: Path = HERE) -> list[dict]:
 
 
 def setup(row: dict) -> tuple:
-    return (machine(row["gpu"], row["world"]), row["transport"], row["collective"], row["mode"])
+    """What a current run stands for: machine, transport, collective, mode and operand dtype (an FP8
+    run is no newer run of the bf16 setup)."""
+    return (machine(row["gpu"], row["world"]), row["transport"], row["collective"], row["mode"], row["dtype"])
+
+
+def _what(key: tuple) -> str:
+    """A setup's collective, and its operands' dtype where they are not bf16."""
+    collective, dtype = key[2].replace("_", "-"), key[4]
+    return collective if dtype == "bfloat16" else f"{collective} ({dtype.replace('float8_', 'FP8 ')})"
 
 
 def current(rows: Sequence[dict]) -> dict[tuple, list[dict]]:
@@ -228,10 +236,10 @@ def _volume(shape: str) -> tuple:
 
 
 def describe(key: tuple, rows: Sequence[dict]) -> str:
-    name, transport, collective, mode = key
+    _, transport, _, mode, _ = key
     runs = len({r["run"] for r in rows})
     return (
-        f"{rows[0]['world']}x {_short_gpu(rows[0]['gpu'])}, {collective.replace('_', '-')}, "
+        f"{rows[0]['world']}x {_short_gpu(rows[0]['gpu'])}, {_what(key)}, "
         f"{TRANSPORT_NAMES.get(transport, transport)}, {mode}: {rows[0]['date']} {rows[0]['commit']}, "
         f"median of {runs} run{'s' * (runs > 1)}"
     )
@@ -282,7 +290,7 @@ def table(rows: Sequence[dict], shapes: bool = False) -> str:
         wins = sum(c.get("flashoverlap", math.nan) >= c.get("decomposition", math.inf) for c in cases.values())
         lines.append(
             f"| {group[0]['world']}x {_short_gpu(group[0]['gpu'])} | {TRANSPORT_NAMES.get(key[1], key[1])} "
-            f"| {key[2].replace('_', '-')} | {key[3]} | {cell(_mean(fo))} ({cell(min(fo))}) "
+            f"| {_what(key)} | {key[3]} | {cell(_mean(fo))} ({cell(min(fo))}) "
             f"| {cell(_mean(c.get('efficiency', math.nan) for c in cases.values()), 2)} "
             f"| {cell(_mean(c.get('decomposition', math.nan) for c in cases.values()))} "
             f"| {cell(_mean(c.get('async-tp', math.nan) for c in cases.values()))} "
@@ -309,8 +317,9 @@ def _bars(ax, cases: dict[str, dict[str, float]], title: str) -> None:
 
 
 def plot(rows: Sequence[dict], out: Path) -> list[Path]:
-    """A bar chart per setup of its current runs (``<machine>_<transport>_<collective>_<mode>.png``)
-    and ``summary.png``: the eager all-reduce setups side by side. Returns the files written."""
+    """A bar chart per setup of its current runs (``<machine>_<transport>_<collective>_<mode>.png``,
+    ``_<dtype>`` added for other operands than bf16) and ``summary.png``: the eager bf16 all-reduce
+    setups side by side. Returns the files written."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -323,11 +332,11 @@ def plot(rows: Sequence[dict], out: Path) -> list[Path]:
         fig, ax = plt.subplots(figsize=(min(12.0, 3.0 + 1.0 * len({r["shape"] for r in group})), 4.2))
         _bars(ax, per_shape(group), describe(key, group))
         fig.tight_layout()
-        path = out / ("_".join(key) + ".png")
+        path = out / ("_".join(key[:4]) + ("" if key[4] == "bfloat16" else f"_{key[4]}") + ".png")
         fig.savefig(path, dpi=100)
         plt.close(fig)
         written.append(path)
-    summary = [(key, group) for key, group in groups if key[2] == "all_reduce" and key[3] == "eager"]
+    summary = [(key, group) for key, group in groups if key[2:] == ("all_reduce", "eager", "bfloat16")]
     if summary:
         cols = 2
         rows_n = -(-len(summary) // cols)

@@ -96,17 +96,20 @@ def test_appended_runs_and_which_are_current(tmp_path, capsys):
         for i, t in enumerate((0.8, 0.7))
     ]
     four = write_bench(tmp_path / "four.csv", [bench_row(4096, "registry:{}", 0.85, world=4)])
+    fp8 = write_bench(tmp_path / "fp8.csv", [bench_row(4096, "registry:{}", 0.95, dtype="float8_e4m3fn")])
     base = ["--results", str(store), "append"]
     assert results.main([*base, str(old), "--commit", "c1", "--date", "2026-01-01"]) == 0
     assert results.main([*base, str(branch), "--commit", "c2", "--date", "2026-01-02", "--note", "a branch"]) == 0
     assert results.main([*base, *map(str, new), str(four), "--commit", "c2", "--date", "2026-01-02"]) == 0
+    assert results.main([*base, str(fp8), "--commit", "c3", "--date", "2026-01-03"]) == 0  # no newer bf16 run
     assert sorted(p.name for p in store.glob("*.csv")) == ["h200x2.csv", "h200x4.csv"]
     rows = results.load(store)
     with open(store / "h200x2.csv", newline="") as handle:
         assert csv.DictReader(handle).fieldnames == results.FIELDS
     now = results.current(rows)
-    assert set(now) == {("h200x2", "nvlink", "all_reduce", "eager"), ("h200x4", "nvlink", "all_reduce", "eager")}
-    two = now["h200x2", "nvlink", "all_reduce", "eager"]
+    setups = [(f"h200x{w}", "nvlink", "all_reduce", "eager", "bfloat16") for w in (2, 4)]
+    assert set(now) == {*setups, ("h200x2", "nvlink", "all_reduce", "eager", "float8_e4m3fn")}
+    two = now[setups[0]]
     assert {r["run"] for r in two} == {"new0", "new1"}  # the latest commit's, without the noted branch
     shapes = results.per_shape(two)
     assert list(shapes) == ["1024x8192x8192", "4096x8192x8192"]
@@ -116,12 +119,18 @@ def test_appended_runs_and_which_are_current(tmp_path, capsys):
     assert results.main(["--results", str(store), "table"]) == 0
     text = capsys.readouterr().out
     assert "| 2x H200 | NVLink | all-reduce | eager | 1.339 (1.339) |" in text and "2026-01-02 c2" in text
+    assert "| 2x H200 | NVLink | all-reduce (FP8 e4m3fn) | eager | 1.053 (1.053) |" in text
     assert results.main(["--results", str(store), "table", "--shapes"]) == 0
     assert "median of 2 runs" in capsys.readouterr().out
     pytest.importorskip("matplotlib")
     assert results.main(["--results", str(store)]) == 0
     drawn = sorted(p.name for p in (store / "plots").glob("*.png"))
-    assert drawn == ["h200x2_nvlink_all_reduce_eager.png", "h200x4_nvlink_all_reduce_eager.png", "summary.png"]
+    assert drawn == [
+        "h200x2_nvlink_all_reduce_eager.png",
+        "h200x2_nvlink_all_reduce_eager_float8_e4m3fn.png",
+        "h200x4_nvlink_all_reduce_eager.png",
+        "summary.png",
+    ]
 
 
 def test_committed_results_are_tidy():
@@ -138,4 +147,4 @@ def test_committed_results_are_tidy():
                 assert row["variant"] in results.VARIANTS and float(row["ms"]) > 0, (path, row)
                 assert results.machine(row["gpu"], row["world"]) == path.stem, (path, row)
     now = results.current(results.load(store))
-    assert ("h200x2", "nvlink", "all_reduce", "eager") in now
+    assert ("h200x2", "nvlink", "all_reduce", "eager", "bfloat16") in now
