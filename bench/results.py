@@ -18,8 +18,9 @@ for what a call without ``config=`` ran; ``chunks=N`` for the decomposition); ``
 one invocation share it); ``note`` (empty where the commit's code and configs ran with their
 defaults, else what differed).
 
-The *current* runs of a setup (machine, world, transport, collective, mode) are those of the
-latest commit that measured the registry's picks (a call without ``config=``) with an empty note.
+The *current* runs of a setup (machine, world, transport, collective, mode, operand dtype) are
+those of the latest commit that measured the registry's picks (a call without ``config=``) with an
+empty note (an FP8 run with other than per-tensor scales and promoted sums says so in its note).
 """
 
 from __future__ import annotations

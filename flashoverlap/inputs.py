@@ -46,6 +46,11 @@ class Scales(NamedTuple):
         return self.alpha(), None, None
 
 
+def epilogue(scales: Scales | None) -> tuple[torch.Tensor | None, torch.Tensor | None, torch.Tensor | None]:
+    """What a call's GEMM epilogue reads (:meth:`Scales.epilogue`); nothing for 16-bit operands."""
+    return (None, None, None) if scales is None else scales.epilogue()
+
+
 class Fp8(NamedTuple):
     """What an FP8 call's kernel and plain path rest on besides its operands: its result's dtype,
     whether the tensor cores' partial sums go unpromoted into fp32 accumulators (torch._scaled_mm's

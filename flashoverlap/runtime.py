@@ -19,7 +19,7 @@ import torch.distributed as dist
 
 from . import comm, enqueue, signal, state, watchdog
 from .comm import Exchange
-from .inputs import Fp8, Scales, world_size
+from .inputs import Fp8, Scales, epilogue, world_size
 from .prepared import Prepared
 from .streams import join, lanes, side_stream
 
@@ -102,7 +102,7 @@ def run_overlapped(
     # what changes per call: with the operands, what a replay substitutes; first an FP8 GEMM's scales
     # as its epilogue reads them (alpha, the per-tensor scales' product made on the caller's stream
     # before the GEMM that reads it there; or the rowwise scales themselves), then what it allocates
-    scaled = (None, None, None) if scales is None else scales.epilogue()
+    scaled = epilogue(scales)
     fresh: list[torch.Tensor] = [t for t in scaled if t is not None]
 
     def alloc(shape):

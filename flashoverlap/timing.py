@@ -19,7 +19,7 @@ import torch
 import torch.distributed as dist
 
 from . import comm, signal
-from .inputs import FP8_DTYPES, Scales
+from .inputs import FP8_DTYPES, Scales, epilogue
 
 log = logging.getLogger(__name__)
 
@@ -56,7 +56,7 @@ def kernel_alone(
     set ``i % len(a)``, into a scratch buffer, counters reset after each call (FP8 operands: scaled
     by ``scales``, inputs.Scales.epilogue)."""
     buf = torch.empty(prep.plan.numel, dtype=prep.out_dtype, device=a[0].device)
-    scaled = (None, None, None) if scales is None else scales.epilogue()
+    scaled = epilogue(scales)
 
     def run(i: int) -> None:
         stream = torch.cuda.current_stream()

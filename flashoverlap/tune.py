@@ -151,7 +151,7 @@ def tune_shape(
         raise RuntimeError(f"{m}x{n}x{k}: no candidate could be modelled (see the messages above)")
     plain = candidates.index({}) if {} in candidates and problems[candidates.index({})] is not None else None
     defaults = [prep.plan.partition for prep in preps]
-    finalists = pick_finalists(choices, problems, defaults, top, plain, finalist_kinds(collective, cfgs, patterns))
+    finalists = pick_finalists(choices, problems, defaults, top, plain, finalist_kinds(cfgs, patterns))
     current = _runnable(current, ex, shape, dtype, a[0].device, fp8.fp8)
     rows = _confirm(shape, collective, candidates, finalists, current, a, w, ex, rounds, graphs, fp8)
     if brute_force:
@@ -167,8 +167,8 @@ def tune_shape(
 
 def _widened(candidates, ex, shape, dtype, device, fp8=None) -> tuple[list[dict], list, list]:
     """The candidates (config fields), their configs for the call and their plans, each persistent
-    one also with the widest SM budget at the same wave count: NCCL gets more SMs for free (16 -> 18
-    for the suite's grids on 132 SMs). ``fp8``: FP8 operands' kind."""
+    one also with the widest SM budget at the same wave count: NCCL (or a pull's sums) gets more SMs
+    for free (16 -> 18 for the suite's grids on 132 SMs). ``fp8``: FP8 operands' kind."""
     m, n, k = shape
 
     def planned(cfg):
@@ -187,7 +187,7 @@ def _widened(candidates, ex, shape, dtype, device, fp8=None) -> tuple[list[dict]
     return candidates, cfgs, preps
 
 
-def finalist_kinds(collective: str, cfgs: Sequence[OverlapConfig], patterns: Sequence[str]) -> list[str]:
+def finalist_kinds(cfgs: Sequence[OverlapConfig], patterns: Sequence[str]) -> list[str]:
     """Each candidate's kind for tune_model.pick_finalists (the best predicted of every kind is
     measured): its way of communicating (``patterns``: rules.comm_pattern); for sums that read the
     other ranks' memory in place, with its SM count too: they run faster on more SMs, which the pull

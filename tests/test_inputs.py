@@ -3,7 +3,7 @@
 import pytest
 import torch
 
-from flashoverlap.inputs import Fp8, Scales, check_inputs, check_scales
+from flashoverlap.inputs import Fp8, Scales, check_inputs, check_scales, epilogue
 
 from .helpers import bf16
 
@@ -59,6 +59,7 @@ def test_fp8_operands_take_rowwise_scales_as_scaled_mm():
     per_tensor, _ = check_scales(a, w, "nk", torch.tensor(2.0), torch.tensor(3.0), None)
     alpha, row, col = per_tensor.epilogue()
     assert alpha.item() == 6.0 and row is None and col is None
+    assert epilogue(None) == (None, None, None)  # (16-bit operands: the epilogue reads no scales)
 
 
 @pytest.mark.parametrize(

@@ -106,7 +106,7 @@ def _streams(peers: list, calls: int, targets: tuple[int, ...], adds: str = "cop
     after the GEMM's end; with ``scatter`` then ``summed``); with ``scatter`` a lane per other rank
     for its sums (after the first group's pulls), joined into comm before ``copied``."""
     streams, claims, current = [], {}, [None]
-    scatter = in_place = adds == "scatter"
+    scatter = adds == "scatter"  # (its sums read the others' shares in place)
 
     def record(event, stream):  # Peers.claim's ``claimed``, numbered per rank
         rank = next(p.rank for p in peers if p.claimed is event)
@@ -126,7 +126,7 @@ def _streams(peers: list, calls: int, targets: tuple[int, ...], adds: str = "cop
         mp.setattr(torch.cuda, "is_current_stream_capturing", lambda: False)
         for p in peers:
             comm, gemm, finish = (_Stream(ops=[]) for _ in range(3))
-            several = len(p.others) > 1 and not in_place  # (reads in place: their waits on comm, no copies there)
+            several = len(p.others) > 1 and not scatter  # (reads in place: their waits on comm, no copies there)
             lanes = tuple(_Stream(ops=[]) for _ in p.others) if several else ()
             sum_lanes = tuple(_Stream(ops=[]) for _ in p.others) if scatter else ()
             p.lanes = tuple(SimpleNamespace(cuda_stream=lane) for lane in lanes)
@@ -144,7 +144,7 @@ def _streams(peers: list, calls: int, targets: tuple[int, ...], adds: str = "cop
                     gemm.ops += [("rows", p.rank, g, call), ("count", p._flag(p.rank, g), target)]
                     on(comm)
                     for r, _ in p.arrivals(g, p.memory[p.flag_bytes :]):
-                        if not in_place:
+                        if not scatter:
                             current[0].ops.append(("copy", r, g, call))
                     for j, lane in enumerate(lanes):
                         lane.ops.append(("event", (p.rank, call, g, j)))
@@ -155,7 +155,7 @@ def _streams(peers: list, calls: int, targets: tuple[int, ...], adds: str = "cop
                         finish.ops.append(("after", (p.rank, call, "gemm done")))
                     comm.ops.append(("event", (p.rank, call, g)))
                     finish.ops += [("after", (p.rank, call, g)), ("copy", p.rank, g, call)]
-                    if in_place:  # the others' rows read where they are by the add
+                    if scatter:  # the others' rows read where they are by the add
                         finish.ops += [("copy", r, g, call) for r in p.others]
                     if scatter:
                         on(finish).append(("sum", p.rank, g, call))
@@ -171,7 +171,7 @@ def _streams(peers: list, calls: int, targets: tuple[int, ...], adds: str = "cop
                     lane.ops.append(("event", (p.rank, call, "summed", j)))
                     comm.ops.append(("after", (p.rank, call, "summed", j)))
                     gemm.ops.append(("after", (p.rank, call, "summed", j)))
-                if in_place:
+                if scatter:
                     comm.ops.append(("after", (p.rank, call, "finished")))
                 on(comm)
                 p.copied()

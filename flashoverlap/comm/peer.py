@@ -9,16 +9,16 @@ the GEMM writes its groups into memory every rank maps (torch symmetric memory: 
 NVLink or PCIe P2P), each rank copies the other ranks' partial sums of a group into its own
 memory once they say the group is there, and adds them to its own (comm.finish_group) on the SMs
 the GEMM leaves (``comm_sms``) or as it retires; a reduce-scatter / all-to-all takes its own
-segment's rows only (comm._pull_segment: an all-to-all copies them, a reduce-scatter sums them
-where they are, as below, or, with no SM beside the GEMM, copies them and sums the copies after
-it). With ``reduction: pull_scatter`` each rank adds only its share of each
-group (a reduce-scatter), reading the other ranks' partial sums of it straight out of their memory
-(SM loads over NVLink, :meth:`Pulls.at`: one kernel reads every link at once, where copies into
-staging queued one after another on a copy engine and the sum then read them again; on 4x H200
-beside a GEMM, a 16 MiB group's reduce-scatter ended 0.18 ms after the GEMM's start this way on 16
-SMs against 0.28 copied first, bench/peer_sum_probe.py), and then copies the other ranks' summed
-shares out of their memory (an all-gather): 2 (w - 1) / w of a group per rank, where copying every
-rank's whole group is w - 1 (the same on two ranks, 3 against 1.5 on four), and 1 / w of the adds.
+segment's rows only (comm._pull_segment: an all-to-all copies them into place, a reduce-scatter
+copies them and sums the copies on the SMs the GEMM leaves, or after it). With ``reduction:
+pull_scatter`` each rank adds only its share of each group (a reduce-scatter), reading the other
+ranks' partial sums of it straight out of their memory (SM loads over NVLink, :meth:`Pulls.at`:
+one kernel reads every link at once, where copies into staging queued one after another on a copy
+engine and the sum then read them again; on 4x H200 beside a GEMM, a 16 MiB group's reduce-scatter
+ended 0.18 ms after the GEMM's start this way on 16 SMs against 0.28 copied first,
+bench/peer_sum_probe.py), and then copies the other ranks' summed shares out of their memory (an
+all-gather): 2 (w - 1) / w of a group per rank, where copying every rank's whole group is w - 1
+(the same on two ranks, 3 against 1.5 on four), and 1 / w of the adds.
 Ordered by stream memory operations (no SM, no host):
 each rank writes its own memory and waits on the others' (a wait on another GPU's memory over
 NVLink answered in ~5 us on 2x H200, one on the GPU's own memory in ~9), so in
@@ -62,8 +62,8 @@ COUNTERS, SUMMED, DONE = 0, MAX_GROUPS, 2 * MAX_GROUPS
 class Pulls:
     """What comm's pulls need of a group of ranks: ``rank``, ``world``, ``others`` (every rank but
     this one), :meth:`arrivals`, :meth:`mine`, :meth:`arrived` and :meth:`at` (sums that read in
-    place: ``pull_scatter``, a reduce-scatter's pull with SMs beside the GEMM) and (``pull_scatter``) :meth:`summed` and
-    :meth:`sums`; :class:`Peers` on GPUs, :class:`Gathered` on gloo."""
+    place: ``pull_scatter``'s) and (``pull_scatter``) :meth:`summed` and :meth:`sums`;
+    :class:`Peers` on GPUs, :class:`Gathered` on gloo."""
 
     rank: int
     world: int
