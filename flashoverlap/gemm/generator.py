@@ -261,9 +261,19 @@ using Gemm = cutlass::gemm::device::GemmUniversalAdapter<Kernel>;
 """
 
 
+# Most warps per CTA of an FP8 tile in 64x32 warps: their 226 registers a thread (ptxas, sm_89)
+# for 256 threads fill the register file once
+SM80_FP8_WARPS = 8
+
+
 def _generate_sm80(spec: GemmSpec) -> str:
     warp_m, warp_n = min(64, spec.tile_m // 2), min(64, spec.tile_n // 2)
     fp8 = spec.input_dtype in FP8_DTYPES
+    if fp8 and (spec.tile_m // warp_m) * (spec.tile_n // min(warp_n, 32)) <= SM80_FP8_WARPS:
+        # 64x64 warps of 8-bit operands spill (128x128x64: 255 registers and 716 bytes of spills a
+        # thread, sm_89; 64x32: 226 registers, none); larger tiles keep them (16 such warps would need
+        # twice the register file)
+        warp_n = min(warp_n, 32)
     stage_bytes = (spec.tile_m + spec.tile_n) * spec.tile_k * (1 if fp8 else 2)
     stages = max(2, min(4, SM80_SMEM_BUDGET // stage_bytes))
     # FP8 operands: Ada's mma.sync.m16n8k32 (CUTLASS's Sm89 path), 16-element (16-byte) loads. The
