@@ -161,38 +161,34 @@ def check_scales(
     rows = {"scale_a": (a.shape[0], 1), "scale_b": (1, weight.shape[0])}  # rowwise: [M, 1] and [1, N]
     rowwise = any(isinstance(t, torch.Tensor) and t.numel() != 1 for t in given.values())
     for name, t in given.items():
-        if rowwise:
-            _check_rowwise(name, t, rows[name], a.device)
-        else:
-            check_scale(name, t, a.device)
+        taken = "rowwise scales are scale_a [M, 1] and scale_b [1, N], float32 (or both one value per tensor): "
+        shapes = (rows[name],) if rowwise else None
+        check_scale(name, t, a.device, shapes=shapes, taken=f"{taken}{name} should be float32 {list(rows[name])}")
     if rowwise and out_dtype != torch.bfloat16:
         raise ValueError(f"rowwise scales give a bfloat16 result (as torch._scaled_mm's), got out_dtype {out_dtype}")
     return Scales(scale_a, scale_b, rowwise), Fp8(out_dtype, use_fast_accum, rowwise)
 
 
-def _check_rowwise(name: str, t: object, shape: tuple[int, int], device: torch.device) -> None:
-    """One of a call's rowwise FP8 scales: a contiguous float32 tensor of ``shape`` on ``device``."""
+def check_scale(
+    name: str,
+    t: object,
+    device: torch.device,
+    whose: str = "the operands'",
+    shapes: tuple[tuple[int, ...], ...] | None = None,
+    taken: str = "",
+) -> None:
+    """One FP8 scale on ``device`` (``whose`` device that is, for the message): a float32 tensor of
+    one value (per tensor), or with ``shapes`` a contiguous float32 tensor of one of them (rowwise,
+    per channel; ``taken``: what the error says is taken)."""
     if not isinstance(t, torch.Tensor):
         raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
-    if t.dtype != torch.float32 or tuple(t.shape) != shape:
-        raise ValueError(
-            f"rowwise scales are scale_a [M, 1] and scale_b [1, N], float32 (or both one value per tensor): "
-            f"{name} should be float32 {list(shape)}, got {t.dtype} {list(t.shape)}"
-        )
-    if not t.is_contiguous():
-        raise ValueError(f"{name} must be contiguous")
-    if t.device != device:
-        raise ValueError(f"{name} is on {t.device}, expected {device} (the operands' device)")
-
-
-def check_scale(name: str, t: object, device: torch.device, whose: str = "the operands'") -> None:
-    """One per-tensor FP8 scale: a float32 tensor of one value on ``device`` (``whose`` device that
-    is, for the message)."""
-    if not isinstance(t, torch.Tensor):
-        raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
-    if t.dtype != torch.float32 or t.numel() != 1:
+    if shapes is None and (t.dtype != torch.float32 or t.numel() != 1):
         raise ValueError(
             f"{name} must be one float32 value (a per-tensor scale), got {t.dtype} of shape {tuple(t.shape)}"
         )
+    if shapes is not None and (t.dtype != torch.float32 or tuple(t.shape) not in shapes):
+        raise ValueError(f"{taken}, got {t.dtype} of shape {tuple(t.shape)}")
+    if shapes is not None and not t.is_contiguous():
+        raise ValueError(f"{name} must be contiguous")
     if t.device != device:
         raise ValueError(f"{name} is on {t.device}, expected {device} ({whose} device)")

@@ -228,10 +228,12 @@ class RowParallelLinear(_ParallelLinear):
         if not weight.is_contiguous():
             raise ValueError("weight must be contiguous ([out_features, in_features], row-major)")
         channels = isinstance(weight_scale, torch.Tensor) and weight_scale.numel() != 1
-        if channels:
-            _check_channel_scales(weight_scale, out_features, weight.device)
-        else:
-            check_scale("weight_scale", weight_scale, weight.device, "the weight's")
+        taken = (
+            f"weight_scale must be one float32 value (per tensor) or float32 [{out_features}, 1] / "
+            f"[{out_features}] (per output channel)"
+        )
+        shapes = ((out_features, 1), (out_features,)) if channels else None
+        check_scale("weight_scale", weight_scale, weight.device, "the weight's", shapes, taken)
         if input_scale is not None:  # (none: quantized as it comes)
             check_scale("input_scale", input_scale, weight.device, "the weight's")
         if out_dtype not in DTYPES:
@@ -322,20 +324,6 @@ class RowParallelLinear(_ParallelLinear):
     def extra_repr(self) -> str:
         fp8 = f", {FP8} weight, {self.out_dtype} out" if self.fp8 else ""
         return super().extra_repr() + fp8
-
-
-def _check_channel_scales(t: torch.Tensor, out_features: int, device: torch.device) -> None:
-    """An FP8 weight's per-channel scales: float32 [out_features, 1] or [out_features], contiguous, on
-    the weight's device."""
-    if t.dtype != torch.float32 or tuple(t.shape) not in ((out_features, 1), (out_features,)):
-        raise ValueError(
-            f"weight_scale must be one float32 value (per tensor) or float32 [{out_features}, 1] / "
-            f"[{out_features}] (per output channel), got {_described(t)}"
-        )
-    if not t.is_contiguous():
-        raise ValueError("weight_scale must be contiguous")
-    if t.device != device:
-        raise ValueError(f"weight_scale is on {t.device}, the weight on {device}")
 
 
 def _described(t: object) -> str:

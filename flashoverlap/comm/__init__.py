@@ -272,8 +272,8 @@ def buffers(
     size] each); in the ``rows`` layout, the partial sums a reduce-scatter receives beyond the first
     (which lands in ``out``): world - 2 segments, else None; in the ``segments`` layout None for a
     reduce-scatter (by pulls the rows copied from each rank, [world, rows * n] by source), for an
-    all-to-all the rows
-    received, group by group ([world, group rows] each), but None by pulls (they land in ``out``)).
+    all-to-all the rows received, group by group ([world, group rows] each), but None by pulls (they
+    land in ``out``)).
     ``alloc(shape)`` makes a tensor."""
     out = alloc((ex.rows, plan.n))
     if ex.collective == "all_reduce":
