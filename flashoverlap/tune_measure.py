@@ -7,6 +7,7 @@ for the host's time; every rank measures the same variants in the same order (ti
 from __future__ import annotations
 
 import functools
+import math
 import statistics
 import time
 
@@ -16,13 +17,17 @@ import torch.distributed as dist
 from . import comm, overlap
 from .config import resolve
 from .inputs import FP8_DTYPES
-from .plan import make_plan
+from .plan import Plan, make_plan
 from .prepared import prepare
 from .rules import for_call
 from .timing import time_variants
 from .tune_model import CommModel, HostModel, fit_comm, fit_host
 
 COMM_SIZES_MB = (1, 2, 4, 8, 16, 32, 64)
+# Groups a measured pull call copies between two claims: a call claims once and pulls every group,
+# so the claim's waits and flags are a call's, not a group's (measured one group per claim, the
+# model priced 16384x8192x4096's 17 groups at 4.4 ms where they ran in 1.9 on four H200s)
+PULL_GROUPS = 8
 
 
 @functools.cache
@@ -46,16 +51,19 @@ def local_model(collective: str, dtype, rounds: int) -> CommModel:
     return fit_sizes(f"local {collective}", make, rounds)
 
 
-def fit_sizes(label: str, make, rounds: int) -> CommModel:
+def fit_sizes(label: str, make, rounds: int, graphs: bool = False) -> CommModel:
     """:func:`fit_comm` of what ``make(mb)`` returns, a (timing variant, bytes) pair for each of
     COMM_SIZES_MB, measured together; named by ``label``, so that ranks measuring different
-    things fail in time_variants instead of deadlocking."""
+    things fail in time_variants instead of deadlocking. ``graphs``: timed as CUDA-graph replays
+    (the GPU's time alone), eagerly where a variant could not be captured."""
 
     variants, sizes = {}, []
     for mb in COMM_SIZES_MB:
         variants[f"{label} {mb}MB"], nbytes = make(mb)
         sizes.append(nbytes)
-    times = time_variants(variants, rounds, 4, 2)
+    times = time_variants(variants, rounds, 4, 2, graphs=graphs)
+    if graphs and any(math.isnan(t) for t in times.values()):  # (alike on every rank: NaN everywhere)
+        times = time_variants(variants, rounds, 4, 2)
     return fit_comm(sizes, [times[name] for name in variants])
 
 
@@ -107,21 +115,34 @@ def comm_model(pattern: str, comm_sms: int, dtype, rounds: int, symmetric: bool 
 
 @functools.cache
 def pull_model(dtype, rounds: int, reduction: str = "pull") -> CommModel:
-    """Time by size of a ``pull`` / ``pull_scatter`` all-reduce's group (:func:`_pulls`), measured
-    once per run, alone (on every SM). A reduce-scatter's pull is priced from the ``pull`` all-reduce's
-    copies (its rows are copied too, then summed locally: tune_predict.pull_counts' share)."""
-    return fit_sizes(reduction, _pulls(dtype, reduction), rounds)
+    """Time by size of a ``pull`` / ``pull_scatter`` all-reduce's group, measured once per run, alone
+    (on every SM), as :data:`PULL_GROUPS` groups of a call (:func:`_pulls`) replayed as a CUDA graph:
+    a call's host enqueues its groups while its GEMM runs, so only the GPU's time counts, and one
+    claim per call. A reduce-scatter's pull is priced from the ``pull`` all-reduce's copies (its rows
+    are copied too, then summed locally: tune_predict.pull_counts' share)."""
+    calls = fit_sizes(reduction, _pulls(dtype, reduction), rounds, graphs=True)  # (bytes: of a call's groups)
+    per = 1.0 / PULL_GROUPS
+    return CommModel(calls.latency_ms * per, calls.bytes_per_ms, tuple((b * per, t * per) for b, t in calls.points))
+
+
+def pull_plan(numel: int) -> Plan:
+    """The groups :func:`_pulls` measures ``numel`` elements in: :data:`PULL_GROUPS` equal row bands
+    (1024-element rows, one wave of 64-row tiles each)."""
+    rows = numel // 1024
+    return make_plan(
+        rows, 1024, tile_m=64, tile_n=1024, cluster_m=1, ctas=rows // 64 // PULL_GROUPS, partition=(1,) * PULL_GROUPS
+    )
 
 
 def _pulls(dtype, reduction: str = "pull"):
-    """``make(mb)`` for :func:`fit_sizes`: the copies a ``pull`` all-reduce makes of one group of
-    that size, with the waits that order them (comm._pull, comm.peer.Peers.arrivals), in memory of its
-    own, each time claimed, counted (as the GEMM would) and released as a call does (Peers.claim /
-    mark / copied): without that a rank ran a measurement ahead, set a flag the other had not cleared
-    yet (one signal lost), and the other waited for it forever (the tuner hung so on 2x H100 and
-    2x H200). A ``pull_scatter``'s one group: the waits, its share's sum reading the other ranks'
-    memory in place and the other shares' copies, one after another (comm.communicate_group,
-    finish_group, gather_group)."""
+    """``make(mb)`` for :func:`fit_sizes`: the copies a ``pull`` all-reduce makes of
+    :data:`PULL_GROUPS` groups of that size together, with the waits that order them (comm._pull,
+    comm.peer.Peers.arrivals), in memory of its own, each group counted (as the GEMM would) and the
+    call claimed and released as a call is (Peers.mark / copied / claim): without that a rank ran a
+    measurement ahead, set a flag the other had not cleared yet (one signal lost), and the other
+    waited for it forever (the tuner hung so on 2x H100 and 2x H200). A ``pull_scatter``'s groups:
+    the waits, each share's sum reading the other ranks' memory in place and the other shares'
+    copies (comm.communicate_group, finish_group, gather_group)."""
 
     device, elem = torch.device("cuda", torch.cuda.current_device()), torch.finfo(dtype).bits // 8
 
@@ -129,21 +150,21 @@ def _pulls(dtype, reduction: str = "pull"):
         peers = comm.peer.Peers(dist.group.WORLD, device)  # (collective: every rank makes the same sizes)
         chunk = peers.buffer((mb << 20) // elem, dtype).copy_(torch.randn((mb << 20) // elem, device=device))
         into = torch.empty(peers.world, chunk.numel(), dtype=dtype, device=device)
-        peers.targets = (1,)
-        # one group of 1024-element rows: a plan of one wave
-        plan = make_plan(chunk.numel() // 1024, 1024, tile_m=128, tile_n=128, cluster_m=1, ctas=1 << 20, layout="rows")
+        plan = pull_plan(chunk.numel())
+        peers.targets = (1,) * plan.num_groups
         ex = comm.exchange("all_reduce", plan.m, peers.world, reduction=reduction)
         _, _, recv = comm.buffers(ex, plan, lambda shape: torch.empty(shape, dtype=dtype, device=device), chunk)
         out = torch.empty(plan.m, plan.n, dtype=dtype, device=device)
 
         def call(i: int) -> None:
-            peers.mark(0)
-            if reduction == "pull":
-                comm._pull(peers, 0, chunk, into)
-            else:
-                comm.communicate_group(ex, plan, 0, chunk, recv, out, peers)
-                comm.finish_group(ex, plan, 0, chunk, recv, out, peers)
-                comm.gather_group(ex, plan, 0, chunk, out, peers)
+            for g, (lo, hi) in enumerate(zip(plan.bounds, plan.bounds[1:])):
+                peers.mark(g)
+                if reduction == "pull":
+                    comm._pull(peers, g, chunk[lo:hi], into[:, lo:hi])
+                else:
+                    comm.communicate_group(ex, plan, g, chunk, recv, out, peers)
+                    comm.finish_group(ex, plan, g, chunk, recv, out, peers)
+                    comm.gather_group(ex, plan, g, chunk, out, peers)
             peers.copied()
             peers.claim()
 
