@@ -18,9 +18,14 @@ memory, mapped as comm/peer.py maps it). Variants, timed on every rank:
   torch-rs    torch's own SM-load reduce-scatter (torch.ops.symm_mem.reduce_scatter_out), where
               torch has it: a tuned kernel on the same kind of memory (it barriers the ranks itself)
   gather:ce   the all-gather half: the w-1 owners' shares copied out of their memory (copy engine)
+  gather:lanes the same, each owner's copy on a stream of its own (do the copies overlap?)
+  gather:push the same moved the other way: each owner copies its share into the w-1 other ranks'
+              memory, a stream per destination (do pushes spread over more copy engines than pulls?)
   gather:sm   the same by SM loads: fo_sum with one input per owner (alone only)
+  sum:local   the copied reduce-scatter's sum alone: fo_sum of the w slices in local memory (its
+              rate beside the GEMM per SM is tune_predict's add_bytes_per_ms_per_sm)
 
-each alone on an idle GPU and (all but the gathers) beside the signal GEMM (--shape, bf16, on every
+each alone on an idle GPU and (all but gather:sm) beside the signal GEMM (--shape, bf16, on every
 SM but comm_sms), started with it on another stream. Every round is barrier-aligned over the ranks;
 medians over rounds, the slowest rank's median. Printed: ms (beside: when the op ends, from the
 GEMM's start, and the GEMM's own time against its time alone) and GB/s ((w-1)/w S read per rank).
@@ -113,18 +118,33 @@ def measure(cases: dict, rounds: int, warmup: int, side: torch.cuda.Stream) -> d
     return {name: tuple(slowest[v].tolist()) for v, name in enumerate(names)}
 
 
+def on_lanes(lanes: list[torch.cuda.Stream], copies: list[tuple[torch.Tensor, torch.Tensor]]) -> None:
+    """Each (source, destination) copy on a lane of its own, all after and before the current stream's work."""
+    current = torch.cuda.current_stream()
+    for lane, (src, dst) in zip(lanes, copies):
+        lane.wait_stream(current)
+        with torch.cuda.stream(lane):
+            dst.copy_(src)
+    for lane in lanes[: len(copies)]:
+        current.wait_stream(lane)
+
+
 def check(name: str, op, outs: list[torch.Tensor], want: torch.Tensor, tol: float) -> None:
-    """Run ``op`` once (``outs`` NaN before); raise on every rank where some rank's ``outs`` (concatenated)
-    are off ``want`` by more than ``tol`` (relative, in norm)."""
+    """Run ``op`` once (``outs`` NaN before, on every rank before any runs it: other ranks may write
+    them); raise on every rank where some rank's ``outs`` (concatenated) are off ``want`` by more than
+    ``tol`` (relative, in norm)."""
     for out in outs:
         out.fill_(float("nan"))
+    torch.cuda.synchronize()
+    dist.barrier()
     op()
     torch.cuda.synchronize()
+    dist.barrier()
     got = torch.cat([out.float() for out in outs])
     err = ((got - want).norm() / want.norm()).nan_to_num(float("inf")).reshape(1)
     dist.all_reduce(err, op=dist.ReduceOp.MAX)
     if dist.get_rank() == 0:
-        print(f"  checked {name:10s} relative error {err.item():.2e}", flush=True)
+        print(f"  checked {name:12s} relative error {err.item():.2e}", flush=True)
     if not err.item() <= tol:
         raise AssertionError(f"{name}: relative error {err.item():.3g} over {tol}")
 
@@ -171,19 +191,31 @@ def size_cases(numel: int, gemms: dict, groups: dict) -> tuple[dict, dict, tuple
             del ops[name]
     if torch_rs is not None:
         rs_in.zero_()
+    # pushes: each rank's own share into the others' symmetric buffers, where pulls would have read it
+    pushed, push_handle, their_pushed = symmetric(numel)
+    keep += (push_handle,)
+    lanes = [torch.cuda.Stream() for _ in others]
+    pushes = [(mine[sl], their_pushed[q][sl]) for q in others]
     gathers = {
         "gather:ce": lambda: [dst.copy_(src) for src, dst in owned],
+        "gather:lanes": lambda: on_lanes(lanes, owned),
+        "gather:push": lambda: on_lanes(lanes, pushes),
         "gather:sm": lambda: [fo_sum(dst, [src]) for src, dst in owned],
     }
     want = torch.cat([rank_data(q, numel)[q * share : (q + 1) * share].float() for q in others])
     for name, op in gathers.items():
-        check(name, op, [dst for _, dst in owned], want, 0.0)
-    alone = {name: (op, None) for name, op in {**ops, **gathers}.items()}
+        outs = [pushed[q * share : (q + 1) * share] for q in others] if name == "gather:push" else [d for _, d in owned]
+        check(name, op, outs, want, 0.0)
+    for j, q in enumerate(others):  # (the copies the local sum adds)
+        staging[j].copy_(rows[q])
+    sums = {"sum:local": lambda: fo_sum(result, [mine[sl], *staging])}
+    alone = {name: (op, None) for name, op in {**ops, **gathers, **sums}.items()}
     beside = {}
     for c, gemm in gemms.items():
         beside[c] = {"gemm alone": (None, gemm)}
-        for name, op in ops.items():
-            beside[c][name] = (functools.partial(op, groups[c]) if name == "nccl-rs" else op, gemm)
+        for name, op in {**ops, **gathers, **sums}.items():
+            if name != "gather:sm":
+                beside[c][name] = (functools.partial(op, groups[c]) if name == "nccl-rs" else op, gemm)
     return alone, beside, keep
 
 
@@ -226,7 +258,7 @@ def main() -> None:
         say(f"S = {mib} MiB per rank, share {mib / world:g} MiB, {moved / 2**20:g} MiB read per rank", flush=True)
         alone, beside, _keep = size_cases(numel, gemms, groups)
         for name, (op_ms, _) in measure(alone, args.rounds, args.warmup, side).items():
-            say(f"  alone   {name:10s} {op_ms:7.3f} ms {moved / op_ms / 1e6:6.0f} GB/s", flush=True)
+            say(f"  alone   {name:12s} {op_ms:7.3f} ms {moved / op_ms / 1e6:6.0f} GB/s", flush=True)
         for c, cases in beside.items():
             times = measure(cases, args.rounds, args.warmup, side)
             base = times["gemm alone"][1]
@@ -234,7 +266,7 @@ def main() -> None:
             for name, (op_ms, gemm_ms) in times.items():
                 if name != "gemm alone":
                     say(
-                        f"  {c:2d} SMs  {name:10s} done {op_ms:7.3f} ms after the GEMM's start "
+                        f"  {c:2d} SMs  {name:12s} done {op_ms:7.3f} ms after the GEMM's start "
                         f"({moved / op_ms / 1e6:5.0f} GB/s), GEMM {gemm_ms:7.3f} ms ({gemm_ms / base - 1:+.1%})",
                         flush=True,
                     )
