@@ -125,7 +125,7 @@ class OverlapConfig:
         except yaml.YAMLError as exc:
             raise ValueError(f"{path}: malformed YAML: {exc}") from None
         data = data if data is not None else {}
-        return cls.from_dict(_with_fp8_tiles(data) if fp8 else data, source=path)
+        return cls.from_dict(with_fp8_tiles(data) if fp8 else data, source=path)
 
 
 def _problems(cfg: OverlapConfig) -> list[str]:
@@ -242,7 +242,7 @@ def _typed(value: Any) -> Any:
 FP8_TILES = {"tile_m": 256, "tile_n": 128}
 
 
-def _with_fp8_tiles(data: Any) -> Any:
+def with_fp8_tiles(data: Any) -> Any:
     """A config mapping for a call with FP8 operands: FP8's tiles where it names neither."""
     if isinstance(data, Mapping) and "tile_m" not in data and "tile_n" not in data:
         return {**FP8_TILES, **data}
@@ -261,7 +261,7 @@ def resolve(
         return config
     if isinstance(config, Mapping):
         if fp8:
-            config = _with_fp8_tiles(config)
+            config = with_fp8_tiles(config)
         try:
             key = tuple(sorted((k, _typed(v)) for k, v in config.items()))
             hash(key)

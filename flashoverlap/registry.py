@@ -43,7 +43,7 @@ from typing import TYPE_CHECKING, Any, NamedTuple
 import yaml
 
 from . import state
-from .config import OverlapConfig
+from .config import OverlapConfig, with_fp8_tiles
 from .rules import COLLECTIVES, resolutions, takes_every_call
 
 if TYPE_CHECKING:
@@ -117,8 +117,10 @@ def _entry(item: Any, gpu: str, world: int, where: str) -> Entry:
         and all(isinstance(v, int) and not isinstance(v, bool) and v > 0 for v in shape)
     ):
         raise ValueError(f"{where}: shape must be [M, N, K] of positive integers, got {shape!r}")
-    config = _config(item.get("config", {}), item["collective"], f"{where}: config")
-    fallback = _config(item["fallback"], item["collective"], f"{where}: fallback") if "fallback" in item else None
+    # an FP8 entry naming no tile was tuned in FP8's (config.resolve): read back in them too
+    fp8 = item["dtype"].startswith("float8")
+    config = _config(item.get("config", {}), item["collective"], f"{where}: config", fp8)
+    fallback = _config(item["fallback"], item["collective"], f"{where}: fallback", fp8) if "fallback" in item else None
     if fallback is not None and not takes_every_call(fallback, item["collective"]):
         raise ValueError(
             f"{where}: fallback is for calls the entry's config cannot carry: it must carry every call "
@@ -138,9 +140,10 @@ def _entry(item: Any, gpu: str, world: int, where: str) -> Entry:
     )
 
 
-def _config(data: Any, collective: str, where: str) -> OverlapConfig:
-    """An entry's config (or fallback), valid for its collective."""
-    config = OverlapConfig.from_dict(data, source=where)
+def _config(data: Any, collective: str, where: str, fp8: bool = False) -> OverlapConfig:
+    """An entry's config (or fallback), valid for its collective (``fp8``: of an FP8 entry, FP8's
+    tiles where it names neither, as config.resolve gives a call's mapping)."""
+    config = OverlapConfig.from_dict(with_fp8_tiles(data) if fp8 else data, source=where)
     try:
         resolutions(config, collective)
     except ValueError as exc:

@@ -86,6 +86,19 @@ def test_malformed_yaml_is_named(tmp_path):
         registry.load([path])
 
 
+def test_fp8_entries_naming_no_tile_take_fp8_tiles(tmp_path):
+    """The tuner measures an FP8 candidate naming no tile in FP8's tiles (config.resolve) and writes
+    it as it was named: read back, it must be the kernel that was measured, not the 16-bit default."""
+    fp8 = {**ENTRY, "dtype": "float8_e4m3fn", "config": {"reduction": "pull", "partition": [1, 2, 2, 2, 1]}}
+    named = {**fp8, "shape": [8192, 8192, 8192], "config": {"tile_m": 128, "tile_n": 256}, "fallback": {}}
+    data = {"gpu": "H200", "world": 2, "entries": [ENTRY, fp8, named]}
+    plain, tuned, own = registry.load([write(tmp_path, data)])
+    assert (plain.config.tile_m, plain.config.tile_n) == (OverlapConfig().tile_m, OverlapConfig().tile_n)
+    assert (tuned.config.tile_m, tuned.config.tile_n) == (256, 128) and tuned.config.partition == (1, 2, 2, 2, 1)
+    assert (own.config.tile_m, own.config.tile_n) == (128, 256)
+    assert (own.fallback.tile_m, own.fallback.tile_n) == (256, 128)
+
+
 def test_single_config_files_are_not_registry_files():
     assert registry.load([registry.SHIPPED / "example.yaml"]) == []
 
