@@ -281,11 +281,11 @@ def _confirm(shape, collective, candidates, finalists, current, a, w, ex, rounds
     variants = {"seq": lambda i: sequential(a[i % sets], w[i % sets], "nk", ex, None, fp8.scales, fp8.fp8)}
     tuned = [{**candidates[j], "partition": list(choice.partition)} for choice, j in finalists]
     for f, config in enumerate(tuned):  # one candidate may come twice (defaults)
-        variants[f"fo{f}"] = lambda i, config=config: overlapped(a[i % sets], w[i % sets], config=config, **fp8.kwargs)
+        variants[f"fo{f}"] = _call(overlapped, a, w, config, fp8)
     if current in tuned:
         current = None
     if current is not None:
-        variants["current"] = lambda i: overlapped(a[i % sets], w[i % sets], config=current, **fp8.kwargs)
+        variants["current"] = _call(overlapped, a, w, current, fp8)
     what = "best predicted overall and of each kind, defaults" + (", the registry's" if current is not None else "")
     _progress(f"{m}x{n}x{k}: measuring {len(finalists)} finalists ({what}) against sequential")
     measured = time_variants(variants, 2 * rounds, 8, 3, graphs=graphs)
@@ -347,6 +347,15 @@ def config_to_write(rows: list[dict], margin: float) -> tuple[dict, float]:
 BRUTE_BATCH = 32  # variants per timing batch: their plans stay cached (state.MAX_PLANS)
 
 
+def _call(overlapped, a: list, w: list, config: dict, fp8):
+    """A timing variant ``i -> overlapped(a[i], w[i])`` (rotated) with ``config``, resolved once as a
+    registry entry is: a repeat then takes the call's fast path, as a user's call without ``config=``
+    does. (Passed as a mapping it would be resolved and decided again on every call: host time a
+    user's repeated call does not pay.)"""
+    cfg, sets = resolve(config, fp8.fp8 is not None), len(a)
+    return lambda i: overlapped(a[i % sets], w[i % sets], config=cfg, **fp8.kwargs)
+
+
 def _brute_force(shape, collective, candidates, preps, max_groups, a, w, rounds, ex, graphs, fp8) -> tuple[float, str]:
     """Best measured (time / sequential time, config JSON) over every candidate and every partition
     of up to ``max_groups`` groups; sequential runs in every batch, so drift cancels in the ratio
@@ -365,7 +374,7 @@ def _brute_force(shape, collective, candidates, preps, max_groups, a, w, rounds,
         _progress(f"{m}x{n}x{k}: brute force {start + len(batch)}/{len(tried)}")
         variants = {"seq": lambda i: sequential(a[i % sets], w[i % sets], "nk", ex, None, fp8.scales, fp8.fp8)}
         for b, cfg in enumerate(batch):
-            variants[f"b{b}"] = lambda i, cfg=cfg: overlapped(a[i % sets], w[i % sets], config=cfg, **fp8.kwargs)
+            variants[f"b{b}"] = _call(overlapped, a, w, cfg, fp8)
         times = time_variants(variants, rounds, 4, 2, graphs=graphs)
         for b, cfg in enumerate(batch):
             best = min(best, (times[f"b{b}"] / times["seq"], json.dumps(cfg, sort_keys=True)))
