@@ -197,7 +197,7 @@ def _decide(
         preps = [planned(cfg)]
         if explicit is None and preps[0].plan.num_groups == 1:  # nothing to overlap: it would only add host time
             return plain(f"{source} make one group, nothing to overlap")
-        candidates, preps = _candidates(cfg, preps, planned, start.timed, collective, shape, full, a.device)
+        candidates, preps = _candidates(cfg, preps, planned, start.timed, ex, shape, full, a.device)
         exes = [comm.with_reduction(ex, c.reduction, world) for c in candidates]
         for c, prep, e in zip(candidates, preps, exes):
             call = (collective, "ragged" if ex.ragged else m, n, k, a.dtype, fp8, weight_layout, a.device.index, c)
@@ -353,7 +353,7 @@ def _candidates(
     preps: list[Prepared],
     planned: Callable[[OverlapConfig], Prepared],
     timed: bool,
-    collective: str,
+    ex: Exchange,
     shape: tuple[int, int, int],
     full: dist.ProcessGroup,
     device: torch.device,
@@ -361,21 +361,29 @@ def _candidates(
     """The configs a call may run, and their plans: ``cfg`` (planned: ``preps``), and where the call
     is timed the same with NCCL's SMs taken differently (rules.alternative) and, where the ranks
     can pull, as a pull (rules.pulled; where its sums read the others' memory in place, also with
-    more SMs for them: rules.wider_reads); only those of more than one group. On the shape every rank
-    decides on: candidates that differ by rank would hang in NCCL."""
-    candidates = [cfg]
+    more SMs for them: rules.wider_reads); only those that carry the call (rules.carries: a pull's
+    layout may not) in more than one group. On the shape every rank decides on: candidates that
+    differ by rank would hang in NCCL."""
+    candidates, collective = [cfg], ex.collective
     others = []
     if timed:
-        total = preps[0].sm_count + cfg.comm_sms
+        total = preps[0].sm_count + (0 if cfg.late_budget else cfg.comm_sms)  # (a late grid has every SM)
         if not cfg.late_budget:  # (a late hint is late already; its grid is every SM)
             others.append(alternative(cfg, shape, total, torch.cuda.get_device_capability(device)))
         # where the ranks can pull (asked only where the trial runs: the first ask per group gathers
         # every rank's view, a host sync)
         pull = pulled(cfg, collective, shape, total, dist.get_world_size(full))
-        if pull is not None and _trial_runs() and comm.peer.unavailable(full, device) is None:
+        if (
+            pull is not None
+            and carries(pull, ex, shape)
+            and _trial_runs()
+            and comm.peer.unavailable(full, device) is None
+        ):
             others += [pull, wider_reads(pull)]
     for other in others:
-        if other is not None and (other_prep := planned(other)).plan.num_groups > 1:
+        if other is None or not carries(other, ex, shape):
+            continue
+        if (other_prep := planned(other)).plan.num_groups > 1:
             candidates.append(other)
             preps.append(other_prep)
     return candidates, preps

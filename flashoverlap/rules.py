@@ -302,20 +302,28 @@ def pulled(
     moves w - 1 groups per rank, 3 on four ranks against 1.5 for NCCL's ring and ``pull_scatter``; a
     reduce-scatter / all-to-all in the ``segments`` layout pulls its own segment's rows (``pull``:
     picked on 9 of 10 shapes on four H200s; a reduce-scatter's copied and summed on those SMs,
-    :func:`reads_in_place`). None for a pull already or another layout (``rows`` for all-reduce).
-    Where its sums read in place, :func:`wider_reads` is timed too."""
-    if cfg.reduction in PULLS or cfg.layout != PULL_LAYOUTS[collective]:
-        return None
+    :func:`reads_in_place`), in :data:`PULL_LAYOUTS` whatever ``cfg``'s layout (the caller checks
+    that it :func:`carries` the call). A hint tuned for another shape is often of another kind: the
+    nearest entry of reduce-scatter 8192x8192x14336 on four H200s was NCCL in the ``rows`` layout,
+    which lost to the plain path, where the pull measured 1.12x. A pull already keeps its reduction,
+    with the spare SMs. None where that is ``cfg`` itself. Where its sums read in place,
+    :func:`wider_reads` is timed too."""
     m, n, _ = shape
     spare = spare_sms(m, n, cfg.tile_m, cfg.tile_n, cfg.cluster_m, cfg.swizzle, total_sms, total_sms)
-    return dataclasses.replace(
+    if cfg.reduction in PULLS:
+        reduction = cfg.reduction
+    else:
+        reduction = "pull_scatter" if collective == "all_reduce" and world > 2 else "pull"
+    pull = dataclasses.replace(
         cfg,
-        reduction="pull_scatter" if collective == "all_reduce" and world > 2 else "pull",
+        layout=PULL_LAYOUTS[collective],
+        reduction=reduction,
         symmetric=False,
         late_budget=False,
         comm_sms=min(spare, PULL_SMS),
         partition=None,
     )
+    return None if pull == cfg else pull
 
 
 def wider_reads(pull: OverlapConfig | None) -> OverlapConfig | None:

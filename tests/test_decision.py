@@ -330,6 +330,31 @@ def test_where_the_ranks_can_pull_a_timed_all_reduce_times_the_pull_too(one_rank
     assert seen[-1] == ["overlapped, comm_sms 16", "overlapped, comm_sms 16 late", "sequential"]
 
 
+def test_a_reduce_scatter_tuned_for_another_shape_times_its_pull_whatever_the_entry_s_layout(
+    one_rank_group, monkeypatch
+):
+    """The nearest entry of a reduce-scatter may be NCCL in the ``rows`` layout (late, in a window):
+    its pull is then timed in the pulls' ``segments`` layout (rules.pulled), and may win."""
+    from flashoverlap import registry
+
+    m, n = 4096, 8192
+    untuned_all_reduce(monkeypatch, m, n)
+    hint = OverlapConfig(layout="rows", late_budget=True, symmetric=True)
+    monkeypatch.setattr(decision, "tuned_config", lambda *args: registry.Found(hint, False))
+    ran = pulls_possible(monkeypatch)
+    seen = []
+    timings(
+        monkeypatch,
+        lambda variants, *args, **kw: (
+            seen.append(sorted(variants)) or {v: 0.8 if "pull" in v else 1.0 for v in variants}
+        ),
+    )
+    flashoverlap.gemm_reduce_scatter(bf16(m, 64), bf16(n, 64))
+    assert seen == [["overlapped, comm_sms 16 late", "overlapped, comm_sms 4 pull", "sequential"]]
+    ((ex, budget, tail),) = ran
+    assert (ex.collective, ex.reduction, budget, tail) == ("reduce_scatter", "pull", "budget pull 4", None)
+
+
 def test_on_four_ranks_a_timed_all_reduce_times_its_pull_with_more_sms_for_the_sums(one_rank_group, monkeypatch):
     """On more than two ranks the pull candidate is a pull_scatter, whose sums read the other ranks'
     memory in place: it is also timed with rules.READ_SMS SMs for them, and may win."""
