@@ -42,6 +42,7 @@ from .rules import (
     pulled,
     resolutions,
     rotation_unit,
+    spills_promoted,
     takes_every_call,
     wider_reads,
     without_pull,
@@ -154,7 +155,13 @@ def _decide(
         for_device(explicit, capability or torch.cuda.get_device_capability(a.device))
         if fp8 is not None:  # (an FP8 kernel's own limits: its K tile, its epilogue for rowwise scales)
             out, operands = OPERAND_DTYPES[fp8.out_dtype], OPERAND_DTYPES[a.dtype]
-            kernel_spec(explicit, out, weight_layout, capability, operands, fp8.rowwise)
+            resolved, spec = kernel_spec(explicit, out, weight_layout, capability, operands, fp8.rowwise)
+            if spills_promoted(spec) and not fp8.fast_accum:
+                log.warning(
+                    f"FP8 {resolved.tile_m}x{resolved.tile_n} tiles with promoted sums (use_fast_accum=False) spill "
+                    "registers on Hopper and run at about a third of torch._scaled_mm's speed: leave the tiles to "
+                    "FP8's defaults (256x128) or pass use_fast_accum=True"
+                )
     ex = comm.exchange(collective, m, world, splits, output_splits, group, a.device, rows_per_rank=rows_per_rank)
     if exchanged is not None:
         exchanged.append(ex)

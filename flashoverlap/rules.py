@@ -182,6 +182,15 @@ def kernel_spec(
     return cfg, spec
 
 
+def spills_promoted(spec: GemmSpec) -> bool:
+    """Whether ``spec``'s FP8 mainloop, with its tensor cores' sums promoted into a second set of fp32
+    accumulators (``_scaled_mm``'s default accumulation), spills registers: Hopper's 128x256 tile, one
+    64x256 WGMMA atom per warp group whose scratch is as large as its accumulators (ptxas: 472 bytes
+    a thread; beside pulls on two H200s it ran at 0.30-0.37 of ``_scaled_mm``, 256x128 at 0.86-0.94).
+    A call asking for it is warned, not refused: fast accumulation in those tiles does not spill."""
+    return spec.input_dtype in FP8_DTYPES and spec.family == "sm90" and (spec.tile_m, spec.tile_n) == (128, 256)
+
+
 def comm_pattern(collective: str, layout: str, reduction: str = "nccl") -> str:
     """What a call's groups communicate: the collective itself, ``exchange`` (the ``rows`` layout of
     reduce-scatter / all-to-all: grouped send to rank + k / receive from rank - k) or

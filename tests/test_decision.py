@@ -1,6 +1,7 @@
 """Which path a call takes, and with which config (CPU: gloo, CPU tensors standing in for CUDA ones)."""
 
 import contextlib
+import logging
 import math
 from types import SimpleNamespace
 
@@ -251,6 +252,27 @@ def test_fp8_calls_are_refused_before_communicating_where_no_fp8_kernel_runs(one
             flashoverlap.gemm_all_reduce(a, w, **rowwise, config=config)
 
 
+def test_fp8_tiles_that_spill_with_promoted_sums_are_warned_of(one_rank_group, monkeypatch, caplog):
+    """Hopper's FP8 128x256 tiles spill registers with promoted sums (rules.spills_promoted): a config
+    asking for them runs, warned (not with fast accumulation, nor in FP8's own 256x128)."""
+
+    class Planned(Exception):
+        pass
+
+    monkeypatch.setattr(decision, "world_size", lambda group: 2)
+    monkeypatch.setattr(decision, "check_inputs", lambda a, w, layout: (4096, 8192, 256))
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (9, 0))
+    monkeypatch.setattr(comm, "exchange", lambda *args, **kwargs: (_ for _ in ()).throw(Planned()))
+    a, w, scales = fp8_operands(4096, 8192)
+    warned = []
+    for config, fast in [({"tile_n": 256}, False), ({"tile_n": 256}, True), ({}, False)]:
+        caplog.clear()
+        with caplog.at_level(logging.WARNING, logger="flashoverlap.decision"), pytest.raises(Planned):
+            flashoverlap.gemm_all_reduce(a, w, **scales, config={"reduction": "pull", **config}, use_fast_accum=fast)
+        warned.append(any("128x256 tiles with promoted sums" in r.message for r in caplog.records))
+    assert warned == [True, False, False]
+
+
 def test_ada_fp8_calls_run_plain_unless_a_config_asks_for_the_sm80_family(one_rank_group, monkeypatch):
     """Ada's FP8 overlap is opt-in (its kernels unmeasured there): without config= the plain
     torch._scaled_mm and collective, with one the sm80 family's FP8 kernel, in FP8's tiles where the
@@ -335,12 +357,10 @@ def test_a_reduce_scatter_tuned_for_another_shape_times_its_pull_whatever_the_en
 ):
     """The nearest entry of a reduce-scatter may be NCCL in the ``rows`` layout (late, in a window):
     its pull is then timed in the pulls' ``segments`` layout (rules.pulled), and may win."""
-    from flashoverlap import registry
-
     m, n = 4096, 8192
     untuned_all_reduce(monkeypatch, m, n)
     hint = OverlapConfig(layout="rows", late_budget=True, symmetric=True)
-    monkeypatch.setattr(decision, "tuned_config", lambda *args: registry.Found(hint, False))
+    monkeypatch.setattr(decision, "tuned_config", lambda *args: Found(hint, False))
     ran = pulls_possible(monkeypatch)
     seen = []
     timings(
