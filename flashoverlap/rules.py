@@ -312,11 +312,11 @@ def pulled(
     reduce-scatter / all-to-all in the ``segments`` layout pulls its own segment's rows (``pull``:
     picked on 9 of 10 shapes on four H200s; a reduce-scatter's copied and summed on those SMs,
     :func:`reads_in_place`), in :data:`PULL_LAYOUTS` whatever ``cfg``'s layout (the caller checks
-    that it :func:`carries` the call). A hint tuned for another shape is often of another kind: the
-    nearest entry of reduce-scatter 8192x8192x14336 on four H200s was NCCL in the ``rows`` layout,
-    which lost to the plain path, where the pull measured 1.12x. A pull already keeps its reduction,
-    with the spare SMs. None where that is ``cfg`` itself. Where its sums read in place,
-    :func:`wider_reads` is timed too."""
+    that it :func:`carries` the call): a hint tuned for another shape may be NCCL in the ``rows``
+    layout (registry entries of reduce-scatter are). A pull already keeps its reduction, with the
+    spare SMs: the hint's SM count is its own shape's (four H200s, reduce-scatter 4096x8192x2048
+    from 4096x4096x4096's 0-SM pull: 1.01x, plain, where 4 SMs measured 1.04x). None where that is
+    ``cfg`` itself. Where its sums read in place, :func:`wider_reads` is timed too."""
     m, n, _ = shape
     spare = spare_sms(m, n, cfg.tile_m, cfg.tile_n, cfg.cluster_m, cfg.swizzle, total_sms, total_sms)
     if cfg.reduction in PULLS:
