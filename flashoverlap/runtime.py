@@ -332,7 +332,7 @@ def _enqueue(
     sum_lanes = tuple(dict.fromkeys(peers.sum_lanes)) if peers is not None else ()
     for lane in sum_lanes:  # copied (done) once the sums are too
         join(stream, lane, device)
-    if peers is not None and comm.read_in_place(ex, plan, last):  # and once the sums have read the others' memory
+    if peers is not None and in_place:  # and once the sums have read the others' memory
         join(stream, finisher, device)
     if peers is not None:  # (every group on `stream`: comm.tail_apart; its counters zeroed by Peers.claim)
         with _On(stream, caller):

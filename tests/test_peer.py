@@ -94,13 +94,12 @@ class _Stream(SimpleNamespace):
 
 def _streams(peers: list, calls: int, targets: tuple[int, ...], adds: str = "copied") -> list[list]:
     """Every rank's calls, as ops on its streams, recorded from :class:`peer.Peers`' methods as
-    runtime._enqueue orders them, for ``adds`` of copies (``copied``: a ``pull`` all-reduce), of
-    copies but for the last group's rows, read where they are (``tail``: a ``pull`` reduce-scatter,
-    comm.read_in_place), or of shares read where they are and their sums copied (``scatter``:
+    runtime._enqueue orders them, for ``adds`` of copies (``copied``: a ``pull`` all-reduce or
+    reduce-scatter) or of shares read where they are and their sums copied (``scatter``:
     ``pull_scatter``): comm (after the caller's previous work,
     each group's pulls -- ``copied``: from each other rank on a lane of its own where there are
     several, joined back; else only their waits -- and, but for the last group, the wait for this
-    rank's own rows; then ``copied`` -- where finish reads in place after its reads -- and the next
+    rank's own rows; then ``copied`` -- but for ``copied`` after finish's reads -- and the next
     call's claim); gemm (the caller's: after the previous call's work and the claim's ``claimed``
     event, each group's rows then its counter, then its end); finish (each group's add of its own
     rows -- and but for ``copied`` the others' --, after the group's pulls -- the last group's also
@@ -108,7 +107,6 @@ def _streams(peers: list, calls: int, targets: tuple[int, ...], adds: str = "cop
     for its sums (after the first group's pulls), joined into comm before ``copied``."""
     streams, claims, current = [], {}, [None]
     scatter = adds == "scatter"  # (its sums read the others' shares in place)
-    last = len(targets) - 1  # (with ``tail`` the group whose rows are read in place)
 
     def record(event, stream):  # Peers.claim's ``claimed``, numbered per rank
         rank = next(p.rank for p in peers if p.claimed is event)
@@ -145,9 +143,8 @@ def _streams(peers: list, calls: int, targets: tuple[int, ...], adds: str = "cop
                 for g, target in enumerate(targets):
                     gemm.ops += [("rows", p.rank, g, call), ("count", p._flag(p.rank, g), target)]
                     on(comm)
-                    in_place = scatter or adds == "tail" and g == last
                     for r, _ in p.arrivals(g, p.memory[p.flag_bytes :]):
-                        if not in_place:
+                        if not scatter:
                             current[0].ops.append(("copy", r, g, call))
                     for j, lane in enumerate(lanes):
                         lane.ops.append(("event", (p.rank, call, g, j)))
@@ -158,7 +155,7 @@ def _streams(peers: list, calls: int, targets: tuple[int, ...], adds: str = "cop
                         finish.ops.append(("after", (p.rank, call, "gemm done")))
                     comm.ops.append(("event", (p.rank, call, g)))
                     finish.ops += [("after", (p.rank, call, g)), ("copy", p.rank, g, call)]
-                    if in_place:  # the others' rows read where they are by the add
+                    if scatter:  # the others' rows read where they are by the add
                         finish.ops += [("copy", r, g, call) for r in p.others]
                     if scatter:
                         on(finish).append(("sum", p.rank, g, call))
@@ -174,7 +171,7 @@ def _streams(peers: list, calls: int, targets: tuple[int, ...], adds: str = "cop
                     lane.ops.append(("event", (p.rank, call, "summed", j)))
                     comm.ops.append(("after", (p.rank, call, "summed", j)))
                     gemm.ops.append(("after", (p.rank, call, "summed", j)))
-                if adds != "copied":  # (finish read in place)
+                if scatter:
                     comm.ops.append(("after", (p.rank, call, "finished")))
                 on(comm)
                 p.copied()
@@ -230,7 +227,7 @@ def _run(streams: list[list], memory: _Memory, seed: int) -> None:
             events.add(op[1])
 
 
-@pytest.mark.parametrize("adds", ["copied", "tail", "scatter"])
+@pytest.mark.parametrize("adds", ["copied", "scatter"])
 @pytest.mark.parametrize("world", [2, 3, 4, 8])
 def test_pulls_copy_every_group_of_their_own_call_whatever_the_interleaving(world, adds):
     """The flags of comm.peer on a model of the ranks' streams: each rank's copies of another's

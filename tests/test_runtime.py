@@ -185,21 +185,18 @@ def test_a_pull_says_it_is_done_only_after_everything_that_read_the_other_ranks_
     comes after every copy out of their memory and every sum reading it in place, on whatever stream
     it ran (a lane, the finisher, the sums' stream), by program order, event waits and joins; sums
     that read in place (pull_scatter) get no lanes, copies one per rank; sums of copies (a pull
-    all-reduce's, a reduce-scatter's but for its last group, read in place: comm.read_in_place) come
-    after their group's copies."""
+    all-reduce's, a reduce-scatter's) come after their group's copies."""
     prep, peers, streams = _pull_call(monkeypatch, collective, reduction, world)
     in_place = comm.reads_in_place(reduction)
-    last_in_place = collective == "reduce_scatter"
     assert (len(peers.lanes) > 0) == (world > 2 and not in_place)
     ((copied,),) = [[i for i, op in enumerate(streams.ops) if op[1] == "copied"]]
     reads = [(i, op) for i, op in enumerate(streams.ops) if op[1] in ("copy", "sum") and op[2]]
-    assert reads and any(op[1] == "sum" for _, op in reads) == (in_place or last_in_place)
+    assert reads and any(op[1] == "sum" for _, op in reads) == in_place
     after = streams.ops[copied][3]
     for i, (name, kind, _, _) in reads:
         assert after.get(name, -1) >= i, f"{kind} on {name} (op {i}) may still run when copied is said"
     sums = [op for op in streams.ops if op[1] == "sum"]
     if sums and not in_place:  # each group's copies (one per other rank), then its sum
-        sums = sums[:-1] if last_in_place else sums
         copies = [(i, op[0]) for i, op in enumerate(streams.ops) if op[1] == "copy" and op[2]]
         per = world - 1
         assert len(copies) == per * len(sums)

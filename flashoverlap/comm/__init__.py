@@ -405,15 +405,6 @@ def _pull(group: Pulls, g: int, chunk: torch.Tensor, into: torch.Tensor) -> None
         copy_2d(into[r].view(1, -1), theirs.view(1, -1))
 
 
-def read_in_place(ex: Exchange, plan: Plan, g: int) -> bool:
-    """Whether group ``g``'s sums read the other ranks' rows where they are (SM loads over NVLink)
-    instead of copies of them: every group of a ``pull_scatter`` (Exchange.in_place), and the last
-    group of a ``pull`` reduce-scatter. That group lands as the GEMM ends, when every SM is free to
-    read (~245 GB/s per rank on four H100s, where the copies share ~160 GB/s: bench/peer_sum_probe.py),
-    and it is the one whose copies, queued behind the others', set the call's tail."""
-    return ex.in_place or ex.reduction == "pull" and ex.collective == "reduce_scatter" and g == plan.num_groups - 1
-
-
 def _pull_segment(
     ex: Exchange,
     plan: Plan,
@@ -426,15 +417,12 @@ def _pull_segment(
     """Group ``g`` of a ``pull`` reduce-scatter / all-to-all (layout ``segments``: the group is
     [world, rows, n], block q the rows of rank q's segment): every rank's block of this rank's
     segment from rank q, a reduce-scatter's copied into row q of ``recv`` ([world, rows * n], at the
-    group's rows; its own row stays empty: finish_group's sums read it in the buffer), or for the
-    group whose sums read in place (:func:`read_in_place`) only waited for; an all-to-all's copied
-    straight into ``out``, row q of [world, rows * n] at the group's rows of source q's segment (its
-    own copied too, once written: the pulls wait only for the other ranks' rows)."""
+    group's rows; its own row stays empty: finish_group's sums read it in the buffer); an
+    all-to-all's copied straight into ``out``, row q of [world, rows * n] at the group's rows of
+    source q's segment (its own copied too, once written: the pulls wait only for the other ranks'
+    rows)."""
     world, (r0, r1) = len(ex.recv), plan.segment_rows(g)
     mine = chunk.view(world, -1)
-    if read_in_place(ex, plan, g):
-        group.arrived(g, mine[group.rank])
-        return
     into = (out if ex.collective == "all_to_all" else recv).view(world, -1)[:, r0 * plan.n : r1 * plan.n]
     _pull(group, g, mine[group.rank], into)
     if ex.collective == "all_to_all":
@@ -464,8 +452,7 @@ def finish_group(
     world's partial sums of the group (in ``recv``) straight into ``out``'s rows in the ``rows``
     layout (its groups are row bands of C), else into the group's range of ``buffer``; a ``pull``
     reduce-scatter every rank's rows of this rank's segment, copied into ``recv``
-    (:func:`_pull_segment`; its last group's read where they are: :func:`read_in_place`), into
-    ``out``'s rows of the group; then in the ``cols`` layout the
+    (:func:`_pull_segment`), into ``out``'s rows of the group; then in the ``cols`` layout the
     group's [ex.rows, c1 - c0] block (of ``buffer`` after an all-reduce, local or not, else of
     ``recv``) is copied into its columns of ``out``; a ``segments`` all-to-all copies the rows each
     rank sent into that rank's segment of ``out``. Nothing for any other call (:func:`finishes`).
@@ -489,11 +476,8 @@ def finish_group(
     world = len(ex.recv)
     if ex.reduction == "pull" and ex.collective == "reduce_scatter":  # this rank's segment rows of every rank's group
         (r0, r1), mine = plan.segment_rows(g), buffer[lo:hi].view(world, -1)[peers.rank]
-        if read_in_place(ex, plan, g):
-            parts = [mine if r == peers.rank else peers.at(r, mine) for r in range(world)]
-        else:
-            copies = recv.view(world, -1)[:, r0 * plan.n : r1 * plan.n]
-            parts = [mine if r == peers.rank else copies[r] for r in range(world)]
+        copies = recv.view(world, -1)[:, r0 * plan.n : r1 * plan.n]
+        parts = [mine if r == peers.rank else copies[r] for r in range(world)]
         add_rows(parts, out[r0:r1].view(-1))
         return
     if ex.reduction != "nccl":
