@@ -183,18 +183,27 @@ def pull_counts(collective: str, reduction: str, world: int) -> PullBytes:
     return PullBytes(world - 1, share, 0.0, 0.0)
 
 
-def pull_comm(gpu: Gpu, collective: str, reduction: str, world: int, sms: int = 0) -> CommModel:
+def pull_comm(gpu: Gpu, collective: str, reduction: str, world: int, sms: int = 0, adds: bool = True) -> CommModel:
     """A group of pulls by bytes of output: the copies on the one copy engine, the sums (reads in
     place, local adds) on ``sms`` SMs beside the GEMM (overlapping another group's copies: the slower
-    sets the pace) or, with 0, on every SM after it (one after the other)."""
+    sets the pace) or, with 0, on every SM after it (one after the other); ``adds`` False: without
+    the local adds (:func:`after_gemm_ms` prices them)."""
     moved = pull_counts(collective, reduction, world)
+    added = moved.added if adds else 0.0
     copy_ms = moved.copied / gpu.copy_bytes_per_ms
     read_ms = moved.read / gpu.read_bytes_per_ms(sms)
     if sms:
-        per_byte = max(copy_ms, read_ms + moved.added / (sms * gpu.add_bytes_per_ms_per_sm))
+        per_byte = max(copy_ms, read_ms + added / (sms * gpu.add_bytes_per_ms_per_sm))
     else:
-        per_byte = copy_ms + read_ms + moved.added / gpu.add_bytes_per_ms
+        per_byte = copy_ms + read_ms + added / gpu.add_bytes_per_ms
     return CommModel(moved.copies * gpu.copy_gap_ms, 1.0 / per_byte)
+
+
+def after_gemm_ms(gpu: Gpu, collective: str, reduction: str, world: int, nbytes: float) -> float:
+    """The local adds of a pull with no SM beside the GEMM (``comm_sms`` 0), ``nbytes`` of output in
+    all: every group's wait for the GEMM's end (its persistent CTAs hold every SM), then run on
+    every SM, as the tuner models them (tune_model.with_local_adds)."""
+    return pull_counts(collective, reduction, world).added * nbytes / gpu.add_bytes_per_ms
 
 
 def gemm_ms(gpu: Gpu, shape: tuple[int, int, int]) -> float:
@@ -281,14 +290,18 @@ def candidate(
         keep=min(tiles, budget) if cfg.late_budget else 0,
     )
     wave_ms = 2.0 * cfg.tile_m * cfg.tile_n * k / (gpu.gemm_flops_per_ms / gpu.sms)  # one tile per SM per wave
-    if pattern in ("pull", "pull_scatter"):
+    finish_ms = 0.0
+    if pattern in ("pull", "pull_scatter") and cfg.comm_sms == 0:  # the adds wait for the GEMM's end
+        during = tail = pull_comm(gpu, collective, cfg.reduction, world, 0, adds=False)
+        finish_ms = after_gemm_ms(gpu, collective, cfg.reduction, world, m * n * elem_bytes)
+    elif pattern in ("pull", "pull_scatter"):
         during, tail = (pull_comm(gpu, collective, cfg.reduction, world, sms) for sms in (cfg.comm_sms, 0))
     else:
         during, tail = nccl_comm(gpu, collective, world, cfg.comm_sms), nccl_comm(gpu, collective, world)
     apart = cfg.comm_sms > 0 and tail_apart(collective, cfg.layout, cfg.reduction)
     sent = wave_bytes(plan, elem_bytes, world if collective != "all_reduce" else 1)
-    problem = Problem(sent, wave_ms, during, tail, start_wave=plan.after, tail_apart=apart)
-    return path_name(pattern), problem, tail
+    problem = Problem(sent, wave_ms, during, tail, start_wave=plan.after, tail_apart=apart, finish_ms=finish_ms)
+    return path_name(pattern), problem, pull_comm(gpu, collective, cfg.reduction, world) if finish_ms else tail
 
 
 def predict(

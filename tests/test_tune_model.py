@@ -380,6 +380,26 @@ def test_sums_read_in_place_at_the_rate_of_their_sms():
     assert after.time_ms(nbytes) == pytest.approx(3 * H200.copy_gap_ms + share * nbytes / H200.peer_read_alone + copies)
 
 
+def test_a_pull_with_no_sm_beside_the_gemm_adds_after_it():
+    """A reduce-scatter pull with ``comm_sms`` 0: its groups' copies beside the GEMM, every group's
+    adds after its end (the GEMM's CTAs hold every SM), as the tuner models it; with SMs left, each
+    group's adds beside the GEMM."""
+    from flashoverlap.tune_predict import after_gemm_ms, candidate
+
+    shape, nbytes = (8192, 8192, 4096), 8192 * 8192 * 2
+    _, none, _ = candidate(H200, shape, "reduce_scatter", 4, {"layout": "segments", "reduction": "pull", "comm_sms": 0})
+    copies = pull_comm(H200, "reduce_scatter", "pull", 4, 0, adds=False)
+    assert none.during == none.tail == copies and copies.time_ms(1 << 20) < pull_comm(
+        H200, "reduce_scatter", "pull", 4
+    ).time_ms(1 << 20)
+    assert none.finish_ms > 0 and none.finish_ms == pytest.approx(
+        after_gemm_ms(H200, "reduce_scatter", "pull", 4, nbytes)
+    )
+    assert none.finish_ms == pytest.approx((4 + 1) / 4 * nbytes / H200.add_bytes_per_ms)
+    _, four, _ = candidate(H200, shape, "reduce_scatter", 4, {"layout": "segments", "reduction": "pull", "comm_sms": 4})
+    assert four.finish_ms == 0 and four.during == pull_comm(H200, "reduce_scatter", "pull", 4, 4)
+
+
 def test_prediction_per_world():
     shape = (4096, 8192, 8192)
     two, eight = (predict(H200, shape, "all_reduce", w) for w in (2, 8))
