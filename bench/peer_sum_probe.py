@@ -1,10 +1,10 @@
 """Reduce-scatter by SM loads out of the other GPUs' memory, against copy-engine pulls and NCCL.
 
 Can a reduce-scatter's sum read the other ranks' shares straight out of their memory (SM loads over
-NVLink: one kernel, every link at once, no copy engine) instead of copying them in first? (It can:
-``pull_scatter`` and reduce-scatter by pulls now sum so; copied first, each rank's peer copies ran
-one at a time on one copy engine and lost to NCCL on 4x H200: docs/experiments.md, "Pulls over peer
-memory".) For each buffer size S (bf16 per rank: a group's size, 16 MiB = a 4096x8192 output
+NVLink: one kernel, every link at once, no copy engine) instead of copying them in first? (On many
+SMs it can: ``pull_scatter`` sums so. A reduce-scatter by pulls copies first and sums the copies
+locally on the few SMs a GEMM spares, which measured faster there: docs/experiments.md, "Pulls over
+peer memory".) For each buffer size S (bf16 per rank: a group's size, 16 MiB = a 4096x8192 output
 in 4 groups), rank r's share is elements [r S/w, (r+1) S/w) of every rank's buffer (torch symmetric
 memory, mapped as comm/peer.py maps it). Variants, timed on every rank:
 
@@ -209,6 +209,7 @@ def size_cases(numel: int, gemms: dict, groups: dict) -> tuple[dict, dict, tuple
     for j, q in enumerate(others):  # (the copies the local sum adds)
         staging[j].copy_(rows[q])
     sums = {"sum:local": lambda: fo_sum(result, [mine[sl], *staging])}
+    check("sum:local", sums["sum:local"], [result], sum(rank_data(q, numel)[sl].float() for q in range(world)), 1e-2)
     alone = {name: (op, None) for name, op in {**ops, **gathers, **sums}.items()}
     beside = {}
     for c, gemm in gemms.items():

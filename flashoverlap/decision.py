@@ -157,11 +157,7 @@ def _decide(
             out, operands = OPERAND_DTYPES[fp8.out_dtype], OPERAND_DTYPES[a.dtype]
             resolved, spec = kernel_spec(explicit, out, weight_layout, capability, operands, fp8.rowwise)
             if spills_promoted(spec) and not fp8.fast_accum:
-                log.warning(
-                    f"FP8 {resolved.tile_m}x{resolved.tile_n} tiles with promoted sums (use_fast_accum=False) spill "
-                    "registers on Hopper and run at about a third of torch._scaled_mm's speed: leave the tiles to "
-                    "FP8's defaults (256x128) or pass use_fast_accum=True"
-                )
+                _warn_spills(resolved.tile_m, resolved.tile_n)
     ex = comm.exchange(collective, m, world, splits, output_splits, group, a.device, rows_per_rank=rows_per_rank)
     if exchanged is not None:
         exchanged.append(ex)
@@ -241,6 +237,15 @@ def _decide(
             lambda: f"overlapped, {source} {differences(cfg, _DEFAULTS)}: {groups} group{'s' * (groups > 1)}",
         )
         return _overlapped(ex, cfg, prep, budgets[pick], tails[pick])
+
+
+@functools.cache  # once per tile shape: calls with splits are decided on every call
+def _warn_spills(tile_m: int, tile_n: int) -> None:
+    log.warning(
+        f"FP8 {tile_m}x{tile_n} tiles with promoted sums (use_fast_accum=False) spill registers on Hopper and "
+        "run at about a third of torch._scaled_mm's speed: leave the tiles to FP8's defaults (256x128) or pass "
+        "use_fast_accum=True"
+    )
 
 
 def _overlapped(
@@ -336,7 +341,9 @@ def _planning(
 ) -> tuple[Exchange, Callable[[OverlapConfig], Prepared]]:
     """The call's exchange with ``cfg``'s reduction, checked against its layout, and ``planned(c)``:
     the plan of config ``c`` for this rank's GEMM ``mnk`` (on the shared columns of the largest M,
-    ``shape``, where the ranks' M differ; ``fp8``: an FP8 GEMM's result and accumulation)."""
+    ``shape``, where the ranks' M differ; ``fp8``: an FP8 GEMM's result and accumulation), rotated
+    or interleaved as ``c``'s own layout says (a candidate's may differ from ``cfg``'s: a pull in
+    ``segments`` beside NCCL's ``rows``)."""
     m, n, k = mnk
     ex = comm.with_reduction(ex, cfg.reduction, world)
     check_layout(ex, cfg.layout, rotation_unit(cfg, mnk))
@@ -345,11 +352,11 @@ def _planning(
             "symmetric windows need the same buffer sizes on every rank: equal splits, got "
             f"splits {list(ex.send)} and output_splits {list(ex.recv)}"
         )
-    rotate = comm.rows_rotation(ex, cfg.layout, group_fact(group, "rank", dist.get_rank))
+    rank = group_fact(group, "rank", dist.get_rank)
 
     def planned(c: OverlapConfig) -> Prepared:
         columns = shared_columns(*shape, a.dtype, weight_layout, a.device, c, fp8=fp8) if ex.ragged else None
-        segments = comm.interleave(ex, c.layout)
+        rotate, segments = comm.rows_rotation(ex, c.layout, rank), comm.interleave(ex, c.layout)
         return prepare(m, n, k, a.dtype, weight_layout, a.device, c, rotate, segments, columns, fp8=fp8)
 
     return ex, planned
@@ -380,7 +387,7 @@ def _candidates(
         # where the ranks can pull (asked only where the trial runs: the first ask per group gathers
         # every rank's view, a host sync)
         pull = pulled(cfg, collective, shape, total, dist.get_world_size(full))
-        if (
+        if (  # (carries asked first too: a pull that cannot carry the call costs no peer-access host sync)
             pull is not None
             and carries(pull, ex, shape)
             and _trial_runs()

@@ -332,6 +332,10 @@ def pulled(
         comm_sms=min(spare, PULL_SMS),
         partition=None,
     )
+    try:  # (a hint in another layout may hold what the pulls' cannot: stream-K's schedule, say)
+        for_collective(pull, collective)
+    except ValueError:
+        return None
     return None if pull == cfg else pull
 
 

@@ -349,9 +349,9 @@ BRUTE_BATCH = 32  # variants per timing batch: their plans stay cached (state.MA
 
 def _call(overlapped, a: list, w: list, config: dict, fp8):
     """A timing variant ``i -> overlapped(a[i], w[i])`` (rotated) with ``config``, resolved once as a
-    registry entry is: a repeat then takes the call's fast path, as a user's call without ``config=``
-    does. (Passed as a mapping it would be resolved and decided again on every call: host time a
-    user's repeated call does not pay.)"""
+    registry entry is: a repeat then takes the call's fast path (keyed on a config object), as a
+    user's call without ``config=`` does. (Passed as a mapping, every call would look the mapping and
+    its decision up again: host time a user's repeated call does not pay.)"""
     cfg, sets = resolve(config, fp8.fp8 is not None), len(a)
     return lambda i: overlapped(a[i % sets], w[i % sets], config=cfg, **fp8.kwargs)
 

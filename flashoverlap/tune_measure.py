@@ -25,8 +25,8 @@ from .tune_model import CommModel, HostModel, fit_comm, fit_host
 
 COMM_SIZES_MB = (1, 2, 4, 8, 16, 32, 64)
 # Groups a measured pull call copies between two claims: a call claims once and pulls every group,
-# so the claim's waits and flags are a call's, not a group's (measured one group per claim, the
-# model priced 16384x8192x4096's 17 groups at 4.4 ms where they ran in 1.9 on four H200s)
+# so the claim's waits and flags are a call's, not a group's (timed one group per claim, they made
+# a 17-group call 2.3x too slow: docs/experiments.md, the tuner)
 PULL_GROUPS = 8
 
 
@@ -193,7 +193,8 @@ def host_model(
     (m, k), n = a[0].shape, w[0].shape[0]
     counts, times = [], []
     for partition in dict.fromkeys([(num_waves,), (1,) * num_waves]):  # one entry when a single wave
-        cfg = {**candidate, "partition": list(partition)}
+        # resolved once, as a registry entry is: its calls take the fast path a user's repeats take
+        cfg = resolve({**candidate, "partition": list(partition)}, fp8)
         for i in range(3):  # plan, agreement and communicators first
             overlapped(a[i % len(a)], w[i % len(w)], config=cfg, **kwargs)
         torch.cuda.synchronize()
@@ -204,7 +205,7 @@ def host_model(
             spent.append((time.perf_counter() - start) * 1e3)
         torch.cuda.synchronize()
         ex = comm.exchange(collective, m, dist.get_world_size())
-        resolved = for_call(resolve(cfg, fp8), ex, (m, n, k))
+        resolved = for_call(cfg, ex, (m, n, k))
         segments = comm.interleave(ex, resolved.layout)
         counts.append(prepare(m, n, k, a[0].dtype, "nk", a[0].device, resolved, interleave=segments).plan.num_groups)
         times.append(statistics.median(spent))

@@ -291,7 +291,9 @@ def candidate(
     )
     wave_ms = 2.0 * cfg.tile_m * cfg.tile_n * k / (gpu.gemm_flops_per_ms / gpu.sms)  # one tile per SM per wave
     finish_ms = 0.0
-    if pattern in ("pull", "pull_scatter") and cfg.comm_sms == 0:  # the adds wait for the GEMM's end
+    # the adds wait for the GEMM's end (pull_scatter's reads in place would too: no candidate here
+    # runs it without SMs)
+    if pattern == "pull" and cfg.comm_sms == 0:
         during = tail = pull_comm(gpu, collective, cfg.reduction, world, 0, adds=False)
         finish_ms = after_gemm_ms(gpu, collective, cfg.reduction, world, m * n * elem_bytes)
     elif pattern in ("pull", "pull_scatter"):

@@ -254,7 +254,7 @@ def test_fp8_calls_are_refused_before_communicating_where_no_fp8_kernel_runs(one
 
 def test_fp8_tiles_that_spill_with_promoted_sums_are_warned_of(one_rank_group, monkeypatch, caplog):
     """Hopper's FP8 128x256 tiles spill registers with promoted sums (rules.spills_promoted): a config
-    asking for them runs, warned (not with fast accumulation, nor in FP8's own 256x128)."""
+    asking for them runs, warned once (not with fast accumulation, nor in FP8's own 256x128)."""
 
     class Planned(Exception):
         pass
@@ -265,12 +265,13 @@ def test_fp8_tiles_that_spill_with_promoted_sums_are_warned_of(one_rank_group, m
     monkeypatch.setattr(comm, "exchange", lambda *args, **kwargs: (_ for _ in ()).throw(Planned()))
     a, w, scales = fp8_operands(4096, 8192)
     warned = []
-    for config, fast in [({"tile_n": 256}, False), ({"tile_n": 256}, True), ({}, False)]:
+    decision._warn_spills.cache_clear()
+    for config, fast in [({"tile_n": 256}, False), ({"tile_n": 256}, False), ({"tile_n": 256}, True), ({}, False)]:
         caplog.clear()
         with caplog.at_level(logging.WARNING, logger="flashoverlap.decision"), pytest.raises(Planned):
             flashoverlap.gemm_all_reduce(a, w, **scales, config={"reduction": "pull", **config}, use_fast_accum=fast)
         warned.append(any("128x256 tiles with promoted sums" in r.message for r in caplog.records))
-    assert warned == [True, False, False]
+    assert warned == [True, False, False, False]
 
 
 def test_ada_fp8_calls_run_plain_unless_a_config_asks_for_the_sm80_family(one_rank_group, monkeypatch):
@@ -356,9 +357,17 @@ def test_a_reduce_scatter_tuned_for_another_shape_times_its_pull_whatever_the_en
     one_rank_group, monkeypatch
 ):
     """The nearest entry of a reduce-scatter may be NCCL in the ``rows`` layout (late, in a window):
-    its pull is then timed in the pulls' ``segments`` layout (rules.pulled), and may win."""
+    its pull is then timed in the pulls' ``segments`` layout (rules.pulled), planned as that layout
+    is (interleaved over the ranks, not rotated as the hint's rows are), and may win."""
     m, n = 4096, 8192
     untuned_all_reduce(monkeypatch, m, n)
+    stub, plans = decision.prepare, []
+
+    def prepare(*args, **kwargs):  # (m, n, k, dtype, layout, device, cfg, rotate, interleave, columns)
+        plans.append((args[6].layout, args[6].reduction, args[7], args[8]))
+        return stub(*args, **kwargs)
+
+    monkeypatch.setattr(decision, "prepare", prepare)
     hint = OverlapConfig(layout="rows", late_budget=True, symmetric=True)
     monkeypatch.setattr(decision, "tuned_config", lambda *args: Found(hint, False))
     ran = pulls_possible(monkeypatch)
@@ -371,6 +380,7 @@ def test_a_reduce_scatter_tuned_for_another_shape_times_its_pull_whatever_the_en
     )
     flashoverlap.gemm_reduce_scatter(bf16(m, 64), bf16(n, 64))
     assert seen == [["overlapped, comm_sms 16 late", "overlapped, comm_sms 4 pull", "sequential"]]
+    assert plans == [("rows", "nccl", m // 2, 1), ("segments", "pull", 0, 2)]  # (rank 0 of 2)
     ((ex, budget, tail),) = ran
     assert (ex.collective, ex.reduction, budget, tail) == ("reduce_scatter", "pull", "budget pull 4", None)
 

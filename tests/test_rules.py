@@ -76,9 +76,12 @@ def test_a_pull_candidate_leaves_the_adds_what_the_grid_spares(m, spare):
     # a pull hint tuned for another shape: its reduction, the spare SMs (None where it has them)
     hint = dataclasses.replace(pull, comm_sms=pull.comm_sms + 8, partition=(1,) * 3)
     assert pulled(hint, "all_reduce", (m, 8192, 64), 132, 4) == pull
-    # a hint in another layout (NCCL's rows for a reduce-scatter) pulls in the pulls' layout
+    # a hint in another layout (NCCL's rows for a reduce-scatter) pulls in the pulls' layout, where
+    # that layout can run the hint's kernel (not stream-K's schedule)
     found = pulled(cfg, "reduce_scatter", (m, 8192, 64), 132)
     assert (found.reduction, found.layout, found.comm_sms) == ("pull", "segments", spare)
+    streamk = for_collective(OverlapConfig(scheduler="streamk"), "reduce_scatter")
+    assert streamk.layout == "cols" and pulled(streamk, "reduce_scatter", (m, 8192, 64), 132) is None
     # four ranks: each pulls and sums its share (two ranks' pull would copy three groups per rank)
     assert pulled(cfg, "all_reduce", (m, 8192, 64), 132, 4).reduction == "pull_scatter"
     segments = for_collective(OverlapConfig(layout="segments"), "reduce_scatter")
