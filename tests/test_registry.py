@@ -23,6 +23,9 @@ def test_shipped_registry_files_are_valid():
     entries = registry.load(registry.yaml_files(registry.SHIPPED))
     assert entries and {e.collective for e in entries} == {"all_reduce", "reduce_scatter", "all_to_all"}
     assert {e.transport for e in entries} == {"nvlink", "pcie"}
+    # the shipped FP8 entries run in the tiles they were tuned in (none names its own)
+    fp8 = [e for e in entries if e.dtype.startswith("float8") and not e.config.sequential]
+    assert fp8 and all((e.config.tile_m, e.config.tile_n) == (256, 128) for e in fp8)
 
 
 @pytest.mark.parametrize(
