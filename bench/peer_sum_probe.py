@@ -180,10 +180,10 @@ def size_cases(numel: int, gemms: dict, groups: dict) -> tuple[dict, dict, tuple
         keep += (rs_handle,)
     torch.cuda.synchronize()
     dist.barrier()  # every rank's buffer written before any rank reads it
-    want = sum(rank_data(q, numel)[sl].float() for q in range(world))
+    summed = sum(rank_data(q, numel)[sl].float() for q in range(world))  # (every reduce-scatter's answer)
     for name, op in list(ops.items()):
         try:
-            check(name, op, [result], want, 1e-2)
+            check(name, op, [result], summed, 1e-2)
         except (RuntimeError, NotImplementedError) as exc:  # (torch's op missing its CUDA kernel: on every rank)
             if name != "torch-rs":
                 raise
@@ -209,7 +209,7 @@ def size_cases(numel: int, gemms: dict, groups: dict) -> tuple[dict, dict, tuple
     for j, q in enumerate(others):  # (the copies the local sum adds)
         staging[j].copy_(rows[q])
     sums = {"sum:local": lambda: fo_sum(result, [mine[sl], *staging])}
-    check("sum:local", sums["sum:local"], [result], sum(rank_data(q, numel)[sl].float() for q in range(world)), 1e-2)
+    check("sum:local", sums["sum:local"], [result], summed, 1e-2)
     alone = {name: (op, None) for name, op in {**ops, **gathers, **sums}.items()}
     beside = {}
     for c, gemm in gemms.items():

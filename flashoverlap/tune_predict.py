@@ -291,19 +291,22 @@ def candidate(
     )
     wave_ms = 2.0 * cfg.tile_m * cfg.tile_n * k / (gpu.gemm_flops_per_ms / gpu.sms)  # one tile per SM per wave
     finish_ms = 0.0
-    # the adds wait for the GEMM's end (pull_scatter's reads in place would too: no candidate here
-    # runs it without SMs)
-    if pattern == "pull" and cfg.comm_sms == 0:
-        during = tail = pull_comm(gpu, collective, cfg.reduction, world, 0, adds=False)
-        finish_ms = after_gemm_ms(gpu, collective, cfg.reduction, world, m * n * elem_bytes)
-    elif pattern in ("pull", "pull_scatter"):
-        during, tail = (pull_comm(gpu, collective, cfg.reduction, world, sms) for sms in (cfg.comm_sms, 0))
+    if pattern in ("pull", "pull_scatter"):
+        alone = pull_comm(gpu, collective, cfg.reduction, world)  # (on every SM, after the GEMM)
+        # with no SM beside the GEMM the adds wait for its end (pull_scatter's reads in place would
+        # too: no candidate here runs it without SMs)
+        if pattern == "pull" and cfg.comm_sms == 0:
+            during = tail = pull_comm(gpu, collective, cfg.reduction, world, 0, adds=False)
+            finish_ms = after_gemm_ms(gpu, collective, cfg.reduction, world, m * n * elem_bytes)
+        else:
+            during, tail = pull_comm(gpu, collective, cfg.reduction, world, cfg.comm_sms), alone
     else:
-        during, tail = nccl_comm(gpu, collective, world, cfg.comm_sms), nccl_comm(gpu, collective, world)
+        during, alone = nccl_comm(gpu, collective, world, cfg.comm_sms), nccl_comm(gpu, collective, world)
+        tail = alone
     apart = cfg.comm_sms > 0 and tail_apart(collective, cfg.layout, cfg.reduction)
     sent = wave_bytes(plan, elem_bytes, world if collective != "all_reduce" else 1)
     problem = Problem(sent, wave_ms, during, tail, start_wave=plan.after, tail_apart=apart, finish_ms=finish_ms)
-    return path_name(pattern), problem, pull_comm(gpu, collective, cfg.reduction, world) if finish_ms else tail
+    return path_name(pattern), problem, alone
 
 
 def predict(
