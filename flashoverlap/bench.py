@@ -283,7 +283,9 @@ def bench_shape(shape: tuple[int, int, int], args: argparse.Namespace, inputs: s
         return sequential(a[i % sets], w[i % sets], "nk", ex, None, scales, fp8)
 
     def planned(cfg: OverlapConfig):  # its plan, kernel and tables, as the call prepares them
-        return prepare(m, n, k, dtype, "nk", a[0].device, cfg, 0, comm.interleave(ex, cfg.layout), None, fp8)
+        return prepare(
+            m, n, k, dtype, "nk", a[0].device, cfg, 0, comm.interleave(ex, cfg.layout, cfg.reduction), None, fp8
+        )
 
     variants: dict[str, Callable[[int], object]] = {
         "gemm": lambda i: product(a[i % sets], w[i % sets], scales),

@@ -20,9 +20,10 @@ from .plan import LAYOUTS, SWIZZLES
 # "local" and "pull" gather every rank's partial sums, then add; "pull_scatter" sums one share of
 # every group per rank, reading the others' partial sums in their memory, then copies the other
 # shares' sums (a reduce-scatter and an all-gather per group: 2 (w - 1) / w of a group per rank, as
-# a ring, where "pull" moves w - 1)
-REDUCTIONS = ("nccl", "local", "pull", "pull_scatter")
-PULLS = ("pull", "pull_scatter")  # the reductions that take from the other ranks' memory (comm.peer)
+# a ring, where "pull" moves w - 1); "pull_fused" (reduce-scatter) copies a rank's own rows of the
+# others' partial sums and adds them in the GEMM's epilogue, as it computes those rows last
+REDUCTIONS = ("nccl", "local", "pull", "pull_scatter", "pull_fused")
+PULLS = ("pull", "pull_scatter", "pull_fused")  # the reductions that take from the other ranks' memory (comm.peer)
 ROW_MAJOR = ("rows", "segments")  # layouts whose buffer is row-major tile rows (the TMA epilogue's)
 
 
@@ -74,7 +75,12 @@ class OverlapConfig:
       ``pull_scatter`` (all-reduce, layout ``rows``): each rank sums only its 1 / w share of each
       group, reading the other ranks' partial sums where they are, and then copies the other
       ranks' summed shares: a reduce-scatter and an all-gather per group, 2 (w - 1) / w of a group
-      per rank as NCCL's ring (``pull``: w - 1) and 1 / w of the adds; for four and more ranks.
+      per rank as NCCL's ring (``pull``: w - 1) and 1 / w of the adds; for four and more ranks. Or
+      ``pull_fused`` (reduce-scatter, layout ``rows``, the Hopper kernels' ``direct`` epilogue): the
+      schedule computes every other rank's segment first and this rank's own last; meanwhile the
+      copy engines copy this rank's rows of the other ranks' groups, and the GEMM's epilogue adds
+      them to its own rows as it computes them, into the result: no SM for the sums beside the GEMM
+      (``comm_sms`` can be 0) and no sums after it.
     """
 
     tile_m: int = 128
@@ -168,6 +174,8 @@ def _problems(cfg: OverlapConfig) -> list[str]:
         )
     if cfg.reduction not in REDUCTIONS:
         problems.append(f"reduction must be one of {list(REDUCTIONS)}, got {cfg.reduction!r}")
+    elif cfg.reduction == "pull_fused" and cfg.epilogue == "tma":
+        problems.append("reduction 'pull_fused' adds in the 'direct' epilogue (or auto), got epilogue 'tma'")
     elif cfg.reduction in PULLS and (cfg.symmetric or cfg.layout not in ("rows", "segments", "auto")):
         problems.append(
             f"reduction {cfg.reduction!r} brings its own memory every rank maps and adds into the result's row "
@@ -187,6 +195,8 @@ def family_problems(cfg: OverlapConfig, family: str, epilogue: str) -> list[str]
         problems.append("epilogue 'tma' is a Hopper (sm90) kernel's; the sm80 kernels write through CUTLASS 2.x's")
     if family == "sm80" and cfg.late_budget:  # two resident CTAs per SM: those that stop free no whole SM
         problems.append("late_budget is for the Hopper (sm90) kernels")
+    if family == "sm80" and cfg.reduction == "pull_fused":
+        problems.append("reduction 'pull_fused' adds in the Hopper (sm90) kernels' direct epilogue")
     return problems
 
 

@@ -36,6 +36,7 @@ from .rules import (
     check_layout,
     for_call,
     for_device,
+    fused_tiles,
     kernel_spec,
     one_wave,
     peer_memory,
@@ -347,6 +348,7 @@ def _planning(
     m, n, k = mnk
     ex = comm.with_reduction(ex, cfg.reduction, world)
     check_layout(ex, cfg.layout, rotation_unit(cfg, mnk))
+    fused_tiles(cfg, n)
     if cfg.symmetric and not ex.even:
         raise ValueError(
             "symmetric windows need the same buffer sizes on every rank: equal splits, got "
@@ -356,7 +358,7 @@ def _planning(
 
     def planned(c: OverlapConfig) -> Prepared:
         columns = shared_columns(*shape, a.dtype, weight_layout, a.device, c, fp8=fp8) if ex.ragged else None
-        rotate, segments = comm.rows_rotation(ex, c.layout, rank), comm.interleave(ex, c.layout)
+        rotate, segments = comm.rows_rotation(ex, c.layout, rank), comm.interleave(ex, c.layout, c.reduction)
         return prepare(m, n, k, a.dtype, weight_layout, a.device, c, rotate, segments, columns, fp8=fp8)
 
     return ex, planned

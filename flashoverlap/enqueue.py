@@ -36,7 +36,7 @@ SIGNATURES = (
     "ppnipp",  # ncclAllGather, ncclAlltoAll
     "pniipp",  # ncclSend, ncclRecv
     "",  # ncclGroupStart, ncclGroupEnd
-    "p" * 9 + "i" * 13 + "p",  # fo_run (a signal GEMM, csrc/launcher.cuh)
+    "p" * 12 + "i" * 17 + "p",  # fo_run (a signal GEMM, csrc/launcher.cuh)
     "ppp" + "i" * 7 + "p",  # fo_restore
     "p" * 10 + "inip",  # fo_sum
 )

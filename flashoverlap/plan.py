@@ -14,7 +14,10 @@ Layouts of the output buffer:
   its last tile finishes, so every group is a contiguous row range of row-major C: tiles are
   stored in place and no restore is needed. With ``rotate`` the scheduler walks the tile rows
   from row ``rotate`` on, wrapping around: group ranges are then rows of C rotated up by
-  ``rotate`` tile rows (``bounds`` count in that rotated order).
+  ``rotate`` tile rows (``bounds`` count in that rotated order). With ``split`` > 1 no group spans
+  two of that many equal row segments of the walk (a reduce-scatter whose sums are fused into the
+  epilogue: a rank's own segment, computed last, waits for the other ranks' groups of it, which
+  must not wait for their own last segment in turn).
 * ``tiles``: groups are exactly the requested waves. Each group's tiles are packed back to back
   (a tile of r x c valid elements occupies r*c elements with leading dimension c) and C is
   restored afterwards by one gather.
@@ -213,6 +216,7 @@ class Plan:
     layout: str
     rotate: int  # tile rows the schedule starts at (see the module doc)
     interleave: int  # segments the schedule interleaves (the ``segments`` layout; 1: none)
+    split: int  # segments of the walk no group spans (the ``rows`` layout; 1: none)
     partition: tuple[int, ...]  # waves per group, as requested
     tiles_m: int
     tiles_n: int
@@ -318,6 +322,7 @@ def make_plan(
     interleave: int = 1,
     column_groups: Sequence[int] | None = None,
     keep: int = 0,
+    split: int = 1,
 ) -> Plan:
     """Plan C[m, n] computed by a persistent grid of ``ctas`` CTAs; see the module doc.
 
@@ -329,6 +334,8 @@ def make_plan(
     :func:`rotation_rows` / ``tile_m`` below the tile rows (0: none).
     ``interleave``: the ``segments`` layout's segments (ranks); M a multiple of that many units of
     :func:`rotation_rows` rows.
+    ``split``: the ``rows`` layout's equal segments of the walk no group spans (M a multiple of
+    that many units of :func:`rotation_rows` rows).
     ``column_groups``: the ``cols`` layout's group of each tile column, as another plan of the
     same N gives them (:attr:`Plan.column_groups`) instead of from this plan's waves
     (``partition`` then unused): ranks whose M differ plan their groups on the same columns, so
@@ -337,6 +344,7 @@ def make_plan(
     _check_grid(m, n, tile_m, tile_n, cluster_m, ctas, layout, swizzle)
     tiles_m, tiles_n = math.ceil(m / tile_m), math.ceil(n / tile_n)
     _check_walk(m, n, tile_m, tile_n, cluster_m, swizzle, tiles_m, layout, stream_k_tiles, rotate, interleave)
+    _check_split(m, n, tile_m, tile_n, cluster_m, swizzle, layout, split)
     order_padded = schedule_order(
         tiles_m, tiles_n, cluster_m, along_m=layout == "cols", swizzle=swizzle, rotate=rotate, interleave=interleave
     )
@@ -360,6 +368,9 @@ def make_plan(
 
     if layout == "rows":
         group, offset, ld = _rows_layout(n, tile_m, tile_n, cluster_m, mt, nt, wave, group_of_wave)
+        if split > 1:  # (renumbered below: segment after segment, each in its own groups)
+            walked = (mt - int(rotate)) % tiles_m // (tiles_m // split)
+            group = walked * len(partition) + group
     elif layout == "cols":
         group, offset, ld = _cols_layout(m, n, tile_m, tile_n, mt, nt, wave, group_of_wave, column_groups)
     elif layout == "segments":
@@ -389,6 +400,7 @@ def make_plan(
         layout=layout,
         rotate=int(rotate),
         interleave=int(interleave),
+        split=int(split),
         partition=partition,
         tiles_m=tiles_m,
         tiles_n=tiles_n,
@@ -443,6 +455,19 @@ def _check_walk(m, n, tile_m, tile_n, cluster_m, swizzle, tiles_m, layout, strea
                 f"layout 'segments' splits M into {interleave} equal segments of whole {unit}-row units "
                 f"(tile rows x cluster x swizzle panel): M must be a multiple of {unit * interleave}, got {m}"
             )
+
+
+def _check_split(m, n, tile_m, tile_n, cluster_m, swizzle, layout, split) -> None:
+    """Raise where the ``rows`` layout's groups cannot keep inside ``split`` equal segments of whole
+    :func:`rotation_rows` units."""
+    if not isinstance(split, (int, np.integer)) or split < 1:
+        raise ValueError(f"split must be a positive integer (segments), got {split!r}")
+    unit = rotation_rows(m, n, tile_m, tile_n, cluster_m, swizzle)
+    if split > 1 and (layout != "rows" or m % (unit * split)):
+        raise ValueError(
+            f"groups split at {split} segments need the 'rows' layout and M a multiple of {unit * split} rows "
+            f"(got layout {layout!r}, M={m})"
+        )
 
 
 def _late_budget(tiles: int, ctas: int, stream_k_tiles, swizzle: int, keep) -> tuple[int, int]:

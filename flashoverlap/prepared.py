@@ -11,7 +11,7 @@ import torch
 
 from . import state
 from .config import OverlapConfig
-from .gemm import SignalGemm, get_kernel
+from .gemm import FusedSums, SignalGemm, get_kernel
 from .inputs import DTYPES, FP8_DTYPES, Fp8
 from .plan import Plan, make_plan
 from .rules import kernel_spec
@@ -57,10 +57,11 @@ class Prepared:
         alpha: torch.Tensor | None = None,
         rows: torch.Tensor | None = None,
         cols: torch.Tensor | None = None,
+        fused: FusedSums | None = None,
     ) -> None:
         """Enqueue the signal GEMM on ``stream``, writing the plan's slots of ``buffer``, bumping
         ``counters`` (default: the plan's own); ``alpha``, ``rows``, ``cols``: the product's scales
-        (SignalGemm.run; inputs.Scales.epilogue)."""
+        (SignalGemm.run; inputs.Scales.epilogue); ``fused``: a reduce-scatter's sums in its epilogue."""
         self.kernel.run(
             a,
             weight,
@@ -79,6 +80,7 @@ class Prepared:
             alpha,
             rows,
             cols,
+            fused,
         )
 
 
@@ -97,7 +99,8 @@ def prepare(
 ) -> Prepared:
     """The plan, kernel and device tables of one call; ``dtype``: the operands'; ``rotate``: rows of
     C the schedule starts at (comm.rows_rotation); ``interleave``: segments it interleaves
-    (comm.interleave); ``columns``: the ``cols`` groups' tile columns, shared by ranks whose M differ
+    (comm.interleave; in the ``rows`` layout, segments no group spans); ``columns``: the ``cols``
+    groups' tile columns, shared by ranks whose M differ
     (:func:`shared_columns`); ``fp8``: an FP8 GEMM's result dtype and accumulation (None: bf16,
     promoted)."""
     if cfg.layout == "auto":
@@ -169,9 +172,10 @@ def _plan(
         layout=cfg.layout,
         swizzle=cfg.swizzle,
         rotate=rotate // cfg.tile_m,
-        interleave=interleave,
+        interleave=1 if cfg.layout == "rows" else interleave,
         column_groups=columns,
         keep=keep,
+        split=interleave if cfg.layout == "rows" else 1,
     )
 
 

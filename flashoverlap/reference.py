@@ -39,10 +39,9 @@ def run_plan(
         raise ValueError(f"plan is for a {plan.m}x{plan.n} output, operands give {m}x{n}")
     b = (weight.t() if weight_layout == "nk" else weight).float()
     comm.check_layout(ex, plan.layout, plan.rotation_rows)
-    if plan.interleave != comm.interleave(ex, plan.layout):
-        raise ValueError(
-            f"a {plan.layout!r} plan for this call interleaves {comm.interleave(ex, plan.layout)} segments"
-        )
+    segments = comm.interleave(ex, plan.layout, ex.reduction)
+    if (plan.split if plan.layout == "rows" else plan.interleave) != segments:
+        raise ValueError(f"a {plan.layout!r} plan for this call knows of {segments} segments (comm.interleave)")
     start = comm.rows_rotation(ex, plan.layout, dist.get_rank(group))
     if plan.rotate * plan.tile_m != start:
         raise ValueError(
@@ -57,14 +56,21 @@ def run_plan(
     peers = comm.peer.Gathered(group or dist.group.WORLD, buffer) if ex.reduction in comm.PULLS else None
     result = poisoned(out.shape) if window else out
     copy_out = window and comm.landed(ex, plan, 0, out) is not None
+    fused = _Fused(ex, plan, peers) if ex.reduction == "pull_fused" else None
     remaining = np.array(plan.tiles_per_group)
     issued = 0
     for tile in plan.order:
         r0, c0, rows, cols = plan.tile_extent(int(tile))
-        slot_view(buffer, plan, int(tile)).copy_(a[r0 : r0 + rows].float() @ b[:, c0 : c0 + cols])
+        product = a[r0 : r0 + rows].float() @ b[:, c0 : c0 + cols]
+        if fused is not None and fused.owns(r0):
+            fused.add(product, r0, c0, recv, out)
+        else:
+            slot_view(buffer, plan, int(tile)).copy_(product)
         remaining[plan.group[tile]] -= 1
         while issued < plan.num_groups and remaining[issued] == 0:
             comm.communicate_group(ex, plan, issued, buffer, recv, out, peers or group)
+            if fused is not None:
+                fused.ready.update(fused.bands[issued])
             comm.finish_group(ex, plan, issued, buffer, recv, result, peers)
             comm.gather_group(ex, plan, issued, buffer, result, peers)
             if copy_out:
@@ -77,3 +83,26 @@ def run_plan(
     if result is not out and comm.lands_in_out(ex, plan) and not copy_out:
         result.copy_(out)
     return result
+
+
+class _Fused:
+    """A ``pull_fused`` reduce-scatter's epilogue (csrc/tile_slot.cuh FusedSums): a tile of this
+    rank's rows, computed once the ready flags of its band are set, goes to the result with the
+    other ranks' copied partial sums of it added (in float32, rounded once). Where the GPU would wait
+    for a flag that the walk sets only later, it raises: on GPUs that plan would wait forever."""
+
+    def __init__(self, ex: comm.Exchange, plan: Plan, peers: comm.peer.Pulls) -> None:
+        self.row0, self.rows, self.n = peers.rank * ex.rows, plan.rotation_rows, plan.n
+        self.height, self.count = ex.rows, len(peers.others)
+        self.bands = comm.ready_bands(ex, plan, peers.rank, self.rows)
+        self.ready = set() if self.count else set(range(ex.rows // self.rows))  # (one rank: none to wait for)
+
+    def owns(self, row: int) -> bool:
+        return self.row0 <= row < self.row0 + self.height
+
+    def add(self, product: torch.Tensor, r0: int, c0: int, recv: torch.Tensor, out: torch.Tensor) -> None:
+        local, (rows, cols) = r0 - self.row0, product.shape
+        if local // self.rows not in self.ready:
+            raise AssertionError(f"rows {r0}..{r0 + rows} computed before their band's copies are ready")
+        sources = recv.view(self.count, self.height, self.n)[:, local : local + rows, c0 : c0 + cols]
+        out[local : local + rows, c0 : c0 + cols] = product + sources.float().sum(0)

@@ -17,7 +17,8 @@ from typing import Protocol
 import torch
 
 from .config import PULLS as PULLS
-from .config import REDUCTIONS, ROW_MAJOR, OverlapConfig, family_problems, gemm_instance
+from .config import REDUCTIONS as REDUCTIONS
+from .config import ROW_MAJOR, OverlapConfig, family_problems, gemm_instance
 from .gemm.generator import FAMILIES, FP8_DTYPES, GemmSpec
 from .plan import late_after, rotation_rows, scheduled_tiles, spare_sms
 
@@ -25,8 +26,11 @@ COLLECTIVES = ("all_reduce", "reduce_scatter", "all_to_all")
 # what each collective takes: a pull reduce-scatter / all-to-all copies this rank's rows of every
 # rank's group out of its memory (the ``segments`` layout: for_collective), which is already a
 # reduce-scatter's share: no pull_scatter there
-TAKES = {"all_reduce": REDUCTIONS, "reduce_scatter": ("nccl", "pull"), "all_to_all": ("nccl", "pull")}
-PULL_LAYOUTS = {"all_reduce": "rows", "reduce_scatter": "segments", "all_to_all": "segments"}  # where pulls land
+TAKES = {
+    "all_reduce": ("nccl", "local", "pull", "pull_scatter"),
+    "reduce_scatter": ("nccl", "pull", "pull_fused"),
+    "all_to_all": ("nccl", "pull"),
+}
 # layouts whose reduce-scatter / all-to-all need equal segments of whole units (rows_carry)
 EQUAL_SEGMENTS = ("rows", "segments")
 COPY_ENGINE = ("all_to_all", "all_gather")  # comm_patterns NCCL runs on copy engines (windows, CTA policy ZERO)
@@ -49,7 +53,10 @@ def for_collective(cfg: OverlapConfig, collective: str) -> OverlapConfig:
     """``cfg`` with an ``auto`` layout resolved for ``collective`` as a call that ``segments`` cannot
     carry resolves it (``cols``; :func:`for_call` picks for a known call); raises where the config
     cannot run it."""
-    layout = cfg.layout if cfg.layout != "auto" else ("rows" if collective == "all_reduce" else "cols")
+    layout = cfg.layout
+    if layout == "auto":
+        layout = pull_layout(collective, cfg.reduction) if cfg.reduction in PULLS else "cols"
+        layout = "rows" if collective == "all_reduce" else layout
     if collective != "all_reduce" and layout == "tiles":
         raise ValueError(
             f"{collective} needs layout 'cols', 'rows' or 'segments' (groups that split into per-rank row segments), "
@@ -70,16 +77,23 @@ def for_collective(cfg: OverlapConfig, collective: str) -> OverlapConfig:
             f"epilogue 'tma' stores whole rows of a row-major buffer: layout 'rows' or 'segments', "
             f"got layout {layout!r}"
         )
-    if cfg.reduction in ("local", "pull_scatter") and collective != "all_reduce":
+    if cfg.reduction not in TAKES[collective]:
+        raise ValueError(f"reduction {cfg.reduction!r} is not {collective}'s: one of {list(TAKES[collective])}")
+    if cfg.reduction in PULLS and pull_layout(collective, cfg.reduction) != layout:
         raise ValueError(
-            f"reduction {cfg.reduction!r} is for all_reduce (partial sums gathered, then added), not {collective}"
+            f"reduction {cfg.reduction!r} runs {collective} in layout {pull_layout(collective, cfg.reduction)!r}, "
+            f"not {layout!r}"
         )
-    if cfg.reduction in PULLS and PULL_LAYOUTS[collective] != layout:
-        raise ValueError(
-            f"reduction {cfg.reduction!r} runs all_reduce in layout 'rows', reduce_scatter and all_to_all in layout "
-            f"'segments', not {collective} in layout {layout!r}"
-        )
+    if cfg.reduction == "pull_fused":  # (its sums are the direct epilogue's)
+        return dataclasses.replace(cfg, layout=layout, epilogue="direct")
     return dataclasses.replace(cfg, layout=layout)
+
+
+def pull_layout(collective: str, reduction: str) -> str:
+    """The layout a pull of ``collective`` runs in: an all-reduce's groups and a ``pull_fused``
+    reduce-scatter's (its own segment last, comm.rows_rotation) are row bands of C (``rows``); a
+    reduce-scatter / all-to-all ``pull`` copies every rank's block of the same rows (``segments``)."""
+    return "rows" if collective == "all_reduce" or reduction == "pull_fused" else "segments"
 
 
 @functools.lru_cache(maxsize=256)  # every call asks (a replace() validates)
@@ -89,7 +103,7 @@ def resolutions(cfg: OverlapConfig, collective: str) -> tuple[OverlapConfig, ...
     call (:func:`for_call` decides, knowing the call), else ``cols``, of those two the ones that
     can run the config (``epilogue: tma`` stores rows: ``segments`` alone; a stream-K schedule
     cannot interleave: ``cols`` alone); any other config, one. Raises where none can."""
-    if cfg.layout != "auto" or collective == "all_reduce":
+    if cfg.layout != "auto" or collective == "all_reduce" or cfg.reduction in PULLS:  # (a pull's layout is its own)
         return (for_collective(cfg, collective),)
     valid, problems = [], []
     for layout in ("segments", "cols"):
@@ -144,6 +158,8 @@ def for_rowwise(cfg: OverlapConfig, capability: tuple[int, int]) -> OverlapConfi
     ``ValueError`` for a config or GPU that cannot."""
     if cfg.epilogue == "tma":
         raise ValueError("rowwise FP8 scales need epilogue 'direct' (or 'auto'), got 'tma'")
+    if cfg.reduction == "pull_fused":  # (its epilogue scales by one alpha before it adds the sums)
+        raise ValueError("reduction 'pull_fused' takes per-tensor FP8 scales, not rowwise ones")
     if for_device(cfg, capability)[0].kernel != "sm90":
         arch = f"sm_{capability[0]}{capability[1]}"
         raise ValueError(f"rowwise FP8 scales need the sm90 kernels (Hopper); {arch} with kernel {cfg.kernel!r}")
@@ -178,6 +194,7 @@ def kernel_spec(
         epilogue=cfg.epilogue,
         arch=arch,
         input_dtype=input_dtype,
+        sums=cfg.reduction == "pull_fused",
     )
     return cfg, spec
 
@@ -237,7 +254,18 @@ def carries(cfg: OverlapConfig, ex: Exchange, shape: tuple[int, int, int], p2p: 
     not gloo)."""
     segments_ok = cfg.layout not in EQUAL_SEGMENTS or ex.uniform and rows_carry(ex, rotation_unit(cfg, shape))
     sends_ok = p2p or comm_pattern(ex.collective, cfg.layout) != "exchange"
-    return segments_ok and sends_ok and (ex.uniform or not cfg.symmetric)
+    tiles_ok = cfg.reduction != "pull_fused" or shape[1] % cfg.tile_n == 0  # (:func:`fused_tiles`)
+    return segments_ok and sends_ok and tiles_ok and (ex.uniform or not cfg.symmetric)
+
+
+def fused_tiles(cfg: OverlapConfig, n: int) -> None:
+    """Raise where a ``pull_fused`` reduce-scatter's epilogue would add its sums into tiles cut by
+    the output's edge: N a multiple of ``tile_n`` (its rows are whole tiles by rows_carry), so that
+    its passes hold no bounds per element."""
+    if cfg.reduction == "pull_fused" and n % cfg.tile_n:
+        raise ValueError(
+            f"reduction 'pull_fused' adds into whole tiles: N={n} must be a multiple of tile_n={cfg.tile_n}"
+        )
 
 
 @functools.lru_cache(maxsize=1024)  # every call asks
@@ -311,7 +339,7 @@ def pulled(
     moves w - 1 groups per rank, 3 on four ranks against 1.5 for NCCL's ring and ``pull_scatter``; a
     reduce-scatter / all-to-all in the ``segments`` layout pulls its own segment's rows (``pull``:
     picked on 9 of 10 shapes on four H200s; a reduce-scatter's copied and summed on those SMs,
-    :func:`reads_in_place`), in :data:`PULL_LAYOUTS` whatever ``cfg``'s layout (the caller checks
+    :func:`reads_in_place`), in its :func:`pull_layout` whatever ``cfg``'s layout (the caller checks
     that it :func:`carries` the call): a hint tuned for another shape may be NCCL in the ``rows``
     layout (registry entries of reduce-scatter are). A pull already keeps its reduction, with the
     spare SMs: the hint's SM count is its own shape's (four H200s, reduce-scatter 4096x8192x2048
@@ -325,7 +353,7 @@ def pulled(
         reduction = "pull_scatter" if collective == "all_reduce" and world > 2 else "pull"
     pull = dataclasses.replace(
         cfg,
-        layout=PULL_LAYOUTS[collective],
+        layout=pull_layout(collective, reduction),
         reduction=reduction,
         symmetric=False,
         late_budget=False,

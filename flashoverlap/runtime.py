@@ -19,6 +19,7 @@ import torch.distributed as dist
 
 from . import comm, enqueue, signal, state, watchdog
 from .comm import Exchange
+from .gemm import FusedSums
 from .inputs import Fp8, Scales, epilogue, world_size
 from .prepared import Prepared
 from .streams import join, lanes, side_stream
@@ -214,6 +215,23 @@ def replay_key(
     return ex, *groups, caller.cuda_stream, None if window is None else window.memory.data_ptr(), waits
 
 
+def _fused(ex: Exchange, plan, peers: comm.Peers, out: torch.Tensor, recv: torch.Tensor) -> FusedSums:
+    """A ``pull_fused`` reduce-scatter's sums in the GEMM's epilogue: this rank's rows of C into
+    ``out`` with the other ranks' partial sums of them (``recv``, comm.buffers) added, a ready flag
+    per :attr:`Plan.rotation_rows` rows (the rows its walk completes together); raises before
+    anything is enqueued where they outnumber the flags."""
+    rows = plan.rotation_rows
+    if not peers.others:
+        raise ValueError("reduction 'pull_fused' adds the other ranks' partial sums: a group of one rank has none")
+    if ex.rows // rows > comm.peer.MAX_GROUPS:
+        raise ValueError(
+            f"reduction 'pull_fused' has a ready flag per {rows} rows of the result, at most "
+            f"{comm.peer.MAX_GROUPS}: {ex.rows} rows need {ex.rows // rows}"
+        )
+    sources = recv.view(len(peers.others), ex.rows, plan.n)
+    return FusedSums(out, sources, peers.ready_flags, peers.rank * ex.rows, rows)
+
+
 def _disjoint(extents: Sequence[tuple[int, int]]) -> bool:
     """Whether no two (address, bytes) extents overlap: a replay substitutes each on its own (a call
     whose operands share memory is not recorded; a later one may be)."""
@@ -252,12 +270,17 @@ def _enqueue(
     finisher = side_stream(device, "finish") if finishes or copy_out else None
     if finisher is not None and not prep.group_done:
         prep.group_done = [torch.cuda.Event() for _ in prep.targets]
+    if (finisher is not None or ex.reduction == "pull_fused") and prep.gemm_done is None:
         prep.gemm_done = torch.cuda.Event()
 
     # A pull's GEMM counts in memory the other ranks map, and they wait on that (comm.peer); this
     # rank's own counters only where its own rows are read. Its buffer and counters were claimed
     # for it at the previous call's end (Peers.claim).
     peers = group if isinstance(group, comm.Peers) else None
+    fused = None  # a pull_fused reduce-scatter's sums in the epilogue: the rows of each ready flag, the flags per group
+    if ex.reduction == "pull_fused":
+        fused = _fused(ex, plan, peers, out, recv)
+        bands = comm.ready_bands(ex, plan, peers.rank, fused.ready_rows)
     shared = window if window is not None else peers  # memory every call uses: ordered across callers' streams
     if shared is not None:
         shared.acquire(caller)
@@ -287,8 +310,8 @@ def _enqueue(
         enqueue.wait(caller, peers.claimed)
     else:
         join(caller, stream, device)  # a call from another stream may not have reset the counters yet
-    prep.launch(a, weight, buffer, caller, None if peers is None else peers.counters, *scaled)
-    if copy_out or finisher is not None and peers is not None:
+    prep.launch(a, weight, buffer, caller, None if peers is None else peers.counters, *scaled, fused=fused)
+    if copy_out or finisher is not None and peers is not None or fused is not None:
         enqueue.record(prep.gemm_done, caller)
     last = len(prep.targets) - 1
     for g, target in enumerate(prep.targets):
@@ -306,6 +329,8 @@ def _enqueue(
             for lane, done in zip(peers.lanes if peers is not None else (), prep.lane_done):  # the pulls joined
                 enqueue.record(done[g], lane)
                 enqueue.wait(issuer, done[g])
+            for band in bands[g] if fused is not None else ():  # the epilogue may add these rows now
+                peers.ready(band)
             if peers is not None and finishes and g < last:  # this rank's own rows, for the finisher's
                 peers.mine(g)  # add (here, not on the finisher: each stream operation costs ~2 us)
             if finisher is not None:
@@ -345,6 +370,8 @@ def _enqueue(
         if side is not None:
             join(caller, side, device)
     if peers is not None:  # the next call's claim, beside this one's last adds; its GEMM waits for it, the caller not
+        if fused is not None:  # (not before the epilogue has read the ready flags the claim zeroes: no other
+            enqueue.wait(stream, prep.gemm_done)  # rank waits for this rank's own rows, which it computes last)
         with _On(stream, caller):
             peers.claim()
         if torch.cuda.is_current_stream_capturing():  # a capture ends with every stream joined

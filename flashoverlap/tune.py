@@ -93,6 +93,9 @@ DEFAULT_CANDIDATES["all_to_all"] = DEFAULT_CANDIDATES["reduce_scatter"]
 DEFAULT_CANDIDATES["reduce_scatter"] += (
     {"layout": "segments", "reduction": "pull", "comm_sms": 8},
     {"layout": "segments", "reduction": "pull", "comm_sms": 0},
+    # this rank's rows computed last and the others' partial sums of them added in the epilogue: no SM
+    # for the sums, none after the GEMM
+    {"reduction": "pull_fused", "comm_sms": 0},
 )
 
 
@@ -172,7 +175,9 @@ def _widened(candidates, ex, shape, dtype, device, fp8=None) -> tuple[list[dict]
     m, n, k = shape
 
     def planned(cfg):
-        return prepare(m, n, k, dtype, "nk", device, cfg, interleave=comm.interleave(ex, cfg.layout), fp8=fp8)
+        return prepare(
+            m, n, k, dtype, "nk", device, cfg, interleave=comm.interleave(ex, cfg.layout, cfg.reduction), fp8=fp8
+        )
 
     cfgs = [for_call(resolve(c, fp8 is not None), ex, shape) for c in candidates]
     preps = [planned(cfg) for cfg in cfgs]
@@ -238,7 +243,9 @@ def _problems(
         sent = wave_bytes(prep.plan, elem, ranks)
         if pattern == "pull" and collective != "all_reduce":  # a rank pulls its own segment's rows only
             sent = tuple(b / world for b in sent)
-        kept = wave_bytes(prep.plan, elem, ranks, own=True)
+        if pattern == "pull_fused":  # a group is one rank's rows, all pulled by it from one rank: priced as the
+            sent = tuple(b / (world - 1) for b in sent)  # pull all-reduce's copies of 1 / (w - 1) from each
+        kept = wave_bytes(prep.plan, elem, ranks, own=True) if pattern != "pull_fused" else (0.0,)  # (its epilogue's)
         local = local_model(collective, moved, rounds) if any(kept) else None
         if comm.finishes(ex, prep.plan) and pattern != "all_gather":  # result rows copied into place per group
             kept, local = tuple(b * ex.rows / m for b in sent), local_model("all_to_all", moved, rounds)
@@ -265,7 +272,9 @@ def _runnable(current: dict | None, ex, shape, dtype, device, fp8=None) -> dict 
     m, n, k = shape
     try:
         held = for_call(resolve(current, fp8 is not None), ex, shape)
-        prepare(m, n, k, dtype, "nk", device, held, interleave=comm.interleave(ex, held.layout), fp8=fp8)
+        prepare(
+            m, n, k, dtype, "nk", device, held, interleave=comm.interleave(ex, held.layout, held.reduction), fp8=fp8
+        )
     except (TypeError, ValueError) as exc:
         _progress(f"{m}x{n}x{k}: the registry's entry is left out: {exc}")
         return None

@@ -78,7 +78,7 @@ def comm_model(pattern: str, comm_sms: int, dtype, rounds: int, symmetric: bool 
     for every shape, so measured once per run."""
 
     if pattern in comm.PULLS:  # (one model for every comm_sms: each measurement maps memory on every rank)
-        return pull_model(dtype, rounds, pattern)
+        return pull_model(dtype, rounds, "pull" if pattern == "pull_fused" else pattern)  # (fused: copies alone)
 
     group = comm.budget_group(dist.group.WORLD, comm_sms, copy_engine=symmetric and pattern in comm.COPY_ENGINE)
     world, me, elem = dist.get_world_size(), dist.get_rank(), torch.finfo(dtype).bits // 8
@@ -206,7 +206,7 @@ def host_model(
         torch.cuda.synchronize()
         ex = comm.exchange(collective, m, dist.get_world_size())
         resolved = for_call(cfg, ex, (m, n, k))
-        segments = comm.interleave(ex, resolved.layout)
+        segments = comm.interleave(ex, resolved.layout, resolved.reduction)
         counts.append(prepare(m, n, k, a[0].dtype, "nk", a[0].device, resolved, interleave=segments).plan.num_groups)
         times.append(statistics.median(spent))
     # the slowest rank's times, so that every rank predicts (and so plans) the same calls

@@ -38,7 +38,7 @@ from typing import NamedTuple
 import numpy as np
 
 from . import bench
-from .config import resolve
+from .config import PULLS, resolve
 from .plan import make_plan, scheduled_tiles
 from .rules import COLLECTIVES, PULL_SMS, comm_pattern, for_collective, tail_apart
 from .tune_model import Choice, CommModel, Problem, choose, wave_bytes
@@ -129,6 +129,7 @@ CANDIDATES["all_to_all"] = CANDIDATES["reduce_scatter"]
 # a reduce-scatter's pulled rows are summed from their copies on more SMs, or after the GEMM, as the
 # tuner tries
 CANDIDATES["reduce_scatter"] += tuple({"layout": "segments", "reduction": "pull", "comm_sms": sms} for sms in (8, 0))
+CANDIDATES["reduce_scatter"] += ({"reduction": "pull_fused", "comm_sms": 0},)  # (the sums in the epilogue)
 
 
 def ring_share(collective: str, world: int) -> float:
@@ -172,7 +173,10 @@ def pull_counts(collective: str, reduction: str, world: int) -> PullBytes:
     ranks' groups copied, ``w`` summed into one locally; ``pull_scatter``: a ``1 / w`` share of each
     other rank's group read in place by the sum, then the ``w - 1`` other shares' sums copied;
     reduce-scatter: this rank's ``1 / w`` of each other rank's group copied, then summed with its
-    own locally; all-to-all: the same copied."""
+    own locally; all-to-all: the same copied; a ``pull_fused`` reduce-scatter: every group (one
+    rank's rows, its own last and kept) copied whole from one rank, summed in the GEMM's epilogue."""
+    if reduction == "pull_fused":
+        return PullBytes(1, 1.0, 0.0, 0.0)
     if collective == "all_reduce" and reduction == "pull":
         return PullBytes(world - 1, float(world - 1), 0.0, float(world + 1))
     share = (world - 1) / world
@@ -265,7 +269,7 @@ class Prediction:
 
 
 def path_name(pattern: str) -> str:
-    return pattern if pattern in ("pull", "pull_scatter") else "nccl"
+    return pattern if pattern in PULLS else "nccl"
 
 
 def candidate(
@@ -288,10 +292,11 @@ def candidate(
         layout=cfg.layout,
         interleave=world if cfg.layout == "segments" else 1,
         keep=min(tiles, budget) if cfg.late_budget else 0,
+        split=world if cfg.reduction == "pull_fused" else 1,
     )
     wave_ms = 2.0 * cfg.tile_m * cfg.tile_n * k / (gpu.gemm_flops_per_ms / gpu.sms)  # one tile per SM per wave
     finish_ms = 0.0
-    if pattern in ("pull", "pull_scatter"):
+    if pattern in PULLS:
         alone = pull_comm(gpu, collective, cfg.reduction, world)  # (on every SM, after the GEMM)
         # with no SM beside the GEMM the adds wait for its end (pull_scatter's reads in place would
         # too: no candidate here runs it without SMs)

@@ -159,6 +159,28 @@ def test_rows_rotation_starts_at_the_next_ranks_segment():
     assert rows_rotation(exchange("all_reduce", 12, 3), "rows", 1) == 0
 
 
+def test_a_fused_reduce_scatter_s_bands_are_ready_once_every_other_rank_s_copies_are():
+    """ready_bands: band b of rank r's rows is ready after the group of the rank that computes it
+    latest (its walk's rotation: rank r + 1, world - 2 segments into its walk) holds its last row."""
+    from flashoverlap.plan import make_plan
+
+    world, tile_m = 4, 128
+    ex = exchange("reduce_scatter", 4096, world, reduction="pull_fused")
+    assert [comm.own_rows(ex, 0, q) for q in range(world)] == [3072, 2048, 1024, 0]
+    plan = make_plan(4096, 512, tile_m=tile_m, tile_n=256, cluster_m=1, ctas=5, layout="rows", split=world)
+    walk = [b // plan.n for b in plan.bounds]
+    for rank in range(world):
+        bands = comm.ready_bands(ex, plan, rank, 256)
+        assert sorted(b for after in bands for b in after) == list(range(1024 // 256))
+        for g, after in enumerate(bands):
+            for band in after:  # rank + 1 computes this rank's rows at 2048 of its walk, the latest
+                last_row = 2048 + (band + 1) * 256 - 1
+                assert walk[g] <= last_row < walk[g + 1]
+    assert comm.ready_bands(exchange("reduce_scatter", 1024, 1, reduction="pull_fused"), plan, 0, 256) == [
+        [] for _ in range(plan.num_groups)
+    ]
+
+
 @pytest.mark.parametrize("world", [1, 2, 3, 4, 8])
 def test_partial_sums_add_up_whatever_the_world_size(world):
     """Summed in float32 in rank order, rounded once: the same bits on every rank; ``out`` may be one

@@ -72,6 +72,18 @@ def test_fast_accumulation_is_an_fp8_mainloop_of_its_own():
         GemmSpec(fast_accum=True)
 
 
+def test_fused_sums_are_a_direct_epilogue_of_their_own():
+    """A reduce-scatter's sums in the epilogue (reduction pull_fused) get kernels of their own: the
+    plain direct kernels keep their code (and registers) whatever the sums need."""
+    sums = GemmSpec(epilogue="direct", sums=True)
+    assert sums.name == "fo_gemm_bfloat16_nk_128x256x64_c1x1_persistent_direct_sums_sm_90a"
+    assert "SignalEpilogue<Element, TileShape, 256, true>" in generate(sums)
+    assert "SignalEpilogue<Element, TileShape, 256, false>" in generate(GemmSpec(epilogue="direct"))
+    for other in ({}, {"tile_k": 32, "epilogue": "direct", "arch": "sm_80"}):  # the TMA epilogue, Ampere's
+        with pytest.raises(ValueError, match=r"sums \(a reduce-scatter's, in the epilogue\) are the sm90"):
+            GemmSpec(**other, sums=True)
+
+
 ADA_FP8 = GemmSpec(input_dtype="float8_e4m3fn", tile_n=128, tile_k=64, epilogue="direct", arch="sm_89")
 
 
@@ -158,8 +170,9 @@ needs_nvcc = pytest.mark.skipif(shutil.which("nvcc") is None, reason="needs nvcc
     [
         GemmSpec(),
         GemmSpec(dtype="float16", weight_layout="kn", tile_m=256, tile_n=128, cluster_m=2, epilogue="direct"),
+        GemmSpec(epilogue="direct", sums=True),
     ],
-    ids=["tma", "direct"],
+    ids=["tma", "direct", "direct-sums"],
 )
 def test_generated_source_compiles_for_sm90a(spec, tmp_path):
     obj = jit.build(spec.name, generate(spec), arch=spec.arch, cutlass=True, object_only=True, output=tmp_path / "k.o")

@@ -140,6 +140,10 @@ SPLIT_CONFIGS = [
     OverlapConfig(layout="rows", late_budget=True, comm_sms=24),
     OverlapConfig(layout="segments", reduction="pull", comm_sms=4),  # this rank's rows pulled (comm.peer)
     OverlapConfig(layout="segments", reduction="pull", comm_sms=0),  # (a reduce-scatter's copied, summed after)
+    OverlapConfig(
+        layout="rows", reduction="pull_fused", comm_sms=0
+    ),  # own rows last, the others' added in the epilogue
+    OverlapConfig(layout="rows", reduction="pull_fused", comm_sms=0, tile_n=128, swizzle=1),
 ]
 
 
@@ -237,7 +241,12 @@ FP8_CONFIGS = {
         OverlapConfig(kernel="sm80"),  # Ada's FP8 kernels, forced here
         None,
     ],
-    "reduce_scatter": [OverlapConfig(layout="segments", reduction="pull"), OverlapConfig(layout="cols"), None],
+    "reduce_scatter": [
+        OverlapConfig(layout="segments", reduction="pull"),
+        OverlapConfig(reduction="pull_fused", comm_sms=0),
+        OverlapConfig(layout="cols"),
+        None,
+    ],
     "all_to_all": [OverlapConfig(layout="rows"), None],
 }
 

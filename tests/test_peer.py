@@ -223,6 +223,11 @@ def _run(streams: list[list], memory: _Memory, seed: int) -> None:
         elif op[0] == "copy sum":
             found = memory.rows.get((op[1], op[2])), memory.sums.get((op[1], op[2]))
             assert found == (op[3], op[3]), f"rank {op[1]}'s sum of group {op[2]} was not call {op[3]}'s: {found}"
+        elif op[0] == "landed":  # (a copy into rank op[1]'s staging for call op[2])
+            memory.sums[op[1], op[2]] = memory.sums.get((op[1], op[2]), 0) + 1
+        elif op[0] == "fused":  # its epilogue adds every other rank's copy of this call
+            found = memory.sums.get((op[1], op[2]), 0)
+            assert found == len(memory.regions) - 1, f"rank {op[1]} added {found} copies of call {op[2]}"
         elif op[0] == "event":
             events.add(op[1])
 
@@ -252,3 +257,86 @@ def test_pulls_copy_every_group_of_their_own_call_whatever_the_interleaving(worl
             for r in range(world):
                 memory.words[rank, peers[rank].fresh + r] = 1
         _run(streams, memory, seed)
+
+
+def _fused_streams(peers: list, calls: int, claim_after_gemm: bool = True) -> list[list]:
+    """A ``pull_fused`` reduce-scatter's calls on the model of :func:`_streams`, one group per rank's
+    rows: rank p's walk computes the rows of rank (p + 1 + g) % world as its group g, its own last.
+    comm: per group, the part of each other rank's group that is this rank's rows (rank q's group
+    (p - q - 1) % world: comm.own_rows) copied once q's counter says so; after the last of them this
+    rank's ready flag; then ``copied``, (``claim_after_gemm``) the wait for its GEMM's end, the claim.
+    gemm: after the claim's ``claimed``, each group's rows and counter, the last (its own rows) first
+    waiting for the ready flag and adding the copies, which must be this call's."""
+    streams, claims, current = [], {}, [None]
+    world = len(peers)
+
+    def record(event, stream):
+        rank = next(p.rank for p in peers if p.claimed is event)
+        claims[rank] = claims.get(rank, 0) + 1
+        stream.cuda_stream.ops.append(("event", (rank, claims[rank], "claimed")))
+
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(peer.signal, "wait_at", lambda s, address, value: s.cuda_stream.ops.append(("wait", address, value)))
+        mp.setattr(peer.enqueue, "runtime_call", lambda name, address, value, s: s.ops.append((name, address, value)))
+        mp.setattr(peer.enqueue, "record", record)
+        mp.setattr(torch.cuda, "current_stream", lambda device: SimpleNamespace(cuda_stream=current[0]))
+        mp.setattr(torch.cuda, "is_current_stream_capturing", lambda: False)
+        for p in peers:
+            comm, gemm = _Stream(ops=[]), _Stream(ops=[])
+            p.lanes, p.targets = (), (1,) * world
+            current[0] = comm
+            for call in range(calls):
+                if call:
+                    gemm.ops.append(("after", (p.rank, call, "claimed")))
+                for g in range(world):
+                    if g == world - 1:  # its own rows: the epilogue waits for the copies, then adds them
+                        gemm.ops += [("wait", p._flag(p.rank, peer.READY), 1), ("fused", p.rank, call)]
+                    gemm.ops += [("rows", p.rank, g, call), ("count", p._flag(p.rank, g), 1)]
+                    mine = {q: p.memory[p.flag_bytes :] for q in p.others if (p.rank - q - 1) % world == g}
+                    for q, _ in p.arrivals(g, mine):
+                        comm.ops += [("copy", q, g, call), ("landed", p.rank, call)]
+                    if g == world - 2:
+                        p.ready(0)
+                gemm.ops.append(("event", (p.rank, call, "gemm done")))
+                p.copied()
+                if claim_after_gemm:
+                    comm.ops.append(("after", (p.rank, call, "gemm done")))
+                p.claim()
+            streams += [comm.ops, gemm.ops]
+    return streams
+
+
+@pytest.mark.parametrize("world", [2, 3, 4, 8])
+def test_fused_sums_add_this_call_s_copies_and_never_wait_forever(world):
+    """``pull_fused`` on the model of the ranks' streams: every rank's epilogue adds the copies of its
+    own call (the ready flag is zeroed by the claim only after its GEMM has read it), whatever the
+    interleaving; without the claim's wait for the GEMM's end a GEMM can wait forever (no other rank
+    waits for a rank's own rows, so its ``done`` flags can come while it still computes them)."""
+    regions = [torch.zeros(4096, dtype=torch.uint8) for _ in range(world)]
+    peers = []
+    for rank in range(world):
+        p = peer.Peers.__new__(peer.Peers)
+        p.claimed = object()
+        p.rank, p.world, p.others = rank, world, [r for r in range(world) if r != rank]
+        p.fresh, p.device, p.peers, p.memory = peer.DONE + world, None, regions, regions[rank]
+        p.flag_bytes = 4 * (p.fresh + world)
+        peers.append(p)
+
+    def run(streams, seed):
+        memory = _Memory(regions)
+        for rank in range(world):  # as Peers._grow leaves the flags
+            for r in range(world):
+                memory.words[rank, peers[rank].fresh + r] = 1
+        _run(streams, memory, seed)
+
+    streams = _fused_streams(peers, 3)
+    for seed in range(200 if world <= 4 else 40):
+        run(streams, seed)
+    unordered = _fused_streams(peers, 3, claim_after_gemm=False)
+    hung = 0
+    for seed in range(200):
+        try:
+            run(unordered, seed)
+        except AssertionError as exc:
+            hung += "waits forever" in str(exc)
+    assert hung, "the model never hung without the claim's wait for the GEMM"

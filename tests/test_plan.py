@@ -161,6 +161,28 @@ def test_rotated_rows_plans_walk_rows_from_the_rotation_on_and_group_rotated_row
         assert plan.tiles_per_group == plain.tiles_per_group and plan.bounds == plain.bounds
 
 
+def test_split_rows_plans_keep_every_group_inside_one_segment_of_the_walk():
+    rng = np.random.default_rng(5)
+    for _ in range(60):
+        args = random_plan_args(rng, max_tiles=6, ctas_choices=(1, 2, 3, 5, 8), stream_k_share=0.0)
+        split = int(rng.integers(2, 5))
+        args["m"] = split * args["tile_m"] * args["cluster_m"] * args["swizzle"] * int(rng.integers(1, 3))
+        args["partition"] = None
+        unit = rotation_rows(**{k: args[k] for k in ("m", "n", "tile_m", "tile_n", "cluster_m", "swizzle")})
+        rotate = unit // args["tile_m"] * int(rng.integers(0, args["m"] // unit))
+        plain, plan = make_plan(**args, rotate=rotate), make_plan(**args, rotate=rotate, split=split)
+        assert plan.split == split and np.array_equal(plan.order, plain.order)
+        seg = args["m"] // split
+        for g in range(plan.num_groups):  # one segment of the walk each, contiguous rows as any rows plan
+            lo, hi = plan.bounds[g] // plan.n, plan.bounds[g + 1] // plan.n
+            assert lo // seg == (hi - 1) // seg
+        # only where the waves' groups cross a segment's edge do groups differ from the unsplit plan's
+        edges = {b // plan.n for b in plan.bounds}
+        assert edges == {b // plan.n for b in plain.bounds} | set(range(0, args["m"] + 1, seg))
+    with pytest.raises(ValueError, match="need the 'rows' layout and M a multiple of 768 rows"):
+        make_plan(m=1024, n=512, tile_m=128, tile_n=256, cluster_m=1, ctas=3, swizzle=4, split=3)
+
+
 def test_widest_budget_keeps_the_wave_count_and_no_wider_one_does():
     rng = np.random.default_rng(8)
     for _ in range(200):

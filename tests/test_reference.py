@@ -34,8 +34,9 @@ COLLECTIVE_LAYOUTS = [
     ("reduce_scatter", "segments"),  # ... this rank's segment rows of every rank's group
     ("all_to_all", "segments"),  # ... straight into the result (equal splits)
     ("all_reduce", "rows"),  # reduction "pull_scatter": each rank's share pulled and summed, the sums pulled
+    ("reduce_scatter", "rows"),  # reduction "pull_fused": this rank's rows copied, added in the epilogue
 ]
-LOCAL, PULL, SCATTER = 10, 12, 15  # COLLECTIVE_LAYOUTS[LOCAL:] gather and add locally, [PULL:] as "pull", ...
+LOCAL, PULL, SCATTER, FUSED = 10, 12, 15, 16  # COLLECTIVE_LAYOUTS[LOCAL:] gather and add locally, [PULL:] "pull", ...
 SEGMENTED = ("rows", "segments")  # layouts whose reduce-scatter / all-to-all need equal, whole-unit segments
 
 
@@ -81,8 +82,10 @@ def case(index: int, world: int = 1):
 def rank_plan(args: dict, ex: comm.Exchange, rank: int):
     """The plan of ``args`` as ``rank`` runs it (rotated: comm.rows_rotation; interleaved:
     comm.interleave)."""
-    start = comm.rows_rotation(ex, args["layout"], rank)
-    return make_plan(**args, rotate=start // args["tile_m"], interleave=comm.interleave(ex, args["layout"]))
+    start, rows = comm.rows_rotation(ex, args["layout"], rank), args["layout"] == "rows"
+    segments = comm.interleave(ex, args["layout"], ex.reduction)  # (the rows layout: segments no group spans)
+    split = {"interleave": 1, "split": segments} if rows else {"interleave": segments}
+    return make_plan(**args, rotate=start // args["tile_m"], **split)
 
 
 def a2a_splits(index: int, rank: int, m: int, world: int) -> tuple[int, ...]:
@@ -125,7 +128,8 @@ def worker(rank: int, world: int, store_path: str):
                 if index % 4 == 0:  # otherwise exchanged by comm.exchange
                     output_splits = [a2a_splits(index, s, m, world)[rank] for s in range(world)]
             position = index % len(COLLECTIVE_LAYOUTS)
-            reduction = ["nccl", "local", "pull", "pull_scatter"][sum(position >= p for p in (LOCAL, PULL, SCATTER))]
+            reductions = ["nccl", "local", "pull", "pull_scatter", "pull_fused"]
+            reduction = reductions[sum(position >= p for p in (LOCAL, PULL, SCATTER, FUSED))]
             ex = comm.exchange(collective, m, world, splits, output_splits, reduction=reduction)
             plan = rank_plan(args, ex, rank)
             a, w = operands(index, rank, plan.m, plan.n, k, dtype, weight_layout)

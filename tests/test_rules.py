@@ -12,11 +12,14 @@ from flashoverlap.rules import (
     FEWEST_COMM_SMS,
     READ_SMS,
     alternative,
+    carries,
     check_layout,
     for_call,
     for_collective,
     for_device,
     for_rowwise,
+    fused_tiles,
+    kernel_spec,
     one_wave,
     pulled,
     reads_in_place,
@@ -140,14 +143,22 @@ def test_auto_layout_epilogue_kernel_and_tile_k_follow_collective_and_device():
     assert for_collective(OverlapConfig(scheduler="streamk"), "all_reduce").layout == "rows"  # not rotated
     with pytest.raises(ValueError, match="epilogue 'tma' stores whole rows .* got layout 'cols'"):
         for_collective(OverlapConfig(epilogue="tma"), "all_to_all")
-    with pytest.raises(ValueError, match="reduction 'local' is for all_reduce"):
+    with pytest.raises(ValueError, match="reduction 'local' is not reduce_scatter's"):
         for_collective(OverlapConfig(reduction="local"), "reduce_scatter")
-    with pytest.raises(
-        ValueError, match="reduction 'pull' runs all_reduce in layout 'rows', reduce_scatter and all_to"
-    ):
+    with pytest.raises(ValueError, match="reduction 'pull' runs all_to_all in layout 'segments', not 'rows'"):
         for_collective(OverlapConfig(reduction="pull", layout="rows"), "all_to_all")
-    with pytest.raises(ValueError, match="not reduce_scatter in layout 'rows'"):
+    with pytest.raises(ValueError, match="runs reduce_scatter in layout 'segments', not 'rows'"):
         for_collective(OverlapConfig(reduction="pull", layout="rows"), "reduce_scatter")
+    # sums in the epilogue: a reduce-scatter's, in row bands (own rows last), the direct epilogue's
+    fused = for_collective(OverlapConfig(reduction="pull_fused"), "reduce_scatter")
+    assert (fused.layout, fused.epilogue) == ("rows", "direct")
+    assert [c.layout for c in resolutions(OverlapConfig(reduction="pull_fused"), "reduce_scatter")] == ["rows"]
+    with pytest.raises(ValueError, match="reduction 'pull_fused' is not all_to_all's"):
+        for_collective(OverlapConfig(reduction="pull_fused"), "all_to_all")
+    with pytest.raises(ValueError, match="runs reduce_scatter in layout 'rows', not 'segments'"):
+        for_collective(OverlapConfig(reduction="pull_fused", layout="segments"), "reduce_scatter")
+    with pytest.raises(ValueError, match="'pull_fused' adds in the Hopper"):
+        for_device(for_collective(OverlapConfig(reduction="pull_fused", kernel="sm80"), "reduce_scatter"), ADA)
     assert for_collective(OverlapConfig(reduction="pull", layout="segments"), "all_to_all").layout == "segments"
     assert for_collective(OverlapConfig(reduction="pull"), "all_reduce").layout == "rows"
     assert for_collective(OverlapConfig(reduction="pull", layout="segments"), "reduce_scatter").layout == "segments"
@@ -249,3 +260,20 @@ def test_rowwise_fp8_scales_take_the_direct_epilogue_of_the_sm90_kernels():
     for cfg, capability in [(OverlapConfig(), ADA), (OverlapConfig(kernel="sm80"), HOPPER)]:
         with pytest.raises(ValueError, match="need the sm90 kernels"):
             for_rowwise(cfg, capability)
+
+
+def test_fused_sums_run_whole_tiles_with_per_tensor_scales_in_kernels_of_their_own():
+    """pull_fused: its kernel is the direct epilogue's sums variant; its epilogue adds into whole
+    tiles (N a multiple of tile_n: a call that is not is not carried, and refused where named) and
+    scales by one alpha (rowwise FP8 scales refused before any launch)."""
+    fused = for_collective(OverlapConfig(reduction="pull_fused", comm_sms=0), "reduce_scatter")
+    _, spec = kernel_spec(fused, "bfloat16", "nk", (9, 0))
+    assert spec.sums and spec.epilogue == "direct" and spec.name.endswith("_direct_sums_sm_90a")
+    assert not kernel_spec(for_collective(OverlapConfig(), "reduce_scatter"), "bfloat16", "nk", (9, 0))[1].sums
+    ex = comm.exchange("reduce_scatter", 8192, 4, reduction="pull_fused")
+    assert carries(fused, ex, (8192, 8192, 4096)) and not carries(fused, ex, (8192, 8192 + 64, 4096))
+    fused_tiles(fused, 8192)
+    with pytest.raises(ValueError, match="N=8256 must be a multiple of tile_n=256"):
+        fused_tiles(fused, 8256)
+    with pytest.raises(ValueError, match="'pull_fused' takes per-tensor FP8 scales"):
+        for_rowwise(fused, (9, 0))

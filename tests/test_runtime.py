@@ -143,7 +143,7 @@ def _pull_call(monkeypatch, collective, reduction, world, prep=None):
     peers.claimed, peers.lanes, peers.sum_lanes = object(), (), ()
     peers.acquire = peers.release = lambda s: None
     streams = _Streams(monkeypatch, peers)
-    prep.launch = lambda *args: streams.note(streams.current, "gemm", None)
+    prep.launch = lambda *args, **kwargs: streams.note(streams.current, "gemm", None)
     alloc = lambda shape: torch.zeros(shape, dtype=torch.bfloat16)  # noqa: E731
     shared = peers.memory[peers.flag_bytes : peers.flag_bytes + 2 * plan.numel].view(torch.bfloat16)
     out, buffer, recv = comm.buffers(ex, plan, alloc, shared)

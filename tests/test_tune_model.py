@@ -412,8 +412,8 @@ def test_prediction_per_world():
     assert eight.efficiency == pytest.approx((eight.sequential_ms - eight.call_ms) / min(eight.gemm_ms, eight.comm_ms))
     hopeless = predict(H200, shape, "all_reduce", 8, margin=0.99)  # nothing beats sequential by 99 %
     assert hopeless.chosen is None and hopeless.speedup == 1.0 and hopeless.efficiency == 0.0
-    for collective in ("reduce_scatter", "all_to_all"):
-        assert {p.name for p in predict(H200, shape, collective, 8).paths} == {"nccl", "pull"}
+    assert {p.name for p in predict(H200, shape, "reduce_scatter", 8).paths} == {"nccl", "pull", "pull_fused"}
+    assert {p.name for p in predict(H200, shape, "all_to_all", 8).paths} == {"nccl", "pull"}  # (no sums to fuse)
 
 
 def test_predict_cli(capsys):

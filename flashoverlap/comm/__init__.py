@@ -15,6 +15,7 @@ import hashlib
 import os
 import warnings
 
+import numpy as np
 import torch
 import torch.distributed as dist
 
@@ -23,7 +24,6 @@ from ..plan import Plan
 from ..rules import COLLECTIVES as COLLECTIVES
 from ..rules import COPY_ENGINE as COPY_ENGINE
 from ..rules import EQUAL_SEGMENTS as EQUAL_SEGMENTS
-from ..rules import PULL_LAYOUTS as PULL_LAYOUTS
 from ..rules import PULLS as PULLS
 from ..rules import REDUCTIONS as REDUCTIONS
 from ..rules import check_layout as check_layout
@@ -244,10 +244,12 @@ def adjoint(
     return collective(back, grad, group)
 
 
-def interleave(ex: Exchange, layout: str) -> int:
-    """Segments the schedule interleaves (plan.make_plan): one per rank in the ``segments``
-    layout, else 1."""
-    return len(ex.send) if layout == "segments" else 1
+def interleave(ex: Exchange, layout: str, reduction: str = "nccl") -> int:
+    """Segments a plan knows of (prepared.prepare): one per rank where the schedule interleaves them
+    (the ``segments`` layout) or where no group may span two (a ``pull_fused`` reduce-scatter in the
+    ``rows`` layout, plan.make_plan's ``split``), else 1."""
+    fused = reduction == "pull_fused" and ex.collective == "reduce_scatter" and layout == "rows"
+    return len(ex.send) if layout == "segments" or fused else 1
 
 
 def rows_rotation(ex: Exchange, layout: str, rank: int) -> int:
@@ -273,13 +275,18 @@ def buffers(
     (which lands in ``out``): world - 2 segments, else None; in the ``segments`` layout None for a
     reduce-scatter (by pulls the rows copied from each rank, [world, rows * n] by source), for an
     all-to-all the rows received, group by group ([world, group rows] each), but None by pulls (they
-    land in ``out``)).
+    land in ``out``)); a ``pull_fused`` reduce-scatter's, the other ranks' partial sums of this
+    rank's rows ([world - 1, rows * n], in the order of ``Pulls.others``), which the GEMM's epilogue
+    adds into ``out``.
     ``alloc(shape)`` makes a tensor."""
     out = alloc((ex.rows, plan.n))
     if ex.collective == "all_reduce":
         gathered = alloc((len(ex.recv) * plan.numel,)) if ex.reduction in ("local", "pull") else None
         in_place = plan.in_place and ex.reduction not in PULLS  # (whose buffer others read while this rank adds)
         return out, shared if shared is not None else out.view(-1) if in_place else alloc((plan.numel,)), gathered
+    if ex.reduction == "pull_fused":  # the other ranks' partial sums of this rank's rows, copied for the epilogue
+        buffer = shared if shared is not None else alloc((plan.numel,))
+        return out, buffer, alloc(((len(ex.recv) - 1) * ex.rows * plan.n,))
     if plan.layout == "rows":
         extra = len(ex.send) - 2 if ex.collective == "reduce_scatter" else 0
         return out, alloc((plan.numel,)), alloc((extra * ex.rows * plan.n,)) if extra > 0 else None
@@ -358,6 +365,9 @@ def communicate_group(
     group); in the ``rows`` layout in ``out`` (see :func:`_rows_group`). ``recv``, ``out``: from
     :func:`buffers`."""
     chunk = buffer[plan.bounds[g] : plan.bounds[g + 1]]
+    if ex.reduction == "pull_fused":
+        _pull_rows(ex, plan, g, buffer, recv, group)
+        return
     if ex.reduction != "nccl" and ex.collective != "all_reduce":  # (a pull: this rank's segment rows)
         _pull_segment(ex, plan, g, chunk, recv, out, group)
         return
@@ -430,9 +440,57 @@ def _pull_segment(
         copy_2d(into[group.rank].view(1, -1), mine[group.rank].view(1, -1))
 
 
+def _pull_rows(ex: Exchange, plan: Plan, g: int, buffer: torch.Tensor, recv: torch.Tensor, group: Pulls) -> None:
+    """Group ``g`` of a ``pull_fused`` reduce-scatter (layout ``rows``, rotated: comm.rows_rotation):
+    the part of each other rank's group ``g`` that is this rank's rows, copied out of its buffer into
+    that rank's row of ``recv`` (:func:`buffers`) as soon as it says the group is there. Every rank's
+    plan has the same groups in its own rotated walk, so rank q's group ``g`` holds this rank's rows
+    where they fall in q's walk (:func:`own_rows`)."""
+    seg, n, me = ex.rows, plan.n, group.rank
+    v0, v1 = plan.bounds[g] // n, plan.bounds[g + 1] // n  # rows of the walk
+    mine = buffer.view(len(ex.send), seg * n)[me]  # this rank's rows of C (in every rank's buffer alike)
+    parts = {}
+    for j, q in enumerate(group.others):
+        start = own_rows(ex, me, q)
+        lo, hi = max(v0 - start, 0), min(v1 - start, seg)
+        if lo < hi:
+            parts[q] = (j, lo, hi)
+    into = recv.view(len(group.others), seg * n)
+    for q, theirs in group.arrivals(g, {q: mine[lo * n : hi * n] for q, (_, lo, hi) in parts.items()}):
+        j, lo, hi = parts[q]
+        copy_2d(into[j, lo * n : hi * n].view(1, -1), theirs.view(1, -1))
+
+
+def own_rows(ex: Exchange, rank: int, of: int) -> int:
+    """The row of rank ``of``'s walk at which it computes rank ``rank``'s rows of a reduce-scatter in
+    the ``rows`` layout (:func:`rows_rotation`: each walk starts at the next rank's segment)."""
+    world = len(ex.send)
+    return (rank - of - 1) % world * ex.rows
+
+
+def ready_bands(ex: Exchange, plan: Plan, rank: int, rows: int) -> list[list[int]]:
+    """A ``pull_fused`` reduce-scatter's ready flags: for each group, the bands of ``rows`` rows of
+    this rank's result whose every other rank's partial sums are copied once that group's are (the
+    epilogue waits for a band's flag before it adds them: csrc/tile_slot.cuh FusedSums); none on one
+    rank (nothing to wait for)."""
+    walk = np.asarray(plan.bounds[1:]) // plan.n  # the walk's row after each group
+    after: list[list[int]] = [[] for _ in range(plan.num_groups)]
+    for band in range(ex.rows // rows if len(ex.send) > 1 else 0):
+        last = max(  # the group holding the band's last row, in the walk of the rank that computes it latest
+            int(np.searchsorted(walk, own_rows(ex, rank, q) + (band + 1) * rows, side="left"))
+            for q in range(len(ex.send))
+            if q != rank
+        )
+        after[last].append(band)
+    return after
+
+
 def finishes(ex: Exchange, plan: Plan) -> bool:
     """Whether a call's groups need :func:`finish_group` after their collectives (not a ``pull``
-    all-to-all: its rows land in place; a ``pull_scatter``'s adds its share)."""
+    all-to-all: its rows land in place; a ``pull_scatter``'s adds its share; not a ``pull_fused``
+    reduce-scatter: its epilogue adds)."""
+    if ex.reduction == "pull_fused":
+        return False
     if ex.reduction != "nccl":
         return ex.collective != "all_to_all"
     return plan.layout == "cols" or plan.layout == "segments" and ex.collective == "all_to_all"
@@ -511,7 +569,7 @@ def lands_in_out(ex: Exchange, plan: Plan) -> bool:
     layout, a ``segments`` reduce-scatter, a ``pull`` all-to-all); every other layout puts it into
     the ``out`` that :func:`finish_group` (or the ``tiles`` layout's :func:`restore`) is given."""
     if ex.reduction != "nccl":
-        return ex.collective == "all_to_all"
+        return ex.collective == "all_to_all" or ex.reduction == "pull_fused"
     return plan.layout == "rows" or plan.layout == "segments" and ex.collective == "reduce_scatter"
 
 

@@ -126,8 +126,8 @@ def exchange(
 def _check_reduction(collective: str, reduction: str) -> None:
     if reduction not in TAKES[collective]:
         raise ValueError(
-            "reduction must be 'nccl', 'local' / 'pull' / 'pull_scatter' for all_reduce, 'pull' for "
-            "reduce_scatter / all_to_all; "
+            "reduction must be 'nccl', 'local' / 'pull' / 'pull_scatter' for all_reduce, 'pull' / 'pull_fused' "
+            "for reduce_scatter, 'pull' for all_to_all; "
             f"got {reduction!r} for {collective}"
         )
 

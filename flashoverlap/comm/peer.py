@@ -28,6 +28,8 @@ rank r's memory:
   rank waits for group g's target there, then copies (or, ``pull_scatter``, reads) the group;
 - ``summed[g]`` (``pull_scatter``): r has added its share of group g in its buffer; every other rank
   waits for it there, then copies that share (zeroed with the counters);
+- ``ready[b]`` (``pull_fused``): r has copied every other rank's partial sums of band b of its own
+  rows; r's GEMM epilogue waits for it before it adds them (zeroed with the counters);
 - ``done[q]``: r has copied (or read) all of a call's groups out of q's memory; q waits for it (and clears
   it) at the end of its call (Peers.claim: beside its last adds), then zeroes its counters for its
   next call, whose GEMM overwrites the groups;
@@ -45,7 +47,7 @@ from __future__ import annotations
 
 import os
 import socket
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping
 from typing import NamedTuple
 
 import torch
@@ -54,9 +56,9 @@ import torch.distributed as dist
 from .. import enqueue, signal, state
 from .nccl import Window, carved_bytes, cuda_backend
 
-MAX_GROUPS = 256  # counters per rank: the most groups a call may have
+MAX_GROUPS = 256  # counters per rank: the most groups a call may have (and ready bands, ``pull_fused``)
 # int32 offsets in each rank's memory (then ``fresh``: Peers.fresh); a claim zeroes [COUNTERS, DONE)
-COUNTERS, SUMMED, DONE = 0, MAX_GROUPS, 2 * MAX_GROUPS
+COUNTERS, SUMMED, READY, DONE = 0, MAX_GROUPS, 2 * MAX_GROUPS, 3 * MAX_GROUPS
 
 
 class Pulls:
@@ -70,7 +72,9 @@ class Pulls:
     others: list[int]
     memory: torch.Tensor  # this rank's memory the chunks are views of
 
-    def arrivals(self, g: int, chunk: torch.Tensor) -> Iterator[tuple[int, torch.Tensor]]:
+    def arrivals(self, g: int, chunk: torch.Tensor | Mapping[int, torch.Tensor]) -> Iterator[tuple[int, torch.Tensor]]:
+        """(rank, its ``chunk`` of group ``g``) for each other rank (``chunk`` a mapping: each rank in
+        it, its own chunk) once it is there; see :class:`Peers`."""
         raise NotImplementedError
 
     def arrived(self, g: int, chunk: torch.Tensor) -> None:
@@ -91,6 +95,11 @@ class Pulls:
     def summed(self, g: int) -> None:
         """After this rank's share of group ``g`` is summed in its memory (on the stream that summed
         it): say so to the other ranks. (Nothing to say on gloo.)"""
+
+    def ready(self, band: int) -> None:
+        """After every other rank's partial sums of ``band`` of this rank's rows are copied here (on
+        the stream ordered after the copies): tell this rank's GEMM epilogue (``pull_fused``). (On
+        gloo the reference executor orders them itself.)"""
 
     def sums(self, g: int, parts: list[torch.Tensor]) -> Iterator[tuple[int, torch.Tensor]]:
         """(rank, its ``parts[rank]`` of group ``g``) for each other rank, as soon as it says it has
@@ -116,10 +125,11 @@ class Gathered(Pulls):
         self.others = [r for r in range(self.world) if r != self.rank]
         self._seen: list[torch.Tensor] = []  # every rank's memory as the last arrivals gathered it
 
-    def arrivals(self, g: int, chunk: torch.Tensor) -> Iterator[tuple[int, torch.Tensor]]:
-        self._seen = self._every()
+    def arrivals(self, g: int, chunk: torch.Tensor | Mapping[int, torch.Tensor]) -> Iterator[tuple[int, torch.Tensor]]:
+        self._seen = self._every()  # (every rank gathers once per group, whatever it takes)
         for r in self.others:
-            yield r, self._at(self._seen[r], chunk)
+            if isinstance(chunk, torch.Tensor) or r in chunk:
+                yield r, self._at(self._seen[r], chunk if isinstance(chunk, torch.Tensor) else chunk[r])
 
     def at(self, rank: int, chunk: torch.Tensor) -> torch.Tensor:
         return self._at(self._seen[rank], chunk)
@@ -225,16 +235,19 @@ class Peers(Window, Pulls):
         for r in self.others:
             self._write(self.rank, self.fresh + r, 1)
 
-    def arrivals(self, g: int, chunk: torch.Tensor) -> Iterator[tuple[int, torch.Tensor]]:
-        """(rank, its ``chunk`` of group ``g``) for each other rank, as soon as its counter says the
-        group is written (the caller copies it on the current stream -- the rank's lane,
-        :attr:`lanes`, while it holds the pair -- or reads it in place on a stream ordered after
-        it); before a call's first group, once every other rank zeroed its counters for this call."""
+    def arrivals(self, g: int, chunk: torch.Tensor | Mapping[int, torch.Tensor]) -> Iterator[tuple[int, torch.Tensor]]:
+        """(rank, its ``chunk`` of group ``g``) for each other rank (of those ``chunk`` maps, if a
+        mapping), as soon as its counter says the group is written (the caller copies it on the
+        current stream -- the rank's lane, :attr:`lanes`, while it holds the pair -- or reads it in
+        place on a stream ordered after it); before a call's first group, once every other rank
+        zeroed its counters for this call (waited for from every other rank, taken or not)."""
         for stream, r in self._on_lanes(self.lanes):
             if g == 0:
                 self._take(r, self.fresh + self.rank)
+            if not isinstance(chunk, torch.Tensor) and r not in chunk:
+                continue
             signal.wait_at(stream, self._flag(r, COUNTERS + g), self.targets[g])
-            yield r, self._at(self.peers[r], chunk)
+            yield r, self._at(self.peers[r], chunk if isinstance(chunk, torch.Tensor) else chunk[r])
 
     def at(self, rank: int, chunk: torch.Tensor) -> torch.Tensor:
         return self._at(self.peers[rank], chunk)
@@ -258,6 +271,15 @@ class Peers(Window, Pulls):
 
     def summed(self, g: int) -> None:
         self._write(self.rank, SUMMED + g, 1)
+
+    def ready(self, band: int) -> None:
+        self._write(self.rank, READY + band, 1)
+
+    @property
+    def ready_flags(self) -> torch.Tensor:
+        """This rank's ``ready`` flags (int32 [MAX_GROUPS]) in its current region, as its GEMM's
+        epilogue polls them (``pull_fused``)."""
+        return self.memory[4 * READY : 4 * DONE].view(torch.int32)
 
     def sums(self, g: int, parts: list[torch.Tensor]) -> Iterator[tuple[int, torch.Tensor]]:
         """As :class:`Pulls`, on the ranks' :attr:`sum_lanes` as :meth:`arrivals` on :attr:`lanes`;

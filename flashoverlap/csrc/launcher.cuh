@@ -4,6 +4,8 @@
 // scale_a * scale_b), read by the kernel, so a scale computed on the GPU needs no host sync and a
 // captured graph reads each replay's value; null: alpha 1. row_scale / col_scale (FP8 rowwise, where
 // the epilogue takes them, Epilogue::kRowwise): device pointers to M and N float32 scales; null: none.
+// result, sources, ready, row0, rows, count, ready_rows: a reduce-scatter's sums in the epilogue
+// (flashoverlap::FusedSums, where the epilogue takes them, Epilogue::kFusedSums); result null: none.
 #pragma once
 
 #include <cstdio>
@@ -75,7 +77,8 @@ int fo_signals_per_tile() { return Epilogue::kSignalsPerTile; }
 
 typename Gemm::Arguments gemm_arguments(void const* a, void const* b, void* out, void const* tiles,
                                         unsigned* counters, float const* alpha, float const* row_scale,
-                                        float const* col_scale, int M, int N, int K, int tiles_m, int tiles_n,
+                                        float const* col_scale, flashoverlap::FusedSums const& fused, int M,
+                                        int N, int K, int tiles_m, int tiles_n,
                                         int sm_count, int device, int along_m, int swizzle, int rotate_m,
                                         int interleave, int keep, int after) {
   auto stride_a = cutlass::make_cute_packed_stride(typename Kernel::StrideA{}, cute::make_shape(M, K, 1));
@@ -86,7 +89,8 @@ typename Gemm::Arguments gemm_arguments(void const* a, void const* b, void* out,
       {static_cast<typename Kernel::ElementA const*>(a), stride_a, static_cast<typename Kernel::ElementB const*>(b),
        stride_b},
       Epilogue::make_arguments(static_cast<Element*>(out), static_cast<flashoverlap::TileSlot const*>(tiles),
-                               counters, alpha, row_scale, col_scale, M, N, tiles_m, tiles_n, interleave > 1),
+                               counters, alpha, row_scale, col_scale, fused, M, N, tiles_m, tiles_n,
+                               interleave > 1),
       hardware(device, sm_count),
       scheduler_arguments(along_m, swizzle, rotate_m, interleave, keep, after)};
 }
@@ -117,20 +121,28 @@ int fo_stream_k_tiles(int M, int N, int K, int sm_count, int device, int along_m
 // Bytes of scratch the schedule needs (stream-K partial sums); 0 for plain persistent kernels.
 long long fo_workspace_size(int M, int N, int K, int sm_count, int device, int along_m, int swizzle) {
   auto args =
-      gemm_arguments(nullptr, nullptr, nullptr, nullptr, nullptr, nullptr, nullptr, nullptr, M, N, K, 1, 1, sm_count,
-                     device, along_m, swizzle, 0, 1, 0, 0);
+      gemm_arguments(nullptr, nullptr, nullptr, nullptr, nullptr, nullptr, nullptr, nullptr, {}, M, N, K, 1, 1,
+                     sm_count, device, along_m, swizzle, 0, 1, 0, 0);
   return static_cast<long long>(Gemm::get_workspace_size(args));
 }
 
 int fo_run(void const* a, void const* b, void* out, void const* tiles, unsigned* counters, void* workspace,
-           float const* alpha, float const* row_scale, float const* col_scale, int M, int N, int K, int tiles_m,
-           int tiles_n, int sm_count, int device, int along_m, int swizzle, int rotate_m, int interleave, int keep,
-           int after, void* stream) {
+           float const* alpha, float const* row_scale, float const* col_scale, void* result, void const* sources,
+           unsigned const* ready, int M, int N, int K, int tiles_m, int tiles_n, int sm_count, int device,
+           int along_m, int swizzle, int rotate_m, int interleave, int keep, int after, int row0, int rows,
+           int count, int ready_rows, void* stream) {
   if (!Epilogue::kRowwise && (row_scale != nullptr || col_scale != nullptr)) {
     return fail("launch", "rowwise scales need the direct epilogue");
   }
-  auto args = gemm_arguments(a, b, out, tiles, counters, alpha, row_scale, col_scale, M, N, K, tiles_m, tiles_n,
-                             sm_count, device, along_m, swizzle, rotate_m, interleave, keep, after);
+  if (!Epilogue::kFusedSums && result != nullptr) {
+    return fail("launch", "sums in the epilogue need the direct epilogue");
+  }
+  if (result != nullptr && (sources == nullptr && count > 0 || ready == nullptr || ready_rows < 1)) {
+    return fail("launch", "sums in the epilogue need their sources, ready flags and rows per flag");
+  }
+  flashoverlap::FusedSums const fused{result, sources, ready, row0, rows, count, ready_rows};
+  auto args = gemm_arguments(a, b, out, tiles, counters, alpha, row_scale, col_scale, fused, M, N, K, tiles_m,
+                             tiles_n, sm_count, device, along_m, swizzle, rotate_m, interleave, keep, after);
   Gemm gemm;
   if (gemm.can_implement(args) != cutlass::Status::kSuccess) {
     return fail("can_implement", "CUTLASS rejected the problem (alignment or shape)");

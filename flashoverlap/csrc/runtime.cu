@@ -278,9 +278,9 @@ int fo_replay(uint64_t const* ops, int64_t words, uint64_t const* values, int* s
   using P = void*;
   using U = unsigned;
   using N = size_t;
-  constexpr int kArgs[] = {2, 3, 3, 7, 6, 7, 6, 6, 0, 23, 11, 14};  // per signature (checked by a CPU test)
+  constexpr int kArgs[] = {2, 3, 3, 7, 6, 7, 6, 6, 0, 30, 11, 14};  // per signature (checked by a CPU test)
   constexpr int kSignatures = sizeof(kArgs) / sizeof(kArgs[0]);
-  uint64_t a[23];
+  uint64_t a[30];
   int index = 0;
   for (int64_t w = 0; w < words; ++index) {
     uint64_t const sig = ops[w];
@@ -328,13 +328,13 @@ int fo_replay(uint64_t const* ops, int64_t words, uint64_t const* values, int* s
       case 8:  // ncclGroupStart, ncclGroupEnd
         rc = reinterpret_cast<int (*)()>(fn)();
         break;
-      case 9:  // fo_run of a signal GEMM (launcher.cuh)
-        rc = reinterpret_cast<int (*)(P, P, P, P, P, P, P, P, P, int, int, int, int, int, int, int, int, int, int,
-                                      int, int, int, P)>(fn)(P(a[0]), P(a[1]), P(a[2]), P(a[3]), P(a[4]), P(a[5]),
-                                                             P(a[6]), P(a[7]), P(a[8]), int(a[9]), int(a[10]),
-                                                             int(a[11]), int(a[12]), int(a[13]), int(a[14]),
-                                                             int(a[15]), int(a[16]), int(a[17]), int(a[18]),
-                                                             int(a[19]), int(a[20]), int(a[21]), P(a[22]));
+      case 9:  // fo_run of a signal GEMM (launcher.cuh): 12 pointers, 17 ints, the stream
+        rc = reinterpret_cast<int (*)(P, P, P, P, P, P, P, P, P, P, P, P, int, int, int, int, int, int, int, int, int,
+                                      int, int, int, int, int, int, int, int, P)>(fn)(
+            P(a[0]), P(a[1]), P(a[2]), P(a[3]), P(a[4]), P(a[5]), P(a[6]), P(a[7]), P(a[8]), P(a[9]), P(a[10]),
+            P(a[11]), int(a[12]), int(a[13]), int(a[14]), int(a[15]), int(a[16]), int(a[17]), int(a[18]), int(a[19]),
+            int(a[20]), int(a[21]), int(a[22]), int(a[23]), int(a[24]), int(a[25]), int(a[26]), int(a[27]),
+            int(a[28]), P(a[29]));
         break;
       case 10:  // fo_restore
         rc = reinterpret_cast<int (*)(P, P, P, int, int, int, int, int, int, int, P)>(fn)(

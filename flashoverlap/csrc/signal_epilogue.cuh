@@ -7,6 +7,8 @@
 //   its counter reaches tiles_in_group * kSignalsPerTile. Accumulators are scaled by *alpha (null: 1)
 //   and, where given, by row_scale[row] and col_scale[col] of C (FP8's rowwise scales, as
 //   torch._scaled_mm's [M, 1] and [1, N]): the row is the tile's own, whatever slot it goes to.
+//   With FusedSums (tile_slot.cuh), the tiles of its rows go to its result instead, with the other
+//   ranks' partial sums of them added (a reduce-scatter's sums, kFusedSums).
 // Nothing else differs from a plain GEMM: the mainloop is CUTLASS's, untouched.
 #pragma once
 
@@ -22,7 +24,9 @@
 
 namespace flashoverlap {
 
-template <class Element_, class TileShape_, int kMmaThreads>
+// kSums: the variant that takes FusedSums (its own kernels: the passes below cost the plain kernels'
+// register allocation a spill, ptxas).
+template <class Element_, class TileShape_, int kMmaThreads, bool kSums = false>
 class SignalEpilogue {
  public:
   using Element = Element_;
@@ -36,7 +40,8 @@ class SignalEpilogue {
   using ThreadEpilogueOp = void;  // the device adapter names it; there is no thread-level op
 
   static constexpr int kSignalsPerTile = kMmaThreads / 32;
-  static constexpr bool kRowwise = true;  // takes row_scale / col_scale
+  static constexpr bool kRowwise = !kSums;  // takes row_scale / col_scale
+  static constexpr bool kFusedSums = kSums;  // takes FusedSums
 
   struct SharedStorage {};
   using TensorStorage = SharedStorage;
@@ -50,15 +55,16 @@ class SignalEpilogue {
     float const* alpha = nullptr;
     float const* row_scale = nullptr;
     float const* col_scale = nullptr;
+    FusedSums fused{};
   };
   using Params = Arguments;
 
   // out is the group buffer; tiles[] places each tile in it (M, N only bound the tiles; every slot is
   // read, so rows are where the slots say in any case).
   static Arguments make_arguments(Element* out, TileSlot const* tiles, uint32_t* counters, float const* alpha,
-                                  float const* row_scale, float const* col_scale, int, int, int tiles_m, int tiles_n,
-                                  bool) {
-    return {out, tiles, counters, tiles_m, tiles_n, alpha, row_scale, col_scale};
+                                  float const* row_scale, float const* col_scale, FusedSums const& fused, int, int,
+                                  int tiles_m, int tiles_n, bool) {
+    return {out, tiles, counters, tiles_m, tiles_n, alpha, row_scale, col_scale, fused};
   }
 
   template <class ProblemShape>
@@ -103,8 +109,31 @@ class SignalEpilogue {
     TileSlot const slot = params_.tiles[int64_t(mt) * params_.tiles_n + nt];
     int const rows = min(kBM, int(get<0>(problem_shape_mnkl)) - mt * kBM);
     int const cols = min(kBN, int(get<1>(problem_shape_mnkl)) - nt * kBN);
-    Element* const out = params_.out + slot.offset;
+    Element* out = params_.out + slot.offset;
+    int64_t ld = slot.ld;
     float const alpha = params_.alpha != nullptr ? *params_.alpha : 1.0f;  // x 1.0f: exact
+
+    // A tile of the fused sums' rows: into the result, once the other ranks' rows of it are here.
+    Element const* sources = nullptr;
+    int64_t source_stride = 0;
+    if constexpr (kSums) {
+      FusedSums const& fused = params_.fused;
+      int const row = mt * kBM - fused.row0;  // (uniform over the tile: no divergence)
+      if (fused.result != nullptr && row >= 0 && row < fused.rows) {
+        ld = int64_t(get<1>(problem_shape_mnkl));
+        out = static_cast<Element*>(fused.result) + row * ld + nt * kBN;
+        sources = static_cast<Element const*>(fused.sources) + row * ld + nt * kBN;
+        source_stride = int64_t(fused.rows) * ld;
+        if ((threadIdx.x & 31) == 0) {  // one lane polls; the warp barrier orders the others' loads after it
+          uint32_t const* flag = fused.ready + row / fused.ready_rows;
+          uint32_t seen;
+          do {
+            asm volatile("ld.acquire.sys.global.u32 %0, [%1];" : "=r"(seen) : "l"(flag) : "memory");
+          } while (seen == 0);
+        }
+        __syncwarp();
+      }
+    }
 
     // Tile-local (row, col) of every accumulator element this thread holds.
     Tensor coords = tiled_mma.get_thread_slice(thread_idx).partition_C(make_identity_tensor(take<0, 2>(blk_shape_mnk)));
@@ -112,6 +141,33 @@ class SignalEpilogue {
     static_assert(decltype(size(accumulators))::value % 2 == 0, "fragment holds column pairs");
 
     using Pair = cutlass::AlignedArray<Element, 2, 4>;
+    if constexpr (kSums) {
+      if (sources != nullptr) {
+        // The other ranks' partial sums added to the scaled accumulators in place (their last
+        // use: the next tile's mainloop starts them from zero), one source per pass: a pass stores
+        // nothing, so its loads can be in flight together (L2 only: the copy engines wrote them
+        // after the kernel began). Whole tiles (the host checks) and per-tensor scales only.
+        auto& sums = const_cast<cute::Tensor<FrgEngine, FrgLayout>&>(accumulators);
+        CUTLASS_PRAGMA_UNROLL
+        for (int i = 0; i < size(sums); ++i) {
+          sums(i) *= alpha;
+        }
+        for (int k = 0; k < params_.fused.count; ++k) {
+          Element const* source = sources + k * source_stride;
+          int64_t pitch = ld;  // (opaque per pass: the pairs' offsets are computed again, not held in registers)
+          asm volatile("" : "+l"(pitch));
+          CUTLASS_PRAGMA_UNROLL
+          for (int i = 0; i < size(sums); i += 2) {
+            int const r = get<0>(coords(i));
+            int const c = get<1>(coords(i));
+            unsigned const bits = __ldcg(reinterpret_cast<unsigned const*>(source + r * pitch + c));
+            Pair const& pair = reinterpret_cast<Pair const&>(bits);
+            sums(i) += float(pair[0]);
+            sums(i + 1) += float(pair[1]);
+          }
+        }
+      }
+    }
     cutlass::NumericArrayConverter<Element, float, 2, cutlass::FloatRoundStyle::round_to_nearest> convert;
     CUTLASS_PRAGMA_UNROLL
     for (int i = 0; i < size(accumulators); i += 2) {
@@ -121,16 +177,17 @@ class SignalEpilogue {
       int const c = get<1>(coords(i));
       if (r < rows && c < cols) {
         cutlass::Array<float, 2> acc;
-        acc[0] = alpha * accumulators(i);
-        acc[1] = alpha * accumulators(i + 1);
-        if (params_.row_scale != nullptr) {  // (uniform over the kernel: no divergence)
+        float const scale = kSums && sources != nullptr ? 1.0f : alpha;  // (the sums are scaled already)
+        acc[0] = scale * accumulators(i);
+        acc[1] = scale * accumulators(i + 1);
+        if (!kSums && params_.row_scale != nullptr) {  // (uniform over the kernel: no divergence)
           float const row = params_.row_scale[mt * kBM + r];
           float const* col = params_.col_scale + nt * kBN + c;
           acc[0] = accumulators(i) * row * col[0];
           acc[1] = accumulators(i + 1) * row * col[1];
         }
         auto v = convert(acc);
-        *reinterpret_cast<Pair*>(out + int64_t(r) * slot.ld + c) = reinterpret_cast<Pair const&>(v);
+        *reinterpret_cast<Pair*>(out + int64_t(r) * ld + c) = reinterpret_cast<Pair const&>(v);
       }
     }
 

@@ -192,10 +192,14 @@ int fo_stream_k_tiles(int, int, int, int, int, int, int) { return 0; }
 long long fo_workspace_size(int, int, int, int, int, int, int) { return 0; }
 
 int fo_run(void const* a, void const* b, void* out, void const* tiles, unsigned* counters, void*, float const* alpha,
-           float const* row_scale, float const* col_scale, int M, int N, int K, int tiles_m, int tiles_n, int sm_count,
-           int, int along_m, int swizzle, int rotate_m, int interleave, int keep, int, void* stream) {
+           float const* row_scale, float const* col_scale, void* result, void const*, unsigned const*, int M, int N,
+           int K, int tiles_m, int tiles_n, int sm_count, int, int along_m, int swizzle, int rotate_m, int interleave,
+           int keep, int, int, int, int, int, void* stream) {
   if (row_scale != nullptr || col_scale != nullptr) {
     return fail("launch", "rowwise scales need the sm90 kernels' direct epilogue");
+  }
+  if (result != nullptr) {
+    return fail("launch", "sums in the epilogue need the sm90 kernels' direct epilogue");
   }
   if (keep != 0) {  // two resident blocks per SM: CTAs that stop would free no whole SM
     return fail("launch", "a late SM budget needs the sm90 kernels");

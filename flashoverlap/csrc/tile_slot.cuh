@@ -12,4 +12,21 @@ struct TileSlot {
 };
 static_assert(sizeof(TileSlot) == 16, "TileSlot layout is shared with Python");
 
+// A reduce-scatter's sums in the epilogue (flashoverlap reduction "pull_fused"): the tiles of C's rows
+// [row0, row0 + rows) -- this rank's own segment, which its schedule computes last -- are stored at
+// result[(row - row0) * N + col] as their accumulators plus the `count` partial sums of the same
+// elements in `sources` (the k-th at sources + k * rows * N: the other ranks' rows, copied here on the
+// copy engines while the GEMM ran), rounded once, after ready[(row - row0) / ready_rows] turns
+// non-zero (those rows' copies have landed). The sums then cost no SM beside the GEMM and no pass
+// after it. result null: none (every tile goes to its slot).
+struct FusedSums {
+  void* result = nullptr;
+  void const* sources = nullptr;
+  uint32_t const* ready = nullptr;
+  int row0 = 0;
+  int rows = 0;
+  int count = 0;
+  int ready_rows = 1;
+};
+
 }  // namespace flashoverlap

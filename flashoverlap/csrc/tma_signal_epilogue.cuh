@@ -48,9 +48,10 @@ class TmaSignalEpilogue : public Base {
   // fusion's own alpha_ptr, so the stores and the signal are untouched.
   // No rowwise scales (kRowwise): a row broadcast would need each stored row's logical row.
   static constexpr bool kRowwise = false;
+  static constexpr bool kFusedSums = false;  // its stores are bulk copies out of shared memory: no sums
   static Arguments make_arguments(Element* out, TileSlot const* tiles, uint32_t* counters, float const* alpha,
-                                  float const*, float const*, int M, int N, int tiles_m, int tiles_n,
-                                  bool remap_rows) {
+                                  float const*, float const*, FusedSums const&, int M, int N, int tiles_m,
+                                  int tiles_n, bool remap_rows) {
     Arguments args{};
     args.thread.alpha_ptr = alpha;
     args.ptr_C = nullptr;

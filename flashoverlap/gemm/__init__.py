@@ -1,6 +1,6 @@
 """CUTLASS signal GEMMs: generated from Python, compiled with nvcc, cached on disk."""
 
 from .generator import GemmSpec, generate, validate_instance
-from .kernel import SignalGemm, get_kernel
+from .kernel import FusedSums, SignalGemm, get_kernel
 
-__all__ = ["GemmSpec", "SignalGemm", "generate", "get_kernel", "validate_instance"]
+__all__ = ["FusedSums", "GemmSpec", "SignalGemm", "generate", "get_kernel", "validate_instance"]

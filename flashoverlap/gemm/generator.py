@@ -89,6 +89,10 @@ class GemmSpec:
     # FP8: the tensor cores' partial sums kept in their own accumulators, never promoted into fp32
     # ones (torch._scaled_mm's use_fast_accum): fewer registers and instructions, less accurate over long K
     fast_accum: bool = False
+    # the direct epilogue's variant that adds a reduce-scatter's other partial sums into its own rows
+    # (reduction "pull_fused", csrc/tile_slot.cuh FusedSums): kernels of their own, since its passes
+    # cost the plain direct kernels a register spill
+    sums: bool = False
 
     def __post_init__(self) -> None:
         if self.input_dtype is None:
@@ -108,6 +112,8 @@ class GemmSpec:
             problems.append(f"epilogue {self.epilogue!r} not in {epilogues} ({family} kernels)")
         if self.dtype not in DTYPES:
             problems.append(f"dtype {self.dtype!r} not in {sorted(DTYPES)}")
+        if self.sums and (family != "sm90" or self.epilogue != "direct"):
+            problems.append("sums (a reduce-scatter's, in the epilogue) are the sm90 kernels' direct epilogue's")
         if self.fast_accum and (self.input_dtype not in FP8_DTYPES or family != "sm90"):
             # (Ada's FP8 mma.sync accumulates in fp32 itself: nothing to promote)
             problems.append("fast_accum is for FP8 inputs on the sm90 kernels")
@@ -137,7 +143,8 @@ class GemmSpec:
         types = self.dtype if self.input_dtype == self.dtype else f"{self.input_dtype}_{self.dtype}"
         return (
             f"fo_gemm_{types}_{self.weight_layout}_{self.tile_m}x{self.tile_n}x{self.tile_k}"
-            f"_c{self.cluster_m}x1_{self.scheduler}_{self.epilogue}{'_fastaccum' * self.fast_accum}_{self.arch}"
+            f"_c{self.cluster_m}x1_{self.scheduler}_{self.epilogue}{'_sums' * self.sums}"
+            f"{'_fastaccum' * self.fast_accum}_{self.arch}"
         )
 
 
@@ -193,7 +200,8 @@ using Epilogue = flashoverlap::TmaSignalEpilogue<EpilogueBase>;
 using CollectiveEpilogue = Epilogue;"""
         check = ""
     else:
-        epilogue = f"""using Epilogue = flashoverlap::SignalEpilogue<Element, TileShape, {MMA_THREADS}>;
+        sums = "true" if spec.sums else "false"
+        epilogue = f"""using Epilogue = flashoverlap::SignalEpilogue<Element, TileShape, {MMA_THREADS}, {sums}>;
 using CollectiveEpilogue = cutlass::epilogue::collective::detail::Sm90TmaWarpSpecializedAdapter<Epilogue>;"""
         check = """static_assert(Epilogue::kSignalsPerTile * 32 == size(typename CollectiveMainloop::TiledMma{}),
               "one signal per consumer warp");

@@ -4,15 +4,29 @@ from __future__ import annotations
 
 import ctypes
 import functools
+from typing import NamedTuple
 
 import torch
 
 from .. import enqueue, jit
 from .generator import GemmSpec, generate
 
-# csrc/launcher.cuh fo_run: a, b, out, tiles, counters, workspace, alpha, row and column scales;
-# 13 ints (the problem, grid and schedule); the stream
-RUN_ARGTYPES = [ctypes.c_void_p] * 9 + [ctypes.c_int] * 13 + [ctypes.c_void_p]
+# csrc/launcher.cuh fo_run: a, b, out, tiles, counters, workspace, alpha, row and column scales, the
+# fused sums' result, sources and ready flags; 17 ints (the problem, grid and schedule, the fused
+# sums' rows); the stream
+RUN_ARGTYPES = [ctypes.c_void_p] * 12 + [ctypes.c_int] * 17 + [ctypes.c_void_p]
+
+
+class FusedSums(NamedTuple):
+    """A reduce-scatter's sums in the GEMM's epilogue (csrc/tile_slot.cuh FusedSums): C's rows [row0,
+    row0 + rows) go to ``result`` [rows, N] with ``sources`` ([count, rows, N]: the other ranks' partial
+    sums of them) added, once ``ready`` (int32, one per ``ready_rows`` of those rows) says they landed."""
+
+    result: torch.Tensor
+    sources: torch.Tensor
+    ready: torch.Tensor
+    row0: int
+    ready_rows: int
 
 
 class SignalGemm:
@@ -60,6 +74,7 @@ class SignalGemm:
         alpha: torch.Tensor | None = None,
         rows: torch.Tensor | None = None,
         cols: torch.Tensor | None = None,
+        fused: FusedSums | None = None,
     ) -> None:
         """C = alpha * a @ B into ``out`` at the tile slots given by ``slots``, bumping ``counters``.
 
@@ -69,7 +84,8 @@ class SignalGemm:
         ``after`` waves of the whole grid ((0, 0): all of them; plan.late_after); ``alpha``: a float32
         scalar on the device, read by the kernel (FP8's scale_a * scale_b; None: 1); ``rows``,
         ``cols``: FP8's rowwise scales, M and N contiguous float32 on the device, C[i, j] scaled by
-        rows[i] * cols[j] (the direct epilogue's; both or neither).
+        rows[i] * cols[j] (the direct epilogue's; both or neither); ``fused``: the sums of a
+        reduce-scatter in the epilogue (the direct epilogue's, sm90).
         """
         m, k = a.shape
         n = weight.shape[0] if self.spec.weight_layout == "nk" else weight.shape[1]
@@ -82,6 +98,19 @@ class SignalGemm:
             raise ValueError("scales: alpha alone, or rows and cols together (rowwise)")
         if rows is not None and not (rows.is_contiguous() and cols.is_contiguous()):
             raise ValueError("rowwise scales must be contiguous")
+        sums = (None, None, None, 0, 0, 0, 1)
+        if fused is not None:
+            result, sources, ready = fused.result, fused.sources, fused.ready
+            height = result.shape[0]
+            if (
+                result.shape != (height, n)
+                or sources.shape[1:] != (height, n)
+                or not (result.is_contiguous() and sources.is_contiguous() and ready.dtype == torch.int32)
+            ):
+                raise ValueError("fused sums: result [rows, N], sources [count, rows, N], contiguous; int32 flags")
+            count = sources.shape[0]
+            sums = (result.data_ptr(), sources.data_ptr() if count else None, ready.data_ptr())
+            sums += (fused.row0, height, count, fused.ready_rows)
         args = (
             a.data_ptr(),
             weight.data_ptr(),
@@ -92,6 +121,7 @@ class SignalGemm:
             None if alpha is None else alpha.data_ptr(),
             None if rows is None else rows.data_ptr(),
             None if cols is None else cols.data_ptr(),
+            *sums[:3],
             m,
             n,
             k,
@@ -104,6 +134,7 @@ class SignalGemm:
             rotate,
             interleave,
             *late,
+            *sums[3:],
             stream.cuda_stream,
         )
         jit.check(self._lib, self._lib.fo_run(*args), "fo_last_error")
