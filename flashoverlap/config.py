@@ -76,7 +76,7 @@ class OverlapConfig:
       group, reading the other ranks' partial sums where they are, and then copies the other
       ranks' summed shares: a reduce-scatter and an all-gather per group, 2 (w - 1) / w of a group
       per rank as NCCL's ring (``pull``: w - 1) and 1 / w of the adds; for four and more ranks. Or
-      ``pull_fused`` (reduce-scatter, layout ``rows``, the Hopper kernels' ``direct`` epilogue): the
+      ``pull_fused`` (reduce-scatter, layout ``rows``, the Hopper kernels): the
       schedule computes every other rank's segment first and this rank's own last; meanwhile the
       copy engines copy this rank's rows of the other ranks' groups, and the GEMM's epilogue adds
       them to its own rows as it computes them, into the result: no SM for the sums beside the GEMM
@@ -174,8 +174,6 @@ def _problems(cfg: OverlapConfig) -> list[str]:
         )
     if cfg.reduction not in REDUCTIONS:
         problems.append(f"reduction must be one of {list(REDUCTIONS)}, got {cfg.reduction!r}")
-    elif cfg.reduction == "pull_fused" and cfg.epilogue == "tma":
-        problems.append("reduction 'pull_fused' adds in the 'direct' epilogue (or auto), got epilogue 'tma'")
     elif cfg.reduction in PULLS and (cfg.symmetric or cfg.layout not in ("rows", "segments", "auto")):
         problems.append(
             f"reduction {cfg.reduction!r} brings its own memory every rank maps and adds into the result's row "
@@ -196,7 +194,7 @@ def family_problems(cfg: OverlapConfig, family: str, epilogue: str) -> list[str]
     if family == "sm80" and cfg.late_budget:  # two resident CTAs per SM: those that stop free no whole SM
         problems.append("late_budget is for the Hopper (sm90) kernels")
     if family == "sm80" and cfg.reduction == "pull_fused":
-        problems.append("reduction 'pull_fused' adds in the Hopper (sm90) kernels' direct epilogue")
+        problems.append("reduction 'pull_fused' adds in the Hopper (sm90) kernels' epilogues")
     return problems
 
 

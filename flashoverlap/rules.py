@@ -84,8 +84,6 @@ def for_collective(cfg: OverlapConfig, collective: str) -> OverlapConfig:
             f"reduction {cfg.reduction!r} runs {collective} in layout {pull_layout(collective, cfg.reduction)!r}, "
             f"not {layout!r}"
         )
-    if cfg.reduction == "pull_fused":  # (its sums are the direct epilogue's)
-        return dataclasses.replace(cfg, layout=layout, epilogue="direct")
     return dataclasses.replace(cfg, layout=layout)
 
 

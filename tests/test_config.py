@@ -41,7 +41,6 @@ ADA = (8, 9)
         ({"reduction": "ring"}, "reduction must be one of"),
         ({"reduction": "pull", "layout": "tiles"}, "reduction 'pull' brings its own memory .* got layout 'tiles'"),
         ({"reduction": "pull", "symmetric": True}, "reduction 'pull' .* symmetric True"),
-        ({"reduction": "pull_fused", "epilogue": "tma"}, "'pull_fused' adds in the 'direct' epilogue"),
         ({"epilogue": "smem"}, "epilogue must be one of"),
         ({"scheduler": "static"}, r"scheduler 'static' not in"),
         ({"epilogue": "tma", "layout": "tiles"}, "layout 'rows' or 'segments'"),

@@ -15,7 +15,8 @@ def test_source_names_the_instance():
     assert "using LayoutB = cutlass::layout::RowMajor;" in src
     assert "Shape<_256, _128, _64>" in src and "Shape<_2, _1, _1>" in src
     assert "KernelTmaWarpSpecializedCooperative" in src and '#include "launcher.cuh"' in src
-    assert "TmaSignalEpilogue<EpilogueBase>" in src and "SignalEpilogue<" not in src.replace("TmaSignalEpilogue<", "")
+    assert "TmaSignalEpilogue<EpilogueBase, false>" in src
+    assert "SignalEpilogue<" not in src.replace("TmaSignalEpilogue<", "")
     direct = generate(GemmSpec(epilogue="direct"))
     assert "flashoverlap::SignalEpilogue<Element" in direct and "TmaSignalEpilogue" not in direct
 
@@ -72,16 +73,18 @@ def test_fast_accumulation_is_an_fp8_mainloop_of_its_own():
         GemmSpec(fast_accum=True)
 
 
-def test_fused_sums_are_a_direct_epilogue_of_their_own():
+def test_fused_sums_are_epilogues_of_their_own():
     """A reduce-scatter's sums in the epilogue (reduction pull_fused) get kernels of their own: the
-    plain direct kernels keep their code (and registers) whatever the sums need."""
+    plain kernels keep their code (and registers) whatever the sums need. Hopper's only."""
     sums = GemmSpec(epilogue="direct", sums=True)
     assert sums.name == "fo_gemm_bfloat16_nk_128x256x64_c1x1_persistent_direct_sums_sm_90a"
     assert "SignalEpilogue<Element, TileShape, 256, true>" in generate(sums)
     assert "SignalEpilogue<Element, TileShape, 256, false>" in generate(GemmSpec(epilogue="direct"))
-    for other in ({}, {"tile_k": 32, "epilogue": "direct", "arch": "sm_80"}):  # the TMA epilogue, Ampere's
-        with pytest.raises(ValueError, match=r"sums \(a reduce-scatter's, in the epilogue\) are the sm90"):
-            GemmSpec(**other, sums=True)
+    assert GemmSpec(sums=True).name == "fo_gemm_bfloat16_nk_128x256x64_c1x1_persistent_tma_sums_sm_90a"
+    assert "TmaSignalEpilogue<EpilogueBase, true>" in generate(GemmSpec(sums=True))
+    assert "TmaSignalEpilogue<EpilogueBase, false>" in generate(GemmSpec())
+    with pytest.raises(ValueError, match=r"sums \(a reduce-scatter's, in the epilogue\) are the sm90"):
+        GemmSpec(tile_k=32, epilogue="direct", arch="sm_80", sums=True)
 
 
 ADA_FP8 = GemmSpec(input_dtype="float8_e4m3fn", tile_n=128, tile_k=64, epilogue="direct", arch="sm_89")
@@ -171,8 +174,9 @@ needs_nvcc = pytest.mark.skipif(shutil.which("nvcc") is None, reason="needs nvcc
         GemmSpec(),
         GemmSpec(dtype="float16", weight_layout="kn", tile_m=256, tile_n=128, cluster_m=2, epilogue="direct"),
         GemmSpec(epilogue="direct", sums=True),
+        GemmSpec(sums=True),
     ],
-    ids=["tma", "direct", "direct-sums"],
+    ids=["tma", "direct", "direct-sums", "tma-sums"],
 )
 def test_generated_source_compiles_for_sm90a(spec, tmp_path):
     obj = jit.build(spec.name, generate(spec), arch=spec.arch, cutlass=True, object_only=True, output=tmp_path / "k.o")

@@ -140,9 +140,9 @@ SPLIT_CONFIGS = [
     OverlapConfig(layout="rows", late_budget=True, comm_sms=24),
     OverlapConfig(layout="segments", reduction="pull", comm_sms=4),  # this rank's rows pulled (comm.peer)
     OverlapConfig(layout="segments", reduction="pull", comm_sms=0),  # (a reduce-scatter's copied, summed after)
-    OverlapConfig(
-        layout="rows", reduction="pull_fused", comm_sms=0
-    ),  # own rows last, the others' added in the epilogue
+    # own rows last, the others' added in the epilogue (each epilogue's variant)
+    OverlapConfig(layout="rows", reduction="pull_fused", comm_sms=0),
+    OverlapConfig(layout="rows", reduction="pull_fused", comm_sms=0, epilogue="direct"),
     OverlapConfig(layout="rows", reduction="pull_fused", comm_sms=0, tile_n=128, swizzle=1),
 ]
 

@@ -149,9 +149,9 @@ def test_auto_layout_epilogue_kernel_and_tile_k_follow_collective_and_device():
         for_collective(OverlapConfig(reduction="pull", layout="rows"), "all_to_all")
     with pytest.raises(ValueError, match="runs reduce_scatter in layout 'segments', not 'rows'"):
         for_collective(OverlapConfig(reduction="pull", layout="rows"), "reduce_scatter")
-    # sums in the epilogue: a reduce-scatter's, in row bands (own rows last), the direct epilogue's
+    # sums in the epilogue: a reduce-scatter's, in row bands (own rows last), either Hopper epilogue
     fused = for_collective(OverlapConfig(reduction="pull_fused"), "reduce_scatter")
-    assert (fused.layout, fused.epilogue) == ("rows", "direct")
+    assert fused.layout == "rows" and for_device(fused, (9, 0))[0].epilogue == "tma"
     assert [c.layout for c in resolutions(OverlapConfig(reduction="pull_fused"), "reduce_scatter")] == ["rows"]
     with pytest.raises(ValueError, match="reduction 'pull_fused' is not all_to_all's"):
         for_collective(OverlapConfig(reduction="pull_fused"), "all_to_all")
@@ -263,12 +263,14 @@ def test_rowwise_fp8_scales_take_the_direct_epilogue_of_the_sm90_kernels():
 
 
 def test_fused_sums_run_whole_tiles_with_per_tensor_scales_in_kernels_of_their_own():
-    """pull_fused: its kernel is the direct epilogue's sums variant; its epilogue adds into whole
-    tiles (N a multiple of tile_n: a call that is not is not carried, and refused where named) and
-    scales by one alpha (rowwise FP8 scales refused before any launch)."""
+    """pull_fused: its kernel is its epilogue's sums variant; its epilogue adds into whole tiles (N a
+    multiple of tile_n: a call that is not is not carried, and refused where named) and scales by
+    one alpha (rowwise FP8 scales refused before any launch)."""
     fused = for_collective(OverlapConfig(reduction="pull_fused", comm_sms=0), "reduce_scatter")
     _, spec = kernel_spec(fused, "bfloat16", "nk", (9, 0))
-    assert spec.sums and spec.epilogue == "direct" and spec.name.endswith("_direct_sums_sm_90a")
+    assert spec.sums and spec.name.endswith("_tma_sums_sm_90a")
+    direct = kernel_spec(dataclasses.replace(fused, epilogue="direct"), "bfloat16", "nk", (9, 0))[1]
+    assert direct.name.endswith("_direct_sums_sm_90a")
     assert not kernel_spec(for_collective(OverlapConfig(), "reduce_scatter"), "bfloat16", "nk", (9, 0))[1].sums
     ex = comm.exchange("reduce_scatter", 8192, 4, reduction="pull_fused")
     assert carries(fused, ex, (8192, 8192, 4096)) and not carries(fused, ex, (8192, 8192 + 64, 4096))

@@ -12,9 +12,14 @@
 // signal waits for it right away. Deferring the wait to the next tile would hide that microsecond
 // but delay every group's signal by a whole tile, which puts the second-to-last group's
 // communication behind the GEMM's end.
+//
+// kSums: with FusedSums (tile_slot.cuh), the tiles of the result's rows have the other ranks' partial
+// sums added to their accumulators in registers and are stored into the result through a second
+// bulk-store descriptor (a reduce-scatter's sums, reduction pull_fused).
 #pragma once
 
 #include <cstdint>
+#include <type_traits>
 
 #include "cute/tensor.hpp"
 #include "cutlass/cutlass.h"
@@ -23,8 +28,16 @@
 
 namespace flashoverlap {
 
-template <class Base>
+template <class Base, bool kSums = false>
 class TmaSignalEpilogue : public Base {
+  struct None {  // (the plain variant's result stores: none, and no second descriptor in its parameters)
+    None() = default;
+    template <class P, class S>
+    CUTLASS_DEVICE None(P const&, S&) {}
+  };
+  using ResultParams = std::conditional_t<kSums, typename Base::Params, None>;
+  using Result = std::conditional_t<kSums, Base, None>;
+
  public:
   static constexpr int kSignalsPerTile = 1;
   using Element = typename Base::ElementD;
@@ -35,6 +48,8 @@ class TmaSignalEpilogue : public Base {
     int tiles_m = 0;
     int tiles_n = 0;
     bool remap_rows = false;  // tile rows stored where their slots say (else at their own row)
+    FusedSums fused{};
+    float const* alpha = nullptr;  // (the fusion's alpha_ptr: the sums are added before it scales)
   };
   struct Params : Base::Params {
     TileSlot const* tiles;
@@ -42,15 +57,18 @@ class TmaSignalEpilogue : public Base {
     int tiles_m;
     int tiles_n;
     bool remap_rows;
+    FusedSums fused;
+    float const* alpha;
+    ResultParams result;  // (kSums) the stores into the result: [fused.rows, N]
   };
 
   // C[M, N] row-major; no source operand (beta = 0); alpha read from the device (null: 1), through the
   // fusion's own alpha_ptr, so the stores and the signal are untouched.
   // No rowwise scales (kRowwise): a row broadcast would need each stored row's logical row.
   static constexpr bool kRowwise = false;
-  static constexpr bool kFusedSums = false;  // its stores are bulk copies out of shared memory: no sums
+  static constexpr bool kFusedSums = kSums;  // takes FusedSums
   static Arguments make_arguments(Element* out, TileSlot const* tiles, uint32_t* counters, float const* alpha,
-                                  float const*, float const*, FusedSums const&, int M, int N, int tiles_m,
+                                  float const*, float const*, FusedSums const& fused, int M, int N, int tiles_m,
                                   int tiles_n, bool remap_rows) {
     Arguments args{};
     args.thread.alpha_ptr = alpha;
@@ -63,13 +81,32 @@ class TmaSignalEpilogue : public Base {
     args.tiles_m = tiles_m;
     args.tiles_n = tiles_n;
     args.remap_rows = remap_rows;
+    args.fused = fused;
+    args.alpha = alpha;
     return args;
   }
 
   template <class ProblemShape>
   static Params to_underlying_arguments(ProblemShape const& problem, Arguments const& args, void* workspace) {
-    return {Base::to_underlying_arguments(problem, args, workspace), args.tiles, args.counters, args.tiles_m,
-            args.tiles_n, args.remap_rows};
+    Params params{Base::to_underlying_arguments(problem, args, workspace),
+                  args.tiles,
+                  args.counters,
+                  args.tiles_m,
+                  args.tiles_n,
+                  args.remap_rows,
+                  args.fused,
+                  args.alpha,
+                  {}};
+    if constexpr (kSums) {
+      if (args.fused.result != nullptr) {
+        auto [M, N, K, L] = cute::append<4>(problem, 1);
+        typename Base::Arguments into = args;
+        into.ptr_D = static_cast<Element*>(args.fused.result);
+        into.dD = cute::make_stride(int64_t(N), cute::Int<1>{}, int64_t(args.fused.rows) * N);
+        params.result = Base::to_underlying_arguments(cute::make_shape(args.fused.rows, N, K, L), into, workspace);
+      }
+    }
+    return params;
   }
 
   template <class ProblemShape>
@@ -78,7 +115,8 @@ class TmaSignalEpilogue : public Base {
   }
 
   CUTLASS_DEVICE
-  TmaSignalEpilogue(Params const& params, typename Base::TensorStorage& shared) : Base(params, shared), p_(params) {}
+  TmaSignalEpilogue(Params const& params, typename Base::TensorStorage& shared)
+      : Base(params, shared), p_(params), result_(params.result, shared) {}
 
   template <class ProblemShapeMNKL, class TileShapeMNK, class TileCoordMNKL, class AccEngine, class AccLayout,
             class TiledMma>
@@ -100,9 +138,24 @@ class TmaSignalEpilogue : public Base {
     if (p_.remap_rows && real) {  // only then is the slot read before the store
       row = int(p_.tiles[tile].offset / (int64_t(cute::size<0>(tile_shape_MNK)) * cute::get<1>(problem_shape_mnkl)));
     }
-    auto next = Base::store(load_pipeline, load_pipe_consumer_state, store_pipeline, store_pipe_producer_state,
-                            problem_shape_mnkl, tile_shape_MNK, cute::replace<0>(tile_coord_mnkl, row), accumulators,
-                            tiled_mma, thread_idx, shared_tensors, subtile_idx);
+    auto next = [&] {
+      if constexpr (kSums) {
+        FusedSums const& fused = p_.fused;
+        int const tile_m = int(cute::size<0>(tile_shape_MNK));
+        int const own = mt * tile_m - fused.row0;  // (uniform over the tile)
+        if (real && fused.result != nullptr && own >= 0 && own < fused.rows) {
+          add_sums(accumulators, tiled_mma, thread_idx, own, nt * int(cute::size<1>(tile_shape_MNK)),
+                   int64_t(cute::get<1>(problem_shape_mnkl)));
+          return result_.store(load_pipeline, load_pipe_consumer_state, store_pipeline, store_pipe_producer_state,
+                               cute::replace<0>(problem_shape_mnkl, fused.rows), tile_shape_MNK,
+                               cute::replace<0>(tile_coord_mnkl, own / tile_m), accumulators, tiled_mma, thread_idx,
+                               shared_tensors, subtile_idx);
+        }
+      }
+      return Base::store(load_pipeline, load_pipe_consumer_state, store_pipeline, store_pipe_producer_state,
+                         problem_shape_mnkl, tile_shape_MNK, cute::replace<0>(tile_coord_mnkl, row), accumulators,
+                         tiled_mma, thread_idx, shared_tensors, subtile_idx);
+    }();
     // Warp 0 issues every bulk store (all of its lanes do), so all of its lanes wait for their bulk
     // groups to complete -- not only to have been read from shared memory -- before lane 0 releases.
     if (thread_idx < 32) {
@@ -121,7 +174,47 @@ class TmaSignalEpilogue : public Base {
   }
 
  private:
+  // The other ranks' partial sums of the tile at row `own` of the result, column `col`, added to its
+  // accumulators (divided by alpha, which the fusion then multiplies in: D = alpha * acc + sums), once
+  // the band's ready flag is set: one lane per warp polls, the warp barrier orders the loads after it.
+  // One source per pass (a pass stores nothing, so its loads can be in flight together; L2 only: the
+  // copy engines wrote them after the kernel began); whole tiles (the host checks).
+  template <class AccEngine, class AccLayout, class TiledMma>
+  CUTLASS_DEVICE void add_sums(cute::Tensor<AccEngine, AccLayout>& accumulators, TiledMma tiled_mma, int thread_idx,
+                               int own, int col, int64_t ld) const {
+    using namespace cute;
+    FusedSums const& fused = p_.fused;
+    if ((threadIdx.x & 31) == 0) {
+      uint32_t const* flag = fused.ready + own / fused.ready_rows;
+      uint32_t seen;
+      do {
+        asm volatile("ld.acquire.sys.global.u32 %0, [%1];" : "=r"(seen) : "l"(flag) : "memory");
+      } while (seen == 0);
+    }
+    __syncwarp();
+    using TileShape = typename Base::CtaTileMNK;
+    Tensor coords = tiled_mma.get_thread_slice(thread_idx).partition_C(make_identity_tensor(take<0, 2>(TileShape{})));
+    static_assert(decltype(size(coords))::value == decltype(size(accumulators))::value, "fragment mismatch");
+    float const scale = p_.alpha != nullptr ? 1.0f / *p_.alpha : 1.0f;
+    Element const* sources = static_cast<Element const*>(fused.sources) + own * ld + col;
+    using Pair = cutlass::AlignedArray<Element, 2, 4>;
+    for (int k = 0; k < fused.count; ++k) {
+      Element const* source = sources + k * int64_t(fused.rows) * ld;
+      int64_t pitch = ld;  // (opaque per pass: the pairs' offsets are computed again, not held in registers)
+      asm volatile("" : "+l"(pitch));
+      CUTLASS_PRAGMA_UNROLL
+      for (int i = 0; i < size(accumulators); i += 2) {  // (pairs of columns: wgmma's fragment)
+        unsigned const bits =
+            __ldcg(reinterpret_cast<unsigned const*>(source + get<0>(coords(i)) * pitch + get<1>(coords(i))));
+        Pair const& pair = reinterpret_cast<Pair const&>(bits);
+        accumulators(i) += scale * float(pair[0]);
+        accumulators(i + 1) += scale * float(pair[1]);
+      }
+    }
+  }
+
   Params const& p_;
+  Result result_;  // (kSums) CUTLASS's epilogue storing into the result
 };
 
 }  // namespace flashoverlap

@@ -112,8 +112,8 @@ class GemmSpec:
             problems.append(f"epilogue {self.epilogue!r} not in {epilogues} ({family} kernels)")
         if self.dtype not in DTYPES:
             problems.append(f"dtype {self.dtype!r} not in {sorted(DTYPES)}")
-        if self.sums and (family != "sm90" or self.epilogue != "direct"):
-            problems.append("sums (a reduce-scatter's, in the epilogue) are the sm90 kernels' direct epilogue's")
+        if self.sums and family != "sm90":
+            problems.append("sums (a reduce-scatter's, in the epilogue) are the sm90 kernels'")
         if self.fast_accum and (self.input_dtype not in FP8_DTYPES or family != "sm90"):
             # (Ada's FP8 mma.sync accumulates in fp32 itself: nothing to promote)
             problems.append("fast_accum is for FP8 inputs on the sm90 kernels")
@@ -189,18 +189,18 @@ def generate(spec: GemmSpec) -> str:
     """C++ translation unit for ``spec``; compiled by :func:`flashoverlap.jit.build`."""
     if spec.family == "sm80":
         return _generate_sm80(spec)
+    sums = "true" if spec.sums else "false"
     if spec.epilogue == "tma":
-        epilogue = """using EpilogueBase = typename cutlass::epilogue::collective::CollectiveBuilder<
+        epilogue = f"""using EpilogueBase = typename cutlass::epilogue::collective::CollectiveBuilder<
     cutlass::arch::Sm90, cutlass::arch::OpClassTensorOp, TileShape, ClusterShape,
     cutlass::epilogue::collective::EpilogueTileAuto, float, float,
     void, cutlass::layout::RowMajor, kAlignment,
     Element, cutlass::layout::RowMajor, kAlignment,
     cutlass::epilogue::TmaWarpSpecializedCooperative>::CollectiveOp;
-using Epilogue = flashoverlap::TmaSignalEpilogue<EpilogueBase>;
+using Epilogue = flashoverlap::TmaSignalEpilogue<EpilogueBase, {sums}>;
 using CollectiveEpilogue = Epilogue;"""
         check = ""
     else:
-        sums = "true" if spec.sums else "false"
         epilogue = f"""using Epilogue = flashoverlap::SignalEpilogue<Element, TileShape, {MMA_THREADS}, {sums}>;
 using CollectiveEpilogue = cutlass::epilogue::collective::detail::Sm90TmaWarpSpecializedAdapter<Epilogue>;"""
         check = """static_assert(Epilogue::kSignalsPerTile * 32 == size(typename CollectiveMainloop::TiledMma{}),
