@@ -36,6 +36,7 @@ from .rules import (
     check_layout,
     for_call,
     for_device,
+    fused_pull,
     fused_tiles,
     kernel_spec,
     one_wave,
@@ -377,7 +378,8 @@ def _candidates(
     """The configs a call may run, and their plans: ``cfg`` (planned: ``preps``), and where the call
     is timed the same with NCCL's SMs taken differently (rules.alternative) and, where the ranks
     can pull, as a pull (rules.pulled; where its sums read the others' memory in place, also with
-    more SMs for them: rules.wider_reads); only those that carry the call (rules.carries: a pull's
+    more SMs for them: rules.wider_reads; a reduce-scatter's also with its sums in the epilogue:
+    rules.fused_pull); only those that carry the call (rules.carries: a pull's
     layout may not) in more than one group. On the shape every rank decides on: candidates that
     differ by rank would hang in NCCL."""
     candidates, collective = [cfg], ex.collective
@@ -395,9 +397,9 @@ def _candidates(
             and _trial_runs()
             and comm.peer.unavailable(full, device) is None
         ):
-            others += [pull, wider_reads(pull)]
+            others += [pull, wider_reads(pull), fused_pull(pull, collective, torch.cuda.get_device_capability(device))]
     for other in others:
-        if other is None or not carries(other, ex, shape):
+        if other is None or other in candidates or not carries(other, ex, shape):
             continue
         if (other_prep := planned(other)).plan.num_groups > 1:
             candidates.append(other)

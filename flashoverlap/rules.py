@@ -345,8 +345,8 @@ def pulled(
     ``cfg`` itself. Where its sums read in place, :func:`wider_reads` is timed too."""
     m, n, _ = shape
     spare = spare_sms(m, n, cfg.tile_m, cfg.tile_n, cfg.cluster_m, cfg.swizzle, total_sms, total_sms)
-    if cfg.reduction in PULLS:
-        reduction = cfg.reduction
+    if cfg.reduction in PULLS:  # (a fused hint's: the copied pull, beside which fused_pull times it again)
+        reduction = "pull" if cfg.reduction == "pull_fused" else cfg.reduction
     else:
         reduction = "pull_scatter" if collective == "all_reduce" and world > 2 else "pull"
     pull = dataclasses.replace(
@@ -373,6 +373,23 @@ def wider_reads(pull: OverlapConfig | None) -> OverlapConfig | None:
     if pull is None or not reads_in_place(pull.reduction) or pull.comm_sms >= READ_SMS:
         return None
     return dataclasses.replace(pull, comm_sms=READ_SMS)
+
+
+@functools.lru_cache(maxsize=256)
+def fused_pull(pull: OverlapConfig | None, collective: str, capability: tuple[int, int]) -> OverlapConfig | None:
+    """A reduce-scatter's pull candidate ``pull`` (:func:`pulled`) with its sums in the GEMM's epilogue
+    (``pull_fused``: no SM beside the GEMM, nothing after it) on a GPU whose kernels can (Hopper): the
+    trial times both. On four H200s it led on the small shapes (4096 rows: 1.05 / 1.26x against 1.02
+    / 1.18x) and trailed on the large ones, where the sums' loads in the epilogue cost more than 4 SMs
+    (16384x8192x4096: 1.28x against 1.34x). None elsewhere."""
+    if pull is None or pull.reduction != "pull" or collective != "reduce_scatter":
+        return None
+    fused = dataclasses.replace(pull, layout="rows", reduction="pull_fused", comm_sms=0)
+    try:
+        for_device(for_collective(fused, collective), capability)
+    except ValueError:
+        return None
+    return fused
 
 
 @functools.lru_cache(maxsize=1024)  # every call of a timed shape asks (a replace() validates)

@@ -11,6 +11,9 @@ measured, the time by size of each way of communicating is built here from per-G
   fitted at the largest measured world <= ``w``; beyond it the bus bandwidth stays (each GPU's own
   links bound a ring) and every extra ring step adds ``hop_ms`` (:func:`ring_steps`). On ``c`` CTAs
   beside the GEMM the ring gets the share of its bus bandwidth measured on that many CTAs.
+* A ``pull_fused`` reduce-scatter copies each of its groups whole from the one rank whose rows it
+  holds (none in the last segment, this rank's own, kept), and its own tiles' epilogues add the
+  ``w - 1`` copies at ``epilogue_read_bytes_per_ms``: the GEMM ends that much later.
 * Pulls: every copy out of a peer's memory goes through the GPU's one copy engine, one after
   another (``copy_gap_ms`` between copies); sums that read the other ranks' memory in place
   (``pull_scatter``'s) read it at the rate measured for that many SMs beside the GEMM
@@ -67,6 +70,7 @@ class Gpu:
     add_bytes_per_ms: float
     peer_read: tuple[tuple[int, float], ...]  # (SMs beside the GEMM, bytes per ms read in place), interpolated
     peer_read_alone: float  # bytes per ms read in place on every SM, after the GEMM
+    epilogue_read_bytes_per_ms: float  # a pull_fused epilogue's loads of the copied partial sums, every SM
 
     def read_bytes_per_ms(self, sms: int) -> float:
         """The rate a rank's sums read the other ranks' memory in place: on ``sms`` SMs beside the
@@ -103,6 +107,9 @@ H200 = Gpu(
     # 0.216 ms alone; assumed the same per rank on eight (each reads seven smaller shares)
     peer_read=((4, 60 * GB_S), (8, 99 * GB_S), (16, 167 * GB_S)),
     peer_read_alone=233 * GB_S,
+    # the fused epilogue's loads on 4x H200 (traces, 8192^3): its GEMM ~0.09 ms longer than the copied
+    # pull's for 96 MiB of partial sums added
+    epilogue_read_bytes_per_ms=1100 * GB_S,
 )
 GPUS = {"h200": H200}
 
@@ -303,6 +310,9 @@ def candidate(
         if pattern == "pull" and cfg.comm_sms == 0:
             during = tail = pull_comm(gpu, collective, cfg.reduction, world, 0, adds=False)
             finish_ms = after_gemm_ms(gpu, collective, cfg.reduction, world, m * n * elem_bytes)
+        elif pattern == "pull_fused":  # the own tiles' epilogues load the others' partial sums: the GEMM's end
+            during, tail = pull_comm(gpu, collective, cfg.reduction, world), alone
+            finish_ms = (world - 1) / world * m * n * elem_bytes / gpu.epilogue_read_bytes_per_ms
         else:
             during, tail = pull_comm(gpu, collective, cfg.reduction, world, cfg.comm_sms), alone
     else:

@@ -358,7 +358,8 @@ def test_a_reduce_scatter_tuned_for_another_shape_times_its_pull_whatever_the_en
 ):
     """The nearest entry of a reduce-scatter may be NCCL in the ``rows`` layout (late, in a window):
     its pull is then timed in the pulls' ``segments`` layout (rules.pulled), planned as that layout
-    is (interleaved over the ranks, not rotated as the hint's rows are), and may win."""
+    is (interleaved over the ranks, not rotated as the hint's rows are), and may win; on Hopper also
+    with its sums in the epilogue (rules.fused_pull: rotated rows, groups split at the segments)."""
     m, n = 4096, 8192
     untuned_all_reduce(monkeypatch, m, n)
     stub, plans = decision.prepare, []
@@ -375,12 +376,14 @@ def test_a_reduce_scatter_tuned_for_another_shape_times_its_pull_whatever_the_en
     timings(
         monkeypatch,
         lambda variants, *args, **kw: (
-            seen.append(sorted(variants)) or {v: 0.8 if "pull" in v else 1.0 for v in variants}
+            seen.append(sorted(variants)) or {v: 0.9 if "fused" in v else 0.8 if "pull" in v else 1.0 for v in variants}
         ),
     )
     flashoverlap.gemm_reduce_scatter(bf16(m, 64), bf16(n, 64))
-    assert seen == [["overlapped, comm_sms 16 late", "overlapped, comm_sms 4 pull", "sequential"]]
-    assert plans == [("rows", "nccl", m // 2, 1), ("segments", "pull", 0, 2)]  # (rank 0 of 2)
+    timed = ["overlapped, comm_sms 0 pull_fused", "overlapped, comm_sms 16 late", "overlapped, comm_sms 4 pull"]
+    assert seen == [[*timed, "sequential"]]
+    # (rank 0 of 2)
+    assert plans == [("rows", "nccl", m // 2, 1), ("segments", "pull", 0, 2), ("rows", "pull_fused", m // 2, 2)]
     ((ex, budget, tail),) = ran
     assert (ex.collective, ex.reduction, budget, tail) == ("reduce_scatter", "pull", "budget pull 4", None)
 

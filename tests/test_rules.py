@@ -18,6 +18,7 @@ from flashoverlap.rules import (
     for_collective,
     for_device,
     for_rowwise,
+    fused_pull,
     fused_tiles,
     kernel_spec,
     one_wave,
@@ -91,6 +92,18 @@ def test_a_pull_candidate_leaves_the_adds_what_the_grid_spares(m, spare):
     for collective in ("reduce_scatter", "all_to_all"):  # their own segment's rows, on any world size
         found = pulled(segments, collective, (m, 8192, 64), 132, 4)
         assert (found.reduction, found.layout, found.comm_sms) == ("pull", "segments", spare)
+
+
+def test_a_reduce_scatter_s_pull_is_also_timed_with_its_sums_in_the_epilogue_on_hopper():
+    """rules.fused_pull: the reduce-scatter's copied pull again as pull_fused (rows, no SM), on Hopper
+    only; none for other collectives, other GPUs or none; a fused hint's pull is the copied one."""
+    cfg = for_collective(OverlapConfig(), "reduce_scatter")
+    pull = pulled(cfg, "reduce_scatter", (4096, 8192, 64), 132, 4)
+    fused = fused_pull(pull, "reduce_scatter", (9, 0))
+    assert (fused.reduction, fused.layout, fused.comm_sms) == ("pull_fused", "rows", 0)
+    assert fused_pull(pull, "reduce_scatter", (8, 9)) is None  # (Ada: its kernels cannot add them)
+    assert fused_pull(pull, "all_to_all", (9, 0)) is None and fused_pull(None, "reduce_scatter", (9, 0)) is None
+    assert pulled(fused, "reduce_scatter", (4096, 8192, 64), 132, 4) == pull
 
 
 def test_sums_that_read_in_place_are_also_timed_with_more_sms():

@@ -145,8 +145,10 @@ class SignalEpilogue {
       if (sources != nullptr) {
         // The other ranks' partial sums added to the scaled accumulators in place (their last
         // use: the next tile's mainloop starts them from zero), one source per pass: a pass stores
-        // nothing, so its loads can be in flight together (L2 only: the copy engines wrote them
-        // after the kernel began). Whole tiles (the host checks) and per-tensor scales only.
+        // nothing, so its loads can be in flight together (through L1: a quad's 16 bytes are half a
+        // sector, whose other half the next column pair reads; no SM read them earlier in this
+        // kernel, which began before the copy engines wrote them). Whole tiles (the host checks) and
+        // per-tensor scales only.
         auto& sums = const_cast<cute::Tensor<FrgEngine, FrgLayout>&>(accumulators);
         CUTLASS_PRAGMA_UNROLL
         for (int i = 0; i < size(sums); ++i) {
@@ -160,7 +162,7 @@ class SignalEpilogue {
           for (int i = 0; i < size(sums); i += 2) {
             int const r = get<0>(coords(i));
             int const c = get<1>(coords(i));
-            unsigned const bits = __ldcg(reinterpret_cast<unsigned const*>(source + r * pitch + c));
+            unsigned const bits = __ldca(reinterpret_cast<unsigned const*>(source + r * pitch + c));
             Pair const& pair = reinterpret_cast<Pair const&>(bits);
             sums(i) += float(pair[0]);
             sums(i + 1) += float(pair[1]);

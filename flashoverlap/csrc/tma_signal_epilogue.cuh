@@ -177,8 +177,10 @@ class TmaSignalEpilogue : public Base {
   // The other ranks' partial sums of the tile at row `own` of the result, column `col`, added to its
   // accumulators (divided by alpha, which the fusion then multiplies in: D = alpha * acc + sums), once
   // the band's ready flag is set: one lane per warp polls, the warp barrier orders the loads after it.
-  // One source per pass (a pass stores nothing, so its loads can be in flight together; L2 only: the
-  // copy engines wrote them after the kernel began); whole tiles (the host checks).
+  // One source per pass (a pass stores nothing, so its loads can be in flight together; through L1:
+  // a quad's 16 bytes are half a sector, whose other half the next column pair reads, and no SM read
+  // them earlier in this kernel, which began before the copy engines wrote them); whole tiles (the
+  // host checks).
   template <class AccEngine, class AccLayout, class TiledMma>
   CUTLASS_DEVICE void add_sums(cute::Tensor<AccEngine, AccLayout>& accumulators, TiledMma tiled_mma, int thread_idx,
                                int own, int col, int64_t ld) const {
@@ -205,7 +207,7 @@ class TmaSignalEpilogue : public Base {
       CUTLASS_PRAGMA_UNROLL
       for (int i = 0; i < size(accumulators); i += 2) {  // (pairs of columns: wgmma's fragment)
         unsigned const bits =
-            __ldcg(reinterpret_cast<unsigned const*>(source + get<0>(coords(i)) * pitch + get<1>(coords(i))));
+            __ldca(reinterpret_cast<unsigned const*>(source + get<0>(coords(i)) * pitch + get<1>(coords(i))));
         Pair const& pair = reinterpret_cast<Pair const&>(bits);
         accumulators(i) += scale * float(pair[0]);
         accumulators(i + 1) += scale * float(pair[1]);
