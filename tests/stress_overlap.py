@@ -59,6 +59,7 @@ CONFIGS = {
         {"symmetric": True},
         {"layout": "segments", "reduction": "pull", "comm_sms": 4},
         {"layout": "segments", "reduction": "pull", "comm_sms": 0},  # summed after the GEMM
+        {"layout": "rows", "reduction": "pull_fused", "comm_sms": 0},  # summed in the epilogue (whole tiles)
     ],
     "all_to_all": [
         {},
@@ -108,10 +109,12 @@ def point_to_point(collective: str, cfg: dict) -> bool:
 
 
 def random_shape(rng: np.random.Generator, world: int) -> tuple[int, int, int]:
-    # half of them in segments of whole 256-row bands, which the rows and segments layouts of
-    # reduce-scatter / all-to-all need (the others run them as the defaults)
-    m = world * (256 * int(rng.integers(1, 6)) if rng.random() < 0.5 else int(rng.integers(1, 3072 // world)))
-    return m, 8 * int(rng.integers(1, 512)), 8 * int(rng.integers(1, 256))
+    # half of them in segments of whole 256-row bands and whole 256-column tiles, which the rows and
+    # segments layouts of reduce-scatter / all-to-all need (and pull_fused's epilogue); the others
+    # run them as the defaults
+    if rng.random() < 0.5:
+        return world * 256 * int(rng.integers(1, 6)), 256 * int(rng.integers(1, 16)), 8 * int(rng.integers(1, 256))
+    return world * int(rng.integers(1, 3072 // world)), 8 * int(rng.integers(1, 512)), 8 * int(rng.integers(1, 256))
 
 
 def check(item: tuple, world: int) -> float | None:
@@ -173,7 +176,12 @@ def main() -> int:
         config = configs[collective][index % len(configs[collective])]
         group = groups[int(rng.integers(2))]
         kwargs = {}
-        if config.get("layout") in ("rows", "segments") and m % (world * 256):
+        if (
+            config.get("layout") in ("rows", "segments")
+            and m % (world * 256)
+            or n % 256
+            and "pull_fused" in config.values()
+        ):
             config = {}
         if (
             collective == "all_to_all"

@@ -323,3 +323,45 @@ def test_fp8_calls_are_tuned_with_their_scales_and_their_result_s_dtype(monkeypa
     [(_, kw, config)] = [c for c in calls if c[0] == "fo"]
     assert kw == args.kwargs and isinstance(config, OverlapConfig)
     assert (config.tile_m, config.tile_n, config.partition) == (256, 128, (1, 1))
+
+
+def test_a_fused_reduce_scatter_is_modelled_from_its_copies_alone(monkeypatch):
+    """tune._problems for a pull_fused reduce-scatter: its groups' copies priced as the pull
+    all-reduce's copies of 1 / (w - 1) from each rank (one rank's rows from that rank), nothing kept
+    to add after them (its epilogue adds its own rows), and a partition found for it."""
+    import types
+
+    import torch
+
+    from flashoverlap import comm, tune
+    from flashoverlap.bench import Fp8Arguments
+    from flashoverlap.config import OverlapConfig
+    from flashoverlap.plan import make_plan
+    from flashoverlap.rules import for_collective
+    from flashoverlap.tune_model import HostModel, choose
+
+    world, shape = 4, (4096, 1024, 256)
+    ex = comm.exchange("reduce_scatter", shape[0], world, reduction="pull_fused")
+    cfg = for_collective(OverlapConfig(reduction="pull_fused", comm_sms=0, tile_n=128), "reduce_scatter")
+    plan = make_plan(*shape[:2], tile_m=128, tile_n=128, cluster_m=1, ctas=8, layout="rows", split=world)
+    used = []
+    monkeypatch.setattr(tune, "time_variants", lambda variants, *a, **kw: dict.fromkeys(variants, 1.0))
+    monkeypatch.setattr(tune, "_progress", lambda message: None)
+    monkeypatch.setattr(tune.dist, "get_world_size", lambda group=None: world)
+    monkeypatch.setattr(tune, "plain", lambda *a: lambda x, w, s: None)
+    monkeypatch.setattr(tune, "kernel_alone", lambda prep, a, w, s: lambda i: None)
+    for name in ("tail_model", "comm_model", "local_model"):
+        monkeypatch.setattr(tune, name, lambda *args, name=name: used.append((name, args)) or fit_comm([1, 2], [1, 2]))
+    monkeypatch.setattr(tune, "host_model", lambda *a: HostModel())
+    args = Fp8Arguments(None, None, {})
+    a = w = [torch.zeros(1, 1, dtype=torch.bfloat16)]
+    pattern = comm.comm_pattern("reduce_scatter", cfg.layout, cfg.reduction)
+    prep = types.SimpleNamespace(plan=plan)
+    (problem,), _ = tune._problems(
+        shape, "reduce_scatter", [cfg], [pattern], [prep], {}, a, w, ex, torch.bfloat16, 2, True, args
+    )
+    unrotated = tune.wave_bytes(plan, 2, world)
+    assert problem.wave_bytes == tuple(b / (world - 1) for b in unrotated) and sum(problem.wave_bytes) > 0
+    assert not any(problem.local_bytes) and len(problem.local_bytes) == plan.num_waves
+    assert all(name != "local_model" for name, _ in used)
+    assert sum(choose(problem, 10.0).partition) == plan.num_waves
