@@ -46,6 +46,7 @@ from .rules import (
     rotation_unit,
     spills_promoted,
     takes_every_call,
+    unfused,
     wider_reads,
     without_pull,
     without_window,
@@ -202,7 +203,8 @@ def _decide(
         preps = [planned(cfg)]
         if explicit is None and preps[0].plan.num_groups == 1:  # nothing to overlap: it would only add host time
             return plain(f"{source} make one group, nothing to overlap")
-        candidates, preps = _candidates(cfg, preps, planned, start.timed, ex, shape, full, a.device)
+        rowwise = fp8 is not None and fp8.rowwise
+        candidates, preps = _candidates(cfg, preps, planned, start.timed, ex, shape, full, a.device, rowwise)
         exes = [comm.with_reduction(ex, c.reduction, world) for c in candidates]
         for c, prep, e in zip(candidates, preps, exes):
             call = (collective, "ragged" if ex.ragged else m, n, k, a.dtype, fp8, weight_layout, a.device.index, c)
@@ -318,6 +320,8 @@ def _start(
                 f"reduction {cfg.reduction!r} copies between the GPUs' memories: {why}; use 'nccl' or 'local'"
             )
         cfg = without_pull(cfg)  # a tuned entry (or the nearest one) where its pulls cannot run
+    if explicit is None and fp8 is not None and fp8.rowwise and cfg.reduction == "pull_fused":
+        cfg = unfused(cfg)  # (its epilogue scales by one alpha: rowwise scales take the copied pull)
     source = (
         "your config"
         if explicit is not None
@@ -374,12 +378,13 @@ def _candidates(
     shape: tuple[int, int, int],
     full: dist.ProcessGroup,
     device: torch.device,
+    rowwise: bool = False,
 ) -> tuple[list[OverlapConfig], list[Prepared]]:
     """The configs a call may run, and their plans: ``cfg`` (planned: ``preps``), and where the call
     is timed the same with NCCL's SMs taken differently (rules.alternative) and, where the ranks
     can pull, as a pull (rules.pulled; where its sums read the others' memory in place, also with
     more SMs for them: rules.wider_reads; a reduce-scatter's also with its sums in the epilogue:
-    rules.fused_pull); only those that carry the call (rules.carries: a pull's
+    rules.fused_pull, not with rowwise FP8 scales); only those that carry the call (rules.carries: a pull's
     layout may not) in more than one group. On the shape every rank decides on: candidates that
     differ by rank would hang in NCCL."""
     candidates, collective = [cfg], ex.collective
@@ -397,7 +402,8 @@ def _candidates(
             and _trial_runs()
             and comm.peer.unavailable(full, device) is None
         ):
-            others += [pull, wider_reads(pull), fused_pull(pull, collective, torch.cuda.get_device_capability(device))]
+            fused = None if rowwise else fused_pull(pull, collective, torch.cuda.get_device_capability(device))
+            others += [pull, wider_reads(pull), fused]
     for other in others:
         if other is None or other in candidates or not carries(other, ex, shape):
             continue
