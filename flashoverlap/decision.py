@@ -46,7 +46,6 @@ from .rules import (
     rotation_unit,
     spills_promoted,
     takes_every_call,
-    unfused,
     wider_reads,
     without_pull,
     without_window,
@@ -321,7 +320,9 @@ def _start(
             )
         cfg = without_pull(cfg)  # a tuned entry (or the nearest one) where its pulls cannot run
     if explicit is None and fp8 is not None and fp8.rowwise and cfg.reduction == "pull_fused":
-        cfg = unfused(cfg)  # (its epilogue scales by one alpha: rowwise scales take the copied pull)
+        # (its epilogue scales by one alpha: rowwise scales take the copied pull, with the spare SMs)
+        total = torch.cuda.get_device_properties(a.device).multi_processor_count
+        cfg = pulled(cfg, collective, shape, total, world)
     source = (
         "your config"
         if explicit is not None
@@ -402,7 +403,8 @@ def _candidates(
             and _trial_runs()
             and comm.peer.unavailable(full, device) is None
         ):
-            fused = None if rowwise else fused_pull(pull, collective, torch.cuda.get_device_capability(device))
+            # (the hint may be the copied pull itself: pulled() gives None)
+            fused = None if rowwise else fused_pull(pull or cfg, collective, torch.cuda.get_device_capability(device))
             others += [pull, wider_reads(pull), fused]
     for other in others:
         if other is None or other in candidates or not carries(other, ex, shape):

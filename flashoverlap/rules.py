@@ -376,13 +376,6 @@ def wider_reads(pull: OverlapConfig | None) -> OverlapConfig | None:
 
 
 @functools.lru_cache(maxsize=256)
-def unfused(cfg: OverlapConfig) -> OverlapConfig:
-    """A ``pull_fused`` entry as the copied pull (``segments``, its sums on the SMs it spares, 4 as
-    the trial's), for calls its epilogue cannot take (rowwise FP8 scales)."""
-    return dataclasses.replace(cfg, layout="segments", reduction="pull", comm_sms=PULL_SMS, partition=None)
-
-
-@functools.lru_cache(maxsize=256)
 def fused_pull(pull: OverlapConfig | None, collective: str, capability: tuple[int, int]) -> OverlapConfig | None:
     """A reduce-scatter's pull candidate ``pull`` (:func:`pulled`) with its sums in the GEMM's epilogue
     (``pull_fused``: no SM beside the GEMM, nothing after it) on a GPU whose kernels can (Hopper): the

@@ -228,6 +228,11 @@ def _fused(ex: Exchange, plan, peers: comm.Peers, out: torch.Tensor, recv: torch
             f"reduction 'pull_fused' has a ready flag per {rows} rows of the result, at most "
             f"{comm.peer.MAX_GROUPS}: {ex.rows} rows need {ex.rows // rows}"
         )
+    if ex.rows * plan.n * out.element_size() > comm.MAX_PITCH:  # (a larger copy would need an SM, which the
+        raise ValueError(  # GEMM's waiting epilogues may all hold: comm.copy_2d)
+            f"reduction 'pull_fused' copies each rank's rows on the copy engines, at most {comm.MAX_PITCH} bytes: "
+            f"{ex.rows} rows of {plan.n} are more"
+        )
     sources = recv.view(len(peers.others), ex.rows, plan.n)
     return FusedSums(out, sources, peers.ready_flags, peers.rank * ex.rows, rows)
 

@@ -184,7 +184,9 @@ def _widened(candidates, ex, shape, dtype, device, fp8=None) -> tuple[list[dict]
     candidates, total = list(candidates), torch.cuda.get_device_properties(device).multi_processor_count
     for candidate, cfg, prep in list(zip(candidates, cfgs, preps)):
         wider = {**candidate, "comm_sms": widest_budget(prep.plan, total)}
-        if cfg.scheduler != "persistent" or wider["comm_sms"] <= cfg.comm_sms or wider in candidates:
+        # (stream-K's grid is its own; a fused reduce-scatter runs nothing on spare SMs)
+        kept = cfg.scheduler != "persistent" or cfg.reduction == "pull_fused"
+        if kept or wider["comm_sms"] <= cfg.comm_sms or wider in candidates:
             continue
         cfgs.append(for_call(resolve(wider, fp8 is not None), ex, shape))
         preps.append(planned(cfgs[-1]))

@@ -180,6 +180,21 @@ def _streams(peers: list, calls: int, targets: tuple[int, ...], adds: str = "cop
     return streams
 
 
+def _modelled_peers(world: int) -> tuple[list[torch.Tensor], list]:
+    """Every rank's memory (flags first, as Peers lays them out) and its :class:`peer.Peers` over
+    it, without GPUs or process groups: for the models of the ranks' streams."""
+    regions = [torch.zeros(4096, dtype=torch.uint8) for _ in range(world)]
+    peers = []
+    for rank in range(world):
+        p = peer.Peers.__new__(peer.Peers)
+        p.claimed = object()
+        p.rank, p.world, p.others = rank, world, [r for r in range(world) if r != rank]
+        p.fresh, p.device, p.peers, p.memory = peer.DONE + world, None, regions, regions[rank]
+        p.flag_bytes = 4 * (p.fresh + world)
+        peers.append(p)
+    return regions, peers
+
+
 def _run(streams: list[list], memory: _Memory, seed: int) -> None:
     """Run the streams' ops in a random interleaving (a wait or an event wait blocks its stream;
     some streams, chosen per seed, run 100 times slower than the others); every copy must find the
@@ -241,15 +256,7 @@ def test_pulls_copy_every_group_of_their_own_call_whatever_the_interleaving(worl
     no GEMM overwrites rows another rank has yet to copy (or, ``scatter``, to read in place); with
     ``scatter`` (``pull_scatter``) each copy of another rank's sum waits for that rank's ``summed``
     flag of the same call, and no GEMM overwrites a sum another rank has yet to copy."""
-    regions = [torch.zeros(4096, dtype=torch.uint8) for _ in range(world)]
-    peers = []
-    for rank in range(world):
-        p = peer.Peers.__new__(peer.Peers)
-        p.claimed = object()
-        p.rank, p.world, p.others = rank, world, [r for r in range(world) if r != rank]
-        p.fresh, p.device, p.peers, p.memory = peer.DONE + world, None, regions, regions[rank]
-        p.flag_bytes = 4 * (p.fresh + world)
-        peers.append(p)
+    regions, peers = _modelled_peers(world)
     streams = _streams(peers, 3, (2, 1, 3), adds)
     for seed in range(300 if world <= 4 else 60):
         memory = _Memory(regions)
@@ -312,15 +319,7 @@ def test_fused_sums_add_this_call_s_copies_and_never_wait_forever(world):
     own call (the ready flag is zeroed by the claim only after its GEMM has read it), whatever the
     interleaving; without the claim's wait for the GEMM's end a GEMM can wait forever (no other rank
     waits for a rank's own rows, so its ``done`` flags can come while it still computes them)."""
-    regions = [torch.zeros(4096, dtype=torch.uint8) for _ in range(world)]
-    peers = []
-    for rank in range(world):
-        p = peer.Peers.__new__(peer.Peers)
-        p.claimed = object()
-        p.rank, p.world, p.others = rank, world, [r for r in range(world) if r != rank]
-        p.fresh, p.device, p.peers, p.memory = peer.DONE + world, None, regions, regions[rank]
-        p.flag_bytes = 4 * (p.fresh + world)
-        peers.append(p)
+    regions, peers = _modelled_peers(world)
 
     def run(streams, seed):
         memory = _Memory(regions)

@@ -149,11 +149,11 @@ class Gathered(Pulls):
 
 class Peers(Window, Pulls):
     """The memory of every rank of ``group`` (a :class:`comm.nccl.Window` whose regions every rank
-    maps): at its start the GEMM's counters and the flags (int32: ``counters`` [MAX_GROUPS], ``summed``
-    [MAX_GROUPS], ``done`` [world], ``fresh`` [world]), then the GEMM's buffer, the same bytes for
-    every call (calls of one rank are stream-ordered, the ranks' by the flags). Grows as a window
-    does (collectively, with a host sync). A call sets :attr:`targets` (its groups' counter targets)
-    before its groups."""
+    maps): at its start the GEMM's counters and the flags (int32: ``counters`` [MAX_GROUPS],
+    ``summed`` [MAX_GROUPS], ``ready`` [MAX_GROUPS], ``done`` [world], ``fresh`` [world]), then the
+    GEMM's buffer, the same bytes for every call (calls of one rank are stream-ordered, the ranks'
+    by the flags). Grows as a window does (collectively, with a host sync). A call sets
+    :attr:`targets` (its groups' counter targets) before its groups."""
 
     def __init__(self, group: dist.ProcessGroup, device: torch.device) -> None:
         super().__init__([], device)
@@ -206,8 +206,8 @@ class Peers(Window, Pulls):
         return self.memory[: 4 * MAX_GROUPS].view(torch.int32)
 
     def _flag(self, rank: int, index: int) -> int:
-        """The address of int32 ``index`` (``COUNTERS``, ``SUMMED``, ``DONE`` or ``fresh`` + ...) in rank ``rank``'s
-        memory, as mapped here."""
+        """The address of int32 ``index`` (``COUNTERS``, ``SUMMED``, ``READY``, ``DONE`` or ``fresh`` +
+        ...) in rank ``rank``'s memory, as mapped here."""
         return self.peers[rank].data_ptr() + 4 * index
 
     def _write(self, rank: int, index: int, value: int) -> None:
@@ -222,9 +222,10 @@ class Peers(Window, Pulls):
     def claim(self) -> None:
         """After a call (once this rank has seen its own counters): wait until every other rank has
         copied the call's groups out of this rank's buffer (and so seen its counters), zero the
-        counters (and ``summed`` flags) for the next call, record :attr:`claimed` (what the next GEMM waits for), then
-        clear the flags and say so (before the other ranks' next ``done``, which follows their pulls of the ``fresh``
-        counters)."""
+        counters (and ``summed`` and ``ready`` flags) for the next call (``pull_fused``: the caller
+        orders this after its GEMM, whose epilogue reads the ``ready`` flags), record :attr:`claimed`
+        (what the next GEMM waits for), then clear the flags and say so (before the other ranks' next
+        ``done``, which follows their pulls of the ``fresh`` counters)."""
         stream = torch.cuda.current_stream(self.device)
         for r in self.others:
             signal.wait_at(stream, self._flag(r, DONE + self.rank), 1)

@@ -135,7 +135,7 @@ int fo_run(void const* a, void const* b, void* out, void const* tiles, unsigned*
     return fail("launch", "rowwise scales need the direct epilogue");
   }
   if (!Epilogue::kFusedSums && result != nullptr) {
-    return fail("launch", "sums in the epilogue need the direct epilogue");
+    return fail("launch", "sums in the epilogue need a sums kernel (GemmSpec.sums)");
   }
   if (result != nullptr && (sources == nullptr && count > 0 || ready == nullptr || ready_rows < 1)) {
     return fail("launch", "sums in the epilogue need their sources, ready flags and rows per flag");

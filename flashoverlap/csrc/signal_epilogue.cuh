@@ -124,14 +124,7 @@ class SignalEpilogue {
         out = static_cast<Element*>(fused.result) + row * ld + nt * kBN;
         sources = static_cast<Element const*>(fused.sources) + row * ld + nt * kBN;
         source_stride = int64_t(fused.rows) * ld;
-        if ((threadIdx.x & 31) == 0) {  // one lane polls; the warp barrier orders the others' loads after it
-          uint32_t const* flag = fused.ready + row / fused.ready_rows;
-          uint32_t seen;
-          do {
-            asm volatile("ld.acquire.sys.global.u32 %0, [%1];" : "=r"(seen) : "l"(flag) : "memory");
-          } while (seen == 0);
-        }
-        __syncwarp();
+        fused.wait_ready(row);
       }
     }
 
@@ -147,8 +140,8 @@ class SignalEpilogue {
         // use: the next tile's mainloop starts them from zero), one source per pass: a pass stores
         // nothing, so its loads can be in flight together (through L1: a quad's 16 bytes are half a
         // sector, whose other half the next column pair reads; no SM read them earlier in this
-        // kernel, which began before the copy engines wrote them). Whole tiles (the host checks) and
-        // per-tensor scales only.
+        // kernel, which began before the copy engines wrote them). Whole tiles and per-tensor scales
+        // only (the call's decision refuses others: rules.fused_tiles, rules.for_rowwise).
         auto& sums = const_cast<cute::Tensor<FrgEngine, FrgLayout>&>(accumulators);
         CUTLASS_PRAGMA_UNROLL
         for (int i = 0; i < size(sums); ++i) {

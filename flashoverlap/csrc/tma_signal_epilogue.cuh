@@ -102,6 +102,7 @@ class TmaSignalEpilogue : public Base {
         auto [M, N, K, L] = cute::append<4>(problem, 1);
         typename Base::Arguments into = args;
         into.ptr_D = static_cast<Element*>(args.fused.result);
+        into.thread.alpha_ptr = nullptr;  // (alpha 1: add_sums scales the accumulators before the sums)
         into.dD = cute::make_stride(int64_t(N), cute::Int<1>{}, int64_t(args.fused.rows) * N);
         params.result = Base::to_underlying_arguments(cute::make_shape(args.fused.rows, N, K, L), into, workspace);
       }
@@ -175,29 +176,26 @@ class TmaSignalEpilogue : public Base {
 
  private:
   // The other ranks' partial sums of the tile at row `own` of the result, column `col`, added to its
-  // accumulators (divided by alpha, which the fusion then multiplies in: D = alpha * acc + sums), once
-  // the band's ready flag is set: one lane per warp polls, the warp barrier orders the loads after it.
+  // accumulators scaled by alpha (the result's stores then scale by 1: D = alpha * acc + sums, rounded
+  // once, as the direct epilogue's), once the band's ready flag is set.
   // One source per pass (a pass stores nothing, so its loads can be in flight together; through L1:
   // a quad's 16 bytes are half a sector, whose other half the next column pair reads, and no SM read
   // them earlier in this kernel, which began before the copy engines wrote them); whole tiles (the
-  // host checks).
+  // call's decision refuses others: rules.fused_tiles).
   template <class AccEngine, class AccLayout, class TiledMma>
   CUTLASS_DEVICE void add_sums(cute::Tensor<AccEngine, AccLayout>& accumulators, TiledMma tiled_mma, int thread_idx,
                                int own, int col, int64_t ld) const {
     using namespace cute;
     FusedSums const& fused = p_.fused;
-    if ((threadIdx.x & 31) == 0) {
-      uint32_t const* flag = fused.ready + own / fused.ready_rows;
-      uint32_t seen;
-      do {
-        asm volatile("ld.acquire.sys.global.u32 %0, [%1];" : "=r"(seen) : "l"(flag) : "memory");
-      } while (seen == 0);
-    }
-    __syncwarp();
+    fused.wait_ready(own);
     using TileShape = typename Base::CtaTileMNK;
     Tensor coords = tiled_mma.get_thread_slice(thread_idx).partition_C(make_identity_tensor(take<0, 2>(TileShape{})));
     static_assert(decltype(size(coords))::value == decltype(size(accumulators))::value, "fragment mismatch");
-    float const scale = p_.alpha != nullptr ? 1.0f / *p_.alpha : 1.0f;
+    float const alpha = p_.alpha != nullptr ? *p_.alpha : 1.0f;  // (x 1.0f: exact)
+    CUTLASS_PRAGMA_UNROLL
+    for (int i = 0; i < size(accumulators); ++i) {
+      accumulators(i) *= alpha;
+    }
     Element const* sources = static_cast<Element const*>(fused.sources) + own * ld + col;
     using Pair = cutlass::AlignedArray<Element, 2, 4>;
     for (int k = 0; k < fused.count; ++k) {
@@ -209,8 +207,8 @@ class TmaSignalEpilogue : public Base {
         unsigned const bits =
             __ldca(reinterpret_cast<unsigned const*>(source + get<0>(coords(i)) * pitch + get<1>(coords(i))));
         Pair const& pair = reinterpret_cast<Pair const&>(bits);
-        accumulators(i) += scale * float(pair[0]);
-        accumulators(i + 1) += scale * float(pair[1]);
+        accumulators(i) += float(pair[0]);
+        accumulators(i + 1) += float(pair[1]);
       }
     }
   }

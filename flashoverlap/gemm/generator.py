@@ -89,9 +89,9 @@ class GemmSpec:
     # FP8: the tensor cores' partial sums kept in their own accumulators, never promoted into fp32
     # ones (torch._scaled_mm's use_fast_accum): fewer registers and instructions, less accurate over long K
     fast_accum: bool = False
-    # the direct epilogue's variant that adds a reduce-scatter's other partial sums into its own rows
-    # (reduction "pull_fused", csrc/tile_slot.cuh FusedSums): kernels of their own, since its passes
-    # cost the plain direct kernels a register spill
+    # the epilogue's variant (TMA or direct) that adds a reduce-scatter's other partial sums into its
+    # own rows (reduction "pull_fused", csrc/tile_slot.cuh FusedSums): kernels of their own, since its
+    # passes cost the plain direct kernels a register spill
     sums: bool = False
 
     def __post_init__(self) -> None:

@@ -85,7 +85,7 @@ class SignalGemm:
         scalar on the device, read by the kernel (FP8's scale_a * scale_b; None: 1); ``rows``,
         ``cols``: FP8's rowwise scales, M and N contiguous float32 on the device, C[i, j] scaled by
         rows[i] * cols[j] (the direct epilogue's; both or neither); ``fused``: the sums of a
-        reduce-scatter in the epilogue (the direct epilogue's, sm90).
+        reduce-scatter in the epilogue (a sums kernel's, GemmSpec.sums).
         """
         m, k = a.shape
         n = weight.shape[0] if self.spec.weight_layout == "nk" else weight.shape[1]
