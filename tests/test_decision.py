@@ -697,3 +697,22 @@ def test_a_trial_times_operands_that_fit_in_l2_hot_and_rotated_too(monkeypatch):
     assert len(cold_a) == len(cold_w) and len(cold_a) * per_set >= 3 * l2 and torch.equal(cold_w[-1], w)
     big = torch.empty(8192, 8192, dtype=torch.bfloat16)
     assert list(decision._operands(a, big)) == ["hot"]
+
+
+def test_a_fused_entry_runs_rowwise_fp8_calls_as_the_copied_pull(one_rank_group, monkeypatch):
+    """A registry entry of pull_fused for a call with rowwise FP8 scales, which its epilogue cannot
+    take: the call runs the copied pull (``segments``, the SMs the GEMM spares, as rules.pulled
+    makes it) instead of failing; with per-tensor scales the entry runs as it is."""
+    m, n = 4096, 8192
+    untuned_all_reduce(monkeypatch, m, n)
+    ran = pulls_possible(monkeypatch)
+    fused = OverlapConfig(reduction="pull_fused", comm_sms=0)
+    monkeypatch.setattr(decision, "tuned_config", lambda *args: Found(fused, True))
+    monkeypatch.setattr(torch.cuda, "get_device_properties", lambda device: SimpleNamespace(multi_processor_count=132))
+    a, w, scales = fp8_operands(m, n)
+    flashoverlap.gemm_reduce_scatter(a, w, scale_a=torch.ones(m, 1), scale_b=torch.ones(1, n))
+    flashoverlap.gemm_reduce_scatter(a, w, **scales)
+    assert [(ex.reduction, budget) for ex, budget, _ in ran] == [
+        ("pull", "budget pull 4"),
+        ("pull_fused", "budget pull_fused 0"),
+    ]
