@@ -282,7 +282,7 @@ def _enqueue(
     # rank's own counters only where its own rows are read. Its buffer and counters were claimed
     # for it at the previous call's end (Peers.claim).
     peers = group if isinstance(group, comm.Peers) else None
-    fused = None  # a pull_fused reduce-scatter's sums in the epilogue: the rows of each ready flag, the flags per group
+    fused = None  # a pull_fused reduce-scatter's sums in the epilogue, and the bands each group's copies make ready
     if ex.reduction == "pull_fused":
         fused = _fused(ex, plan, peers, out, recv)
         bands = comm.ready_bands(ex, plan, peers.rank, fused.ready_rows)
