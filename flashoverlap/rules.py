@@ -54,9 +54,10 @@ def for_collective(cfg: OverlapConfig, collective: str) -> OverlapConfig:
     carry resolves it (``cols``; :func:`for_call` picks for a known call); raises where the config
     cannot run it."""
     layout = cfg.layout
-    if layout == "auto":
-        layout = pull_layout(collective, cfg.reduction) if cfg.reduction in PULLS else "cols"
-        layout = "rows" if collective == "all_reduce" else layout
+    if layout == "auto" and cfg.reduction in PULLS:
+        layout = pull_layout(collective, cfg.reduction)
+    elif layout == "auto":
+        layout = "rows" if collective == "all_reduce" else "cols"
     if collective != "all_reduce" and layout == "tiles":
         raise ValueError(
             f"{collective} needs layout 'cols', 'rows' or 'segments' (groups that split into per-rank row segments), "
@@ -252,15 +253,20 @@ def carries(cfg: OverlapConfig, ex: Exchange, shape: tuple[int, int, int], p2p: 
     not gloo)."""
     segments_ok = cfg.layout not in EQUAL_SEGMENTS or ex.uniform and rows_carry(ex, rotation_unit(cfg, shape))
     sends_ok = p2p or comm_pattern(ex.collective, cfg.layout) != "exchange"
-    tiles_ok = cfg.reduction != "pull_fused" or shape[1] % cfg.tile_n == 0  # (:func:`fused_tiles`)
-    return segments_ok and sends_ok and tiles_ok and (ex.uniform or not cfg.symmetric)
+    return segments_ok and sends_ok and not _cut_tiles(cfg, shape[1]) and (ex.uniform or not cfg.symmetric)
+
+
+def _cut_tiles(cfg: OverlapConfig, n: int) -> bool:
+    """Whether a ``pull_fused`` reduce-scatter's epilogue would add its sums into tiles cut by the
+    output's edge: N not a multiple of ``tile_n`` (its rows are whole tiles by rows_carry); its
+    passes hold no bounds per element."""
+    return cfg.reduction == "pull_fused" and n % cfg.tile_n != 0
 
 
 def fused_tiles(cfg: OverlapConfig, n: int) -> None:
-    """Raise where a ``pull_fused`` reduce-scatter's epilogue would add its sums into tiles cut by
-    the output's edge: N a multiple of ``tile_n`` (its rows are whole tiles by rows_carry), so that
-    its passes hold no bounds per element."""
-    if cfg.reduction == "pull_fused" and n % cfg.tile_n:
+    """Raise where ``cfg`` cannot add a reduce-scatter's sums in its epilogue for N = ``n``
+    (:func:`_cut_tiles`)."""
+    if _cut_tiles(cfg, n):
         raise ValueError(
             f"reduction 'pull_fused' adds into whole tiles: N={n} must be a multiple of tile_n={cfg.tile_n}"
         )

@@ -143,7 +143,7 @@ def _streams(peers: list, calls: int, targets: tuple[int, ...], adds: str = "cop
                 for g, target in enumerate(targets):
                     gemm.ops += [("rows", p.rank, g, call), ("count", p._flag(p.rank, g), target)]
                     on(comm)
-                    for r, _ in p.arrivals(g, p.memory[p.flag_bytes :]):
+                    for r, _ in p.arrivals(g, p.every(p.memory[p.flag_bytes :])):
                         if not scatter:
                             current[0].ops.append(("copy", r, g, call))
                     for j, lane in enumerate(lanes):

@@ -411,7 +411,7 @@ def shares(lo: int, hi: int, world: int) -> list[int]:
 def _pull(group: Pulls, g: int, chunk: torch.Tensor, into: torch.Tensor) -> None:
     """Every other rank r's ``chunk`` of group ``g`` (the same bytes of its memory) into row r of
     ``into`` on the copy engines, each as soon as r says the group is there (comm.peer)."""
-    for r, theirs in group.arrivals(g, chunk):
+    for r, theirs in group.arrivals(g, group.every(chunk)):
         copy_2d(into[r].view(1, -1), theirs.view(1, -1))
 
 

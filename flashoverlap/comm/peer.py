@@ -72,15 +72,19 @@ class Pulls:
     others: list[int]
     memory: torch.Tensor  # this rank's memory the chunks are views of
 
-    def arrivals(self, g: int, chunk: torch.Tensor | Mapping[int, torch.Tensor]) -> Iterator[tuple[int, torch.Tensor]]:
-        """(rank, its ``chunk`` of group ``g``) for each other rank (``chunk`` a mapping: each rank in
-        it, its own chunk) once it is there; see :class:`Peers`."""
+    def arrivals(self, g: int, chunks: Mapping[int, torch.Tensor]) -> Iterator[tuple[int, torch.Tensor]]:
+        """(rank, its bytes at ``chunks[rank]``'s place, of group ``g``) for each other rank in
+        ``chunks`` once it is there; see :class:`Peers`."""
         raise NotImplementedError
+
+    def every(self, chunk: torch.Tensor) -> dict[int, torch.Tensor]:
+        """``chunk`` for each other rank (:meth:`arrivals` of the same bytes of every rank)."""
+        return dict.fromkeys(self.others, chunk)
 
     def arrived(self, g: int, chunk: torch.Tensor) -> None:
         """Wait (on the current stream) until every other rank's ``chunk`` of group ``g`` is there,
         for sums that then read it in place (:meth:`at`)."""
-        for _ in self.arrivals(g, chunk):
+        for _ in self.arrivals(g, self.every(chunk)):
             pass
 
     def at(self, rank: int, chunk: torch.Tensor) -> torch.Tensor:
@@ -125,11 +129,11 @@ class Gathered(Pulls):
         self.others = [r for r in range(self.world) if r != self.rank]
         self._seen: list[torch.Tensor] = []  # every rank's memory as the last arrivals gathered it
 
-    def arrivals(self, g: int, chunk: torch.Tensor | Mapping[int, torch.Tensor]) -> Iterator[tuple[int, torch.Tensor]]:
+    def arrivals(self, g: int, chunks: Mapping[int, torch.Tensor]) -> Iterator[tuple[int, torch.Tensor]]:
         self._seen = self._every()  # (every rank gathers once per group, whatever it takes)
         for r in self.others:
-            if isinstance(chunk, torch.Tensor) or r in chunk:
-                yield r, self._at(self._seen[r], chunk if isinstance(chunk, torch.Tensor) else chunk[r])
+            if r in chunks:
+                yield r, self._at(self._seen[r], chunks[r])
 
     def at(self, rank: int, chunk: torch.Tensor) -> torch.Tensor:
         return self._at(self._seen[rank], chunk)
@@ -236,19 +240,19 @@ class Peers(Window, Pulls):
         for r in self.others:
             self._write(self.rank, self.fresh + r, 1)
 
-    def arrivals(self, g: int, chunk: torch.Tensor | Mapping[int, torch.Tensor]) -> Iterator[tuple[int, torch.Tensor]]:
-        """(rank, its ``chunk`` of group ``g``) for each other rank (of those ``chunk`` maps, if a
-        mapping), as soon as its counter says the group is written (the caller copies it on the
+    def arrivals(self, g: int, chunks: Mapping[int, torch.Tensor]) -> Iterator[tuple[int, torch.Tensor]]:
+        """(rank, its bytes at ``chunks[rank]``'s place, of group ``g``) for each other rank in
+        ``chunks``, as soon as its counter says the group is written (the caller copies it on the
         current stream -- the rank's lane, :attr:`lanes`, while it holds the pair -- or reads it in
         place on a stream ordered after it); before a call's first group, once every other rank
-        zeroed its counters for this call (waited for from every other rank, taken or not)."""
+        zeroed its counters for this call (waited for from every other rank, in ``chunks`` or not)."""
         for stream, r in self._on_lanes(self.lanes):
             if g == 0:
                 self._take(r, self.fresh + self.rank)
-            if not isinstance(chunk, torch.Tensor) and r not in chunk:
+            if r not in chunks:
                 continue
             signal.wait_at(stream, self._flag(r, COUNTERS + g), self.targets[g])
-            yield r, self._at(self.peers[r], chunk if isinstance(chunk, torch.Tensor) else chunk[r])
+            yield r, self._at(self.peers[r], chunks[r])
 
     def at(self, rank: int, chunk: torch.Tensor) -> torch.Tensor:
         return self._at(self.peers[rank], chunk)
