@@ -18,6 +18,9 @@ memory, mapped as comm/peer.py maps it). Variants, timed on every rank:
   torch-rs    torch's own SM-load reduce-scatter (torch.ops.symm_mem.reduce_scatter_out), where
               torch has it: a tuned kernel on the same kind of memory (it barriers the ranks itself)
   gather:ce   the all-gather half: the w-1 owners' shares copied out of their memory (copy engine)
+  gather:ring the same in ring order: rank r pulls from r+1, r+2, ... (each step a permutation: every
+              rank read by one other at a time), where gather:ce's rank order has every rank pull
+              from rank 0 (or 1) first
   gather:lanes the same, each owner's copy on a stream of its own (do the copies overlap?)
   gather:push the same moved the other way: each owner copies its share into the w-1 other ranks'
               memory, a stream per destination (do pushes spread over more copy engines than pulls?)
@@ -149,8 +152,9 @@ def check(name: str, op, outs: list[torch.Tensor], want: torch.Tensor, tol: floa
         raise AssertionError(f"{name}: relative error {err.item():.3g} over {tol}")
 
 
-def size_cases(numel: int, gemms: dict, groups: dict) -> tuple[dict, dict, tuple]:
-    """The ops of one buffer size, checked: (alone cases, beside cases per budget, what must stay alive)."""
+def size_cases(numel: int, gemms: dict, groups: dict, only: tuple[str, ...]) -> tuple[dict, dict, tuple]:
+    """The ops of one buffer size, checked: (alone cases, beside cases per budget, what must stay alive),
+    those whose names start with one of ``only``."""
     rank, world = dist.get_rank(), dist.get_world_size()
     share, others = numel // world, [q for q in range(world) if q != rank]
     mine, handle, theirs = symmetric(numel)
@@ -160,6 +164,7 @@ def size_cases(numel: int, gemms: dict, groups: dict) -> tuple[dict, dict, tuple
     staging = torch.empty(world - 1, share, dtype=DTYPE, device="cuda")
     result, gathered, plain = torch.empty(share, dtype=DTYPE, device="cuda"), torch.empty_like(mine), mine.clone()
     owned = [(theirs[q][q * share : (q + 1) * share], gathered[q * share : (q + 1) * share]) for q in others]
+    ring = [owned[others.index((rank + s) % world)] for s in range(1, world)]
 
     def ce_sum() -> None:
         for j, q in enumerate(others):
@@ -198,6 +203,7 @@ def size_cases(numel: int, gemms: dict, groups: dict) -> tuple[dict, dict, tuple
     pushes = [(mine[sl], their_pushed[q][sl]) for q in others]
     gathers = {
         "gather:ce": lambda: [dst.copy_(src) for src, dst in owned],
+        "gather:ring": lambda: [dst.copy_(src) for src, dst in ring],
         "gather:lanes": lambda: on_lanes(lanes, owned),
         "gather:push": lambda: on_lanes(lanes, pushes),
         "gather:sm": lambda: [fo_sum(dst, [src]) for src, dst in owned],
@@ -210,11 +216,12 @@ def size_cases(numel: int, gemms: dict, groups: dict) -> tuple[dict, dict, tuple
         staging[j].copy_(rows[q])
     sums = {"sum:local": lambda: fo_sum(result, [mine[sl], *staging])}
     check("sum:local", sums["sum:local"], [result], summed, 1e-2)
-    alone = {name: (op, None) for name, op in {**ops, **gathers, **sums}.items()}
+    every = {name: op for name, op in {**ops, **gathers, **sums}.items() if name.startswith(only)}
+    alone = {name: (op, None) for name, op in every.items()}
     beside = {}
     for c, gemm in gemms.items():
         beside[c] = {"gemm alone": (None, gemm)}
-        for name, op in {**ops, **gathers, **sums}.items():
+        for name, op in every.items():
             if name != "gather:sm":
                 beside[c][name] = (functools.partial(op, groups[c]) if name == "nccl-rs" else op, gemm)
     return alone, beside, keep
@@ -227,6 +234,7 @@ def main() -> None:
     parser.add_argument("--budgets", nargs="+", type=int, default=[4, 8, 16], help="comm_sms: SMs left free")
     parser.add_argument("--rounds", type=int, default=30)
     parser.add_argument("--warmup", type=int, default=3)
+    parser.add_argument("--only", nargs="+", default=[""], help="time only the variants whose names start so")
     args = parser.parse_args()
     os.environ.setdefault("NCCL_NVLS_ENABLE", "0")
     os.environ.setdefault("TORCH_SYMM_MEM_DISABLE_MULTICAST", "1")
@@ -257,7 +265,7 @@ def main() -> None:
     for mib in args.sizes_mb:
         numel, moved = mib * 2**20 // 2, (world - 1) / world * mib * 2**20
         say(f"S = {mib} MiB per rank, share {mib / world:g} MiB, {moved / 2**20:g} MiB read per rank", flush=True)
-        alone, beside, _keep = size_cases(numel, gemms, groups)
+        alone, beside, _keep = size_cases(numel, gemms, groups, tuple(args.only))
         for name, (op_ms, _) in measure(alone, args.rounds, args.warmup, side).items():
             say(f"  alone   {name:12s} {op_ms:7.3f} ms {moved / op_ms / 1e6:6.0f} GB/s", flush=True)
         for c, cases in beside.items():

@@ -188,7 +188,7 @@ def _modelled_peers(world: int) -> tuple[list[torch.Tensor], list]:
     for rank in range(world):
         p = peer.Peers.__new__(peer.Peers)
         p.claimed = object()
-        p.rank, p.world, p.others = rank, world, [r for r in range(world) if r != rank]
+        p.rank, p.world, p.others = rank, world, peer.ring(rank, world)
         p.fresh, p.device, p.peers, p.memory = peer.DONE + world, None, regions, regions[rank]
         p.flag_bytes = 4 * (p.fresh + world)
         peers.append(p)
@@ -339,3 +339,14 @@ def test_fused_sums_add_this_call_s_copies_and_never_wait_forever(world):
         except AssertionError as exc:
             hung += "waits forever" in str(exc)
     assert hung, "the model never hung without the claim's wait for the GEMM"
+
+
+@pytest.mark.parametrize("world", [2, 3, 4, 8])
+def test_ranks_pull_in_ring_order_each_step_reading_every_gpu_once(world):
+    """comm.peer.ring: at step s every rank pulls from its s-th next rank, so that no GPU's memory is
+    read by several ranks at once (in rank order every rank read rank 0's, or 1's, first)."""
+    orders = [peer.ring(rank, world) for rank in range(world)]
+    for rank, order in enumerate(orders):
+        assert sorted(order) == [r for r in range(world) if r != rank]
+    for step in range(world - 1):
+        assert sorted(order[step] for order in orders) == list(range(world)), step

@@ -61,9 +61,16 @@ MAX_GROUPS = 256  # counters per rank: the most groups a call may have (and read
 COUNTERS, SUMMED, READY, DONE = 0, MAX_GROUPS, 2 * MAX_GROUPS, 3 * MAX_GROUPS
 
 
+def ring(rank: int, world: int) -> list[int]:
+    """Every rank but ``rank``, in the order it pulls from them: ``rank + 1``, ``rank + 2``, ... (mod
+    ``world``). Every rank pulling from its s-th next rank at the same time reads each GPU once: in
+    rank order all of them would read rank 0's memory (or 1's) first, sharing its links."""
+    return [(rank + s) % world for s in range(1, world)]
+
+
 class Pulls:
     """What comm's pulls need of a group of ranks: ``rank``, ``world``, ``others`` (every rank but
-    this one), :meth:`arrivals`, :meth:`mine`, :meth:`arrived` and :meth:`at` (sums that read in
+    this one, :func:`ring`), :meth:`arrivals`, :meth:`mine`, :meth:`arrived` and :meth:`at` (sums that read in
     place: ``pull_scatter``'s) and (``pull_scatter``) :meth:`summed` and :meth:`sums`;
     :class:`Peers` on GPUs, :class:`Gathered` on gloo."""
 
@@ -126,7 +133,7 @@ class Gathered(Pulls):
     def __init__(self, group: dist.ProcessGroup, memory: torch.Tensor) -> None:
         self.group, self.memory = group, memory
         self.rank, self.world = dist.get_rank(group), dist.get_world_size(group)
-        self.others = [r for r in range(self.world) if r != self.rank]
+        self.others = ring(self.rank, self.world)
         self._seen: list[torch.Tensor] = []  # every rank's memory as the last arrivals gathered it
 
     def arrivals(self, g: int, chunks: Mapping[int, torch.Tensor]) -> Iterator[tuple[int, torch.Tensor]]:
@@ -163,7 +170,7 @@ class Peers(Window, Pulls):
         super().__init__([], device)
         self.group = group
         self.rank, self.world = dist.get_rank(group), dist.get_world_size(group)
-        self.others = [r for r in range(self.world) if r != self.rank]
+        self.others = ring(self.rank, self.world)
         self.fresh = DONE + self.world
         self.flag_bytes = carved_bytes((self.fresh + self.world,), torch.int32)
         self.peers: list[torch.Tensor] = []  # every rank's current region (uint8), as mapped here
