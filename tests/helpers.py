@@ -1,7 +1,10 @@
 """Shared test helpers."""
 
 import contextlib
+import ctypes
 import os
+import signal
+import sys
 import tempfile
 import time
 
@@ -95,11 +98,25 @@ def runs_on_this_gpu(cfg: OverlapConfig, collective: str = "all_reduce") -> bool
     return True
 
 
+def _dies_with_parent(rank, fn, *args):
+    """``fn(rank, *args)`` in a worker that the kernel kills when the test process ends (Linux): a
+    test run cut from outside (a ``timeout`` around pytest) leaves no rank holding the GPUs and the
+    communicators that the next run on the machine waits for. (torch's spawn asks for SIGINT on the
+    parent's death, which a rank hung inside a CUDA or NCCL call never handles.)"""
+    if sys.platform.startswith("linux"):
+        ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
+        if os.getppid() == 1:  # (the parent ended before the call above)
+            os._exit(1)
+    fn(rank, *args)
+
+
 def spawn_ranks(world, fn, *args, timeout=300):
-    """Run fn(rank, world, store_path, *args) in ``world`` processes; a run that has not finished
-    after ``timeout`` seconds (a hang) is killed and fails the test."""
+    """Run fn(rank, world, store_path, *args) in ``world`` processes, which end with the test
+    process (:func:`_dies_with_parent`); a run that has not finished after ``timeout`` seconds (a
+    hang) is killed and fails the test."""
     with tempfile.TemporaryDirectory() as tmp:
-        ctx = mp.start_processes(fn, args=(world, os.path.join(tmp, "store"), *args), nprocs=world, join=False)
+        spawned = (fn, world, os.path.join(tmp, "store"), *args)
+        ctx = mp.start_processes(_dies_with_parent, args=spawned, nprocs=world, join=False)
         deadline = time.monotonic() + timeout
         while not ctx.join(timeout=5):
             if time.monotonic() > deadline:

@@ -2,6 +2,7 @@
 out inside a call (CPU: gloo, fakes standing in for CUDA and NCCL; the GPU check is marked)."""
 
 import contextlib
+import sys
 from types import SimpleNamespace
 
 import pytest
@@ -490,3 +491,65 @@ def test_a_call_that_runs_out_of_memory_leaves_the_next_one_running():
     pull where the GPUs can) raises torch.OutOfMemoryError on every rank; once memory is back, the
     same config's calls run and are right (no flag, claim or half-grown window left behind)."""
     spawn_ranks(2, out_of_memory_worker, timeout=300)
+
+
+SPAWN_AND_WAIT = r"""
+import os, signal, sys, time
+sys.path.insert(0, sys.argv[1])
+from tests.helpers import spawn_ranks
+
+def worker(rank, world, store, folder):
+    # a rank hung inside a CUDA or NCCL call: Python's handlers never run, so torch's own
+    # parent-death signal (SIGINT) would not end it
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    with open(os.path.join(folder, f"{rank}.pid"), "w") as f:
+        f.write(str(os.getpid()))
+    time.sleep(120)
+
+if __name__ == "__main__":
+    spawn_ranks(2, worker, sys.argv[2], timeout=120)
+"""
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="the parent-death signal is Linux's")
+def test_spawned_ranks_end_with_a_test_run_killed_from_outside(tmp_path):
+    """helpers.spawn_ranks: when the test process is killed (a timeout around pytest on a GPU machine),
+    its ranks end with it, even one hung where no Python handler runs, instead of holding the GPUs
+    and communicators the next run waits for."""
+    import os
+    import signal
+    import subprocess
+    import time
+    from pathlib import Path
+
+    script = tmp_path / "spawn.py"
+    script.write_text(SPAWN_AND_WAIT)
+    root = str(Path(__file__).resolve().parent.parent)
+    parent = subprocess.Popen([sys.executable, str(script), root, str(tmp_path)])
+    try:
+        deadline = time.monotonic() + 120
+        while len(list(tmp_path.glob("*.pid"))) < 2:
+            assert time.monotonic() < deadline and parent.poll() is None, "the ranks never started"
+            time.sleep(0.2)
+        time.sleep(0.5)  # (each rank past writing its pid: in its sleep)
+        pids = [int(p.read_text()) for p in tmp_path.glob("*.pid")]
+    finally:
+        parent.send_signal(signal.SIGKILL)
+        parent.wait()
+
+    def alive(pid: int) -> bool:
+        try:
+            os.kill(pid, 0)
+        except ProcessLookupError:
+            return False
+        with contextlib.suppress(FileNotFoundError):  # (a zombie until reaped counts as ended)
+            return Path(f"/proc/{pid}/stat").read_text().split(")")[-1].split()[0] != "Z"
+        return False
+
+    deadline = time.monotonic() + 30
+    while any(alive(pid) for pid in pids) and time.monotonic() < deadline:
+        time.sleep(0.2)
+    left = [pid for pid in pids if alive(pid)]
+    for pid in left:
+        os.kill(pid, signal.SIGKILL)
+    assert not left, f"ranks {left} outlived the killed test process"
