@@ -247,9 +247,8 @@ def _problems(
             sent = tuple(b / world for b in sent)
         if pattern == "pull_fused":  # a group is one rank's rows, all pulled by it from one rank: priced as the
             sent = tuple(b / (world - 1) for b in sent)  # pull all-reduce's copies of 1 / (w - 1) from each
-        kept = wave_bytes(prep.plan, elem, ranks, own=True)
-        if pattern == "pull_fused":  # (its own rows are its epilogue's: nothing local after the copies)
-            kept = (0.0,) * len(kept)
+        # (a fused reduce-scatter's own rows are its epilogue's: nothing local after the copies)
+        kept = (0.0,) * prep.plan.num_waves if pattern == "pull_fused" else wave_bytes(prep.plan, elem, ranks, own=True)
         local = local_model(collective, moved, rounds) if any(kept) else None
         if comm.finishes(ex, prep.plan) and pattern != "all_gather":  # result rows copied into place per group
             kept, local = tuple(b * ex.rows / m for b in sent), local_model("all_to_all", moved, rounds)
