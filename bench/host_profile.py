@@ -63,6 +63,7 @@ def main() -> None:
         "matmul": lambda: a @ w.t(),
         name: lambda: comm.collective(ex, c, None),
         "torch": lambda: comm.collective(ex, a @ w.t(), None),  # matmul + torch.distributed's collective
+        "linear": lambda: comm.collective(ex, torch.nn.functional.linear(a, w), None),  # the plain path's product
         "sequential": lambda: sequential(a, w, "nk", ex, None),
         "fallback": lambda: call(a, w, config=plain),  # decided once, then its runner
         "registry": lambda: call(a, w),
