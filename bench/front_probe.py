@@ -2,19 +2,20 @@
 
 A call decided before runs its kept runner after a few checks and one lookup (overlap._gemm_collective):
 on a host-bound call (decode, small prefill: 60-90 us of host time per GEMM + collective) those
-microseconds are what a call decided plain costs over ``torch.matmul`` + the collective. Timed here
-with CPU tensors on a one-process gloo group, the runner a no-op, so that only the front is left:
+microseconds are the part before its runner of what a call decided plain costs over the product and
+the collective alone. Timed here with CPU tensors on a one-process gloo group, the runner a no-op, so
+that only the front is left:
 
     python bench/front_probe.py [--calls 300000]
 
-Prints us per step (each timed alone, the best of three repeats) and for the whole front, with the
-call's config none (the registry's path) and an :class:`OverlapConfig` (the forced fallback's).
+Prints one line per step, "<step>  <us> us" (each timed alone, the best of three repeats), and for
+the whole front, with the call's config none (the registry's path) and an :class:`OverlapConfig`
+(the forced fallback's).
 """
 
 from __future__ import annotations
 
 import argparse
-import os
 import timeit
 
 import torch
@@ -28,9 +29,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--calls", type=int, default=300_000, help="calls per timed repeat")
     args = parser.parse_args()
-    os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
-    os.environ.setdefault("MASTER_PORT", "29533")
-    dist.init_process_group("gloo", rank=0, world_size=1)
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)  # (no port to take)
     a = torch.randn(8, 64, dtype=torch.bfloat16)
     w = torch.randn(64, 64, dtype=torch.bfloat16)
     fallback = OverlapConfig(sequential=True)
@@ -44,7 +43,7 @@ def main() -> None:
         "the group's state": lambda: state.kept(None),
         "the runner's lookup": lambda: kept.runners.get(key),
         "the gradient check": lambda: overlap._wants_gradients(a, w),
-        "the compile check": torch.compiler.is_compiling,
+        "the compile check": lambda: torch.compiler.is_compiling(),
         "nothing (a lambda)": lambda: None,
         "front, registry": lambda: overlap.gemm_all_reduce(a, w),
         "front, a config": lambda: overlap.gemm_all_reduce(a, w, config=fallback),
