@@ -35,6 +35,7 @@ import os
 import statistics
 import sys
 import time
+import warnings
 from collections.abc import Callable, Sequence
 from typing import NamedTuple
 
@@ -213,7 +214,9 @@ def async_tp(
         import torch.distributed._symmetric_memory as symm_mem
 
         name = dist.group.WORLD.group_name
-        symm_mem.enable_symm_mem_for_group(name)
+        with warnings.catch_warnings():  # (older torch needs it; newer ones deprecate it, a FutureWarning)
+            warnings.simplefilter("ignore", FutureWarning)
+            symm_mem.enable_symm_mem_for_group(name)
 
         def fused(x, y):
             if fp8 is None:
