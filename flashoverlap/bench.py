@@ -52,7 +52,7 @@ from .prepared import prepare
 from .registry import DTYPES as DTYPE_NAMES
 from .rules import for_call
 from .runtime import plain, sequential
-from .timing import kernel_alone, operand_sets, time_variants
+from .timing import kernel_alone, operand_sets, slowest, time_samples
 
 log = logging.getLogger("flashoverlap.bench")  # not __name__: "__main__" under python -m
 INPUTS = {"rotated": ("rotated",), "hot": ("hot",), "both": ("rotated", "hot")}  # --inputs: the modes timed
@@ -119,6 +119,11 @@ def build_parser() -> argparse.ArgumentParser:
         "layer's can be), or both, each a run of its own",
     )
     parser.add_argument("--csv", help="write one row per shape and variant here (rank 0)")
+    parser.add_argument(
+        "--rounds-csv",
+        help="write every timed round here (rank 0): shape, inputs, variant (and its config), rank, round in "
+        "the order timed, ms per call -- the rounds each median comes from, to see a disturbed run's",
+    )
     parser.add_argument("--chunks", nargs="+", type=int, default=[2, 4, 8], help="decomposition chunk counts to try")
     parser.add_argument(
         "--nccl",
@@ -327,7 +332,8 @@ def bench_shape(shape: tuple[int, int, int], args: argparse.Namespace, inputs: s
         if not cfg.sequential and cfg not in kernels:
             kernels[cfg] = f"kernel{len(kernels)}"
             variants[kernels[cfg]] = kernel_alone(planned(cfg), a, w, scales)
-    times = time_variants(variants, args.rounds, args.block, args.warmup, graphs=args.graphs)
+    samples = time_samples(variants, args.rounds, args.block, args.warmup, graphs=args.graphs)
+    times = {name: slowest(ranks) for name, ranks in samples.items()}
 
     rows = []
     t_gemm, t_comm, t_seq = times["gemm"], times["comm"], times["seq"]
@@ -373,7 +379,32 @@ def bench_shape(shape: tuple[int, int, int], args: argparse.Namespace, inputs: s
                 "rel_err": errors[j, path],
             }
         )
+    if args.rounds_csv and dist.get_rank() == 0:
+        labels = {f"fo{j}{path}": row["config"] for (j, path), row in zip(runs, rows)}
+        report.append_csv(args.rounds_csv, round_rows(shape, inputs, samples, labels))
     return rows
+
+
+def round_rows(
+    shape: tuple[int, int, int], inputs: str, samples: dict[str, list[list[float]]], labels: dict[str, str]
+) -> list[dict]:
+    """One row per variant, rank and round of ``samples`` (timing.time_samples: every rank's ms per
+    call, round by round in the order timed); ``labels``: the config of each flashoverlap variant."""
+    m, n, k = shape
+    return [
+        {
+            "shape": f"{m}x{n}x{k}",
+            "inputs": inputs,
+            "variant": name,
+            "config": labels.get(name, ""),
+            "rank": rank,
+            "round": i,
+            "ms": ms,
+        }
+        for name, ranks in samples.items()
+        for rank, rounds in enumerate(ranks)
+        for i, ms in enumerate(rounds)
+    ]
 
 
 def config_label(given: dict | None, cfg, collective: str) -> str:
@@ -497,6 +528,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 2
     torch.cuda.set_device(local_rank)
     dist.init_process_group("nccl", device_id=torch.device("cuda", local_rank))
+    if args.rounds_csv and dist.get_rank() == 0:  # (each shape appends its rounds)
+        open(args.rounds_csv, "w").close()
     try:
         rows = [row for shape in args.shapes for mode in INPUTS[args.inputs] for row in bench_shape(shape, args, mode)]
         if args.trace:

@@ -180,3 +180,32 @@ def test_the_front_probe_times_a_decided_call_s_front_without_a_gpu():
         steps[name] = float(value)
     assert list(steps)[-2:] == ["front, registry", "front, a config"]
     assert all(us > 0 for us in steps.values())
+
+
+def test_every_timed_round_is_written_with_its_variant_s_config(tmp_path):
+    """--rounds-csv: a row per variant, rank and round, in the order timed, the flashoverlap variants
+    labelled with their config (the medians' rows say which config a variant was)."""
+    import csv
+
+    from flashoverlap import report
+
+    samples = {"seq": [[0.30, 0.31], [0.32, 0.33]], "fo0direct": [[0.20, 0.90], [0.21, 0.22]]}
+    rows = bench.round_rows((4096, 8192, 2048), "rotated", samples, {"fo0direct": "registry:{} nccl=direct"})
+    assert len(rows) == 8
+    assert rows[5] == {
+        "shape": "4096x8192x2048",
+        "inputs": "rotated",
+        "variant": "fo0direct",
+        "config": "registry:{} nccl=direct",
+        "rank": 0,
+        "round": 1,
+        "ms": 0.90,
+    }
+    assert {row["config"] for row in rows if row["variant"] == "seq"} == {""}
+    path = tmp_path / "rounds.csv"
+    report.append_csv(str(path), rows[:4])
+    report.append_csv(str(path), rows[4:])  # a second shape: no second header
+    with open(path, newline="") as handle:
+        read = list(csv.DictReader(handle))
+    assert [r["variant"] for r in read] == ["seq"] * 4 + ["fo0direct"] * 4 and read[5]["ms"] == "0.9"
+    assert bench.build_parser().parse_args(["--rounds-csv", "r.csv"]).rounds_csv == "r.csv"
