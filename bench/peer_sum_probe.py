@@ -164,7 +164,7 @@ def size_cases(numel: int, gemms: dict, groups: dict, only: tuple[str, ...]) -> 
     staging = torch.empty(world - 1, share, dtype=DTYPE, device="cuda")
     result, gathered, plain = torch.empty(share, dtype=DTYPE, device="cuda"), torch.empty_like(mine), mine.clone()
     owned = [(theirs[q][q * share : (q + 1) * share], gathered[q * share : (q + 1) * share]) for q in others]
-    ring = [owned[others.index((rank + s) % world)] for s in range(1, world)]
+    ring = [owned[others.index(q)] for q in comm.peer.ring(rank, world)]  # (the pulls' order)
 
     def ce_sum() -> None:
         for j, q in enumerate(others):
