@@ -270,9 +270,10 @@ def fp8_arguments(
     return Fp8Arguments(scales, fp8, {"scale_a": scales.a, "scale_b": scales.b, "use_fast_accum": fast_accum})
 
 
-def bench_shape(shape: tuple[int, int, int], args: argparse.Namespace, inputs: str) -> list[dict]:
+def bench_shape(shape: tuple[int, int, int], args: argparse.Namespace, inputs: str) -> tuple[list[dict], list[dict]]:
     """One row per config and NCCL path of ``shape``, every variant timed in one run: as the
-    command line ``args`` (:func:`build_parser`) asks, on ``inputs`` ``rotated`` or ``hot``."""
+    command line ``args`` (:func:`build_parser`) asks, on ``inputs`` ``rotated`` or ``hot``; and
+    every timed round behind them (:func:`round_rows`)."""
     import flashoverlap
 
     configs, collective, dtype, chunks = args.configs, args.collective, getattr(torch, args.dtype), args.chunks
@@ -379,10 +380,8 @@ def bench_shape(shape: tuple[int, int, int], args: argparse.Namespace, inputs: s
                 "rel_err": errors[j, path],
             }
         )
-    if args.rounds_csv and dist.get_rank() == 0:
-        labels = {f"fo{j}{path}": row["config"] for (j, path), row in zip(runs, rows)}
-        report.append_csv(args.rounds_csv, round_rows(shape, inputs, samples, labels))
-    return rows
+    labels = {f"fo{j}{path}": row["config"] for (j, path), row in zip(runs, rows)}
+    return rows, round_rows(shape, inputs, samples, labels)
 
 
 def round_rows(
@@ -528,10 +527,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 2
     torch.cuda.set_device(local_rank)
     dist.init_process_group("nccl", device_id=torch.device("cuda", local_rank))
-    if args.rounds_csv and dist.get_rank() == 0:  # (each shape appends its rounds)
-        open(args.rounds_csv, "w").close()
     try:
-        rows = [row for shape in args.shapes for mode in INPUTS[args.inputs] for row in bench_shape(shape, args, mode)]
+        measured = [bench_shape(shape, args, mode) for shape in args.shapes for mode in INPUTS[args.inputs]]
+        rows = [row for shape_rows, _ in measured for row in shape_rows]
         if args.trace:
             trace_call(args.shapes[0], args.configs[0], args.collective, getattr(torch, args.dtype), args.trace)
         if dist.get_rank() == 0:
@@ -547,6 +545,8 @@ def main(argv: Sequence[str] | None = None) -> int:
             print(report.show(labelled), flush=True)
             if args.csv:
                 report.write_csv(args.csv, rows)
+            if args.rounds_csv:
+                report.write_csv(args.rounds_csv, [r for _, rounds in measured for r in rounds])
             if args.plot:
                 report.plot(labelled, args.plot)
     finally:

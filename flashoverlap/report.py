@@ -135,15 +135,6 @@ def write_csv(path: str, rows: list[dict]) -> None:
         writer.writerows(rows)
 
 
-def append_csv(path: str, rows: list[dict]) -> None:
-    """``rows`` appended to the CSV at ``path``, its header first where the file is empty or new."""
-    with open(path, "a", newline="") as handle:
-        writer = csv.DictWriter(handle, fieldnames=list(rows[0]))
-        if handle.tell() == 0:
-            writer.writeheader()
-        writer.writerows(rows)
-
-
 def read_runs(paths: Sequence[str]) -> dict[str, list[dict]]:
     """The runs of benchmark CSV files (:func:`runs`, labelled by file); raises ``ValueError``
     naming the file where one is missing, empty or not a benchmark's."""
