@@ -29,6 +29,8 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--calls", type=int, default=300_000, help="calls per timed repeat")
     args = parser.parse_args()
+    if args.calls < 1:
+        parser.error(f"--calls must be at least 1, got {args.calls}")
     dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)  # (no port to take)
     a = torch.randn(8, 64, dtype=torch.bfloat16)
     w = torch.randn(64, 64, dtype=torch.bfloat16)

@@ -180,6 +180,8 @@ def test_the_front_probe_times_a_decided_call_s_front_without_a_gpu():
         steps[name] = float(value)
     assert list(steps)[-2:] == ["front, registry", "front, a config"]
     assert all(us > 0 for us in steps.values())
+    refused = subprocess.run([sys.executable, str(script), "--calls", "0"], capture_output=True, text=True, timeout=60)
+    assert refused.returncode == 2 and "--calls must be at least 1" in refused.stderr
 
 
 def test_every_timed_round_is_written_with_its_variant_s_config(tmp_path):
