@@ -51,7 +51,7 @@ from .inputs import FP8_DTYPES, Fp8, Scales
 from .prepared import prepare
 from .registry import DTYPES as DTYPE_NAMES
 from .rules import for_call
-from .runtime import plain, sequential
+from .runtime import plain
 from .timing import kernel_alone, operand_sets, slowest, time_samples
 
 log = logging.getLogger("flashoverlap.bench")  # not __name__: "__main__" under python -m
@@ -288,8 +288,8 @@ def bench_shape(shape: tuple[int, int, int], args: argparse.Namespace, inputs: s
     fallback = resolve(FALLBACK)
     product = plain(ex, None, "nk", 1, fp8)
 
-    def seq(i):
-        return sequential(a[i % sets], w[i % sets], "nk", ex, None, scales, fp8)
+    def seq(i):  # what a user without flashoverlap runs: the product, then torch.distributed's collective
+        return comm.collective(ex, product(a[i % sets], w[i % sets], scales), None)
 
     def planned(cfg: OverlapConfig):  # its plan, kernel and tables, as the call prepares them
         return prepare(

@@ -105,6 +105,25 @@ class OverlapConfig:
         problems = _problems(self)
         if problems:
             raise ValueError("invalid flashoverlap config: " + "; ".join(problems))
+        self._keep_hash()
+
+    # Every call with ``config=`` hashes it (the key its decision is kept under): the frozen
+    # dataclass's own hash builds a tuple of every field each time, ~1 us on a GPU host's CPU, 1 %
+    # of a host-bound call. So it is made once; not pickled (a string's hash differs between
+    # processes), made again where unpickled.
+    def _keep_hash(self) -> None:
+        object.__setattr__(self, "_hash", hash(tuple(getattr(self, f.name) for f in dataclasses.fields(self))))
+
+    def __hash__(self) -> int:
+        return self._hash
+
+    def __getstate__(self) -> dict[str, Any]:
+        return {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        for name, value in state.items():
+            object.__setattr__(self, name, value)
+        self._keep_hash()
 
     @classmethod
     def from_dict(cls, data: Mapping[str, Any], source: str = "config") -> OverlapConfig:

@@ -61,8 +61,9 @@ def plain(
 ) -> Callable[..., torch.Tensor]:
     """:func:`sequential` as a function ``(a, weight, scales=None)`` of the operands of calls like
     ``ex`` on ``group`` (of ``world`` ranks), made once: what a call decided plain runs on every
-    repeat, the matmul and the collective and nothing else (``world`` 1: the matmul alone);
-    ``fp8`` given: FP8 operands, multiplied by ``torch._scaled_mm`` (weight [N, K])."""
+    repeat, the matmul and the collective and nothing else (``world`` 1: the matmul alone; the
+    collective as :func:`comm.plain_collective` calls it); ``fp8`` given: FP8 operands, multiplied
+    by ``torch._scaled_mm`` (weight [N, K])."""
     if fp8 is not None:
         out_dtype, fast = fp8.out_dtype, fp8.fast_accum
 
@@ -72,11 +73,13 @@ def plain(
 
         if world == 1:
             return product
-        return lambda a, weight, scales: comm.collective(ex, product(a, weight, scales), group)
+        collect = comm.plain_collective(ex, group)
+        return lambda a, weight, scales: collect(product(a, weight, scales))
     linear = torch.nn.functional.linear if weight_layout == "nk" else torch.matmul  # (linear: a @ weight.T, one op)
     if world == 1:
         return lambda a, weight, scales=None: linear(a, weight)
-    return lambda a, weight, scales=None: comm.collective(ex, linear(a, weight), group)
+    collect = comm.plain_collective(ex, group)
+    return lambda a, weight, scales=None: collect(linear(a, weight))
 
 
 def run_overlapped(

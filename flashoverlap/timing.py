@@ -9,6 +9,8 @@ instead: GPU time alone, for every variant alike.
 
 from __future__ import annotations
 
+import contextlib
+import gc
 import logging
 import math
 import random
@@ -122,18 +124,19 @@ def time_samples(
     else:
         runs = {name: _eager(fn, block) for name, fn in variants.items()}
     dist.barrier(group=group)
-    events = []
     names = random.Random(0).sample(list(runs), len(runs))  # their places in the design, alike on every rank
     orders = balanced_orders(len(names))
     total = -(-rounds // len(orders)) * len(orders) if orders else 0
-    for r in range(total):
-        for name in (names[v] for v in orders[r % len(orders)]):
-            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            start.record()
-            runs[name](r)
-            end.record()
-            events.append((name, start, end))
-    torch.cuda.synchronize()
+    events = []
+    with without_collections():
+        for r in range(total):
+            for name in (names[v] for v in orders[r % len(orders)]):
+                start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+                start.record()
+                runs[name](r)
+                end.record()
+                events.append((name, start, end))
+        torch.cuda.synchronize()
     table = torch.full((len(variants), total), math.nan, dtype=torch.float64)
     row = {name: v for v, name in enumerate(variants)}
     done = dict.fromkeys(runs, 0)
@@ -145,6 +148,21 @@ def time_samples(
     comm.all_gather_single(every, table.cuda(), group=group)
     per_rank = every.view(world, *table.shape).tolist()
     return {name: [rank[v] for rank in per_rank] for v, name in enumerate(variants)}
+
+
+@contextlib.contextmanager
+def without_collections():
+    """Python's garbage collector off inside (as ``timeit`` runs) and back as it was after: where the
+    host sets the pace (eager calls of a few tens of microseconds), a collection pauses whichever
+    variant's block it falls in, and a full one over a model's objects takes milliseconds. (No
+    collection first: in a process holding a model, the first-use trial would wait for it.)"""
+    was_enabled = gc.isenabled()
+    gc.disable()
+    try:
+        yield
+    finally:
+        if was_enabled:
+            gc.enable()
 
 
 def slowest(ranks: Sequence[Sequence[float]]) -> float:

@@ -400,3 +400,80 @@ def test_a_group_s_timeout_is_its_backend_s(tmp_path):
         assert comm.group_timeout(dist.new_group([0], timeout=datetime.timedelta(seconds=7))) == 7.0
     finally:
         dist.destroy_process_group()
+
+
+def plain_collective_worker(rank: int, world: int, store_path: str):
+    dist.init_process_group("gloo", store=dist.FileStore(store_path, world), rank=rank, world_size=world)
+    try:
+        uneven = [[1, 2, 3], [3, 0, 3], [2, 2, 2]]  # rank s sends uneven[s][r] rows to rank r
+        cases = [
+            exchange("all_reduce", 6, world),
+            exchange("reduce_scatter", 6, world),
+            exchange("all_to_all", 6, world),
+            exchange("all_to_all", 6, world, splits=uneven[rank], output_splits=[row[rank] for row in uneven]),
+        ]
+        for ex in cases:
+            data = torch.arange(12.0).reshape(6, 2) * (rank + 1) + 100 * rank
+            want = comm.collective(ex, data.clone(), None)
+            got = comm.plain_collective(ex, None)(data.clone())
+            assert got.shape == (ex.rows, 2) and torch.equal(got, want), (ex, got, want)
+        dist.barrier()  # gloo: a rank leaving right after a collective can break its peer's last receive
+    finally:
+        dist.destroy_process_group()
+
+
+def test_a_call_decided_plain_runs_torch_distributed_s_collectives():
+    """The plain path's collectives, called on the process group directly (without torch.distributed's
+    per-call checks), give what torch.distributed's own calls give: every collective, even and
+    uneven all-to-all splits, over three ranks."""
+    from .helpers import spawn_ranks
+
+    spawn_ranks(3, plain_collective_worker, timeout=120)
+
+
+def test_the_plain_path_leaves_data_that_asks_for_torch_functions_to_torch_distributed(monkeypatch):
+    """A tensor subclass (or a torch function mode) gets torch.distributed's own call, which hands
+    it to the subclass: the process group's method would bypass it."""
+
+    class Marked(torch.Tensor):
+        pass
+
+    ran = []
+    monkeypatch.setattr(comm, "collective", lambda ex, data, group: ran.append((ex.collective, group)) or data)
+    monkeypatch.setattr(comm, "process_group", lambda group: None)  # (no group is initialised here)
+    for name in ("all_reduce", "reduce_scatter", "all_to_all"):
+        ex = exchange(name, 4, 2)
+        data = torch.zeros(4, 2).as_subclass(Marked)
+        assert comm.plain_collective(ex, "group")(data) is data
+    assert ran == [("all_reduce", "group"), ("reduce_scatter", "group"), ("all_to_all", "group")]
+
+
+def test_the_plain_path_asks_for_a_blocking_collective_which_may_return_no_work(monkeypatch):
+    """Asked for a blocking collective (``asyncOp`` false, as torch.distributed's calls ask), NCCL
+    runs it on the current stream and returns no work to wait for."""
+
+    class Group:  # the process group's methods, as NCCL answers them
+        def __init__(self):
+            self.asked = []
+
+        def allreduce(self, tensors, options):
+            self.asked.append(("all_reduce", options.asyncOp))
+
+        def _reduce_scatter_base(self, out, data, options):
+            self.asked.append(("reduce_scatter", options.asyncOp))
+
+        def alltoall_base(self, out, data, out_splits, in_splits, options):
+            self.asked.append(("all_to_all", options.asyncOp, out_splits, in_splits))
+
+    group = Group()
+    monkeypatch.setattr(comm, "process_group", lambda _: group)
+    for ex in (exchange("all_reduce", 4, 2), exchange("reduce_scatter", 4, 2), exchange("all_to_all", 4, 2)):
+        assert comm.plain_collective(ex, None)(torch.zeros(4, 2)).shape == (ex.rows, 2)
+    uneven = exchange("all_to_all", 4, 2, splits=[1, 3], output_splits=[1, 1])
+    assert comm.plain_collective(uneven, None)(torch.zeros(4, 2)).shape == (2, 2)
+    assert group.asked == [
+        ("all_reduce", False),
+        ("reduce_scatter", False),
+        ("all_to_all", False, [], []),
+        ("all_to_all", False, [1, 1], [1, 3]),
+    ]

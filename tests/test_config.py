@@ -1,3 +1,6 @@
+import dataclasses
+import os
+
 import pytest
 
 from flashoverlap.config import OverlapConfig, resolve
@@ -111,3 +114,27 @@ def test_shipped_single_configs_resolve():
     consumer = resolve(configs / "consumer_pcie.yaml")
     cfg, arch = for_device(for_collective(consumer, "all_reduce"), ADA)
     assert (cfg.kernel, cfg.tile_k, cfg.epilogue, arch) == ("sm80", 32, "direct", "sm_89")
+
+
+def test_equal_configs_hash_alike_however_made():
+    """A config's hash is made once (every call with config= hashes it): equal configs must still
+    hash alike when replaced, copied, or unpickled in another process, whose strings hash
+    differently (a hash carried over from the pickling process would miss there)."""
+    import copy
+    import pickle
+    import subprocess
+    import sys
+
+    cfg = OverlapConfig(tile_m=64, partition=[1, 2], layout="rows", reduction="pull")
+    assert hash(cfg) == hash(OverlapConfig(tile_m=64, partition=(1, 2), layout="rows", reduction="pull"))
+    assert hash(dataclasses.replace(cfg, comm_sms=4)) == hash(dataclasses.replace(copy.deepcopy(cfg), comm_sms=4))
+    assert hash(dataclasses.replace(cfg, comm_sms=4)) != hash(cfg)
+    check = (
+        "import pickle, sys; from flashoverlap.config import OverlapConfig; "
+        "got = pickle.loads(sys.stdin.buffer.read()); "
+        "fresh = OverlapConfig(tile_m=64, partition=(1, 2), layout='rows', reduction='pull'); "
+        "assert got == fresh and hash(got) == hash(fresh) and {fresh: 1}[got] == 1"
+    )
+    for seed in ("1", "2"):
+        env = {**os.environ, "PYTHONHASHSEED": seed}
+        subprocess.run([sys.executable, "-c", check], input=pickle.dumps(cfg), env=env, check=True, timeout=120)

@@ -46,3 +46,24 @@ def test_a_variant_s_time_is_the_slowest_rank_s_median_and_its_spread_the_widest
     assert timing.spread([[1.0, 1.2, 1.1]]) == pytest.approx(0.2 / 2 / 1.1)  # fewer rounds: the whole range
     not_captured = [[math.nan] * 4, [math.nan] * 4]
     assert math.isnan(timing.slowest(not_captured)) and math.isnan(timing.spread(not_captured))
+
+
+def test_rounds_are_timed_without_garbage_collections():
+    """Inside, no collection can pause a timed block; after, the collector is as it was (also when
+    the rounds raise, and off where the caller had it off)."""
+    import gc
+
+    assert gc.isenabled()
+    with timing.without_collections():
+        assert not gc.isenabled()
+    assert gc.isenabled()
+    with pytest.raises(RuntimeError), timing.without_collections():
+        raise RuntimeError("a round failed")
+    assert gc.isenabled()
+    gc.disable()
+    try:
+        with timing.without_collections():
+            pass
+        assert not gc.isenabled()
+    finally:
+        gc.enable()

@@ -14,10 +14,12 @@ import datetime
 import hashlib
 import os
 import warnings
+from collections.abc import Callable
 
 import numpy as np
 import torch
 import torch.distributed as dist
+from torch.overrides import has_torch_function
 
 from .. import enqueue, state
 from ..plan import Plan
@@ -213,6 +215,58 @@ def collective(
     else:
         dist.all_to_all_single(out, data, list(ex.recv), list(ex.send), group=group)
     return out
+
+
+def plain_collective(ex: Exchange, group: dist.ProcessGroup | None) -> Callable[[torch.Tensor], torch.Tensor]:
+    """:func:`collective` on c10d's ``group`` (None: the default group) as a function of the data,
+    made once for calls like ``ex``: what a call decided plain runs on every repeat.
+
+    It calls the process group's own method with options made here, as torch.distributed's
+    functions do after their per-call checks (tensor types, group membership, options): those were
+    settled when the call was first decided, and they cost 1.4-2 us of host time per collective on
+    this repository's CPU machine, as much as flashoverlap's own front (the call's key and lookup).
+    On a host-bound call (decode: 60-90 us of host time for the GEMM and the collective) that
+    difference is the plain path's whole cost over torch's own call. Data that asks for torch
+    function handling (a subclass, or a torch function mode) takes :func:`collective`, and so does
+    a call torch.compile traces (the CPU path of flashoverlap.nn's layers: dynamo turns
+    torch.distributed's functions into functional collectives, and cannot trace the group's)."""
+    if torch.compiler.is_compiling():
+        return lambda data: collective(ex, data, group)
+    pg = process_group(group)
+    if ex.collective == "all_reduce":
+        reduce = dist.AllreduceOptions()
+        reduce.asyncOp = False  # (as torch.distributed's blocking call: NCCL on the current stream, no work)
+
+        def run(data: torch.Tensor) -> torch.Tensor:
+            if has_torch_function((data,)):
+                return collective(ex, data, group)
+            _wait(pg.allreduce([data], reduce))
+            return data
+
+        return run
+    options = dist.ReduceScatterOptions() if ex.collective == "reduce_scatter" else dist.AllToAllOptions()
+    options.asyncOp = False
+    counts = ([], []) if ex.uniform else (list(ex.recv), list(ex.send))
+
+    def run(data: torch.Tensor) -> torch.Tensor:
+        if has_torch_function((data,)):
+            return collective(ex, data, group)
+        out = data.new_empty((ex.rows, data.shape[1]))
+        enqueue.opaque()  # (a replay would reuse this call's memory)
+        if ex.collective == "reduce_scatter":
+            _wait(pg._reduce_scatter_base(out, data, options))
+        else:
+            _wait(pg.alltoall_base(out, data, *counts, options))
+        return out
+
+    return run
+
+
+def _wait(work: dist.Work | None) -> None:
+    """As torch.distributed's blocking calls end: a backend that ran the collective on the current
+    stream (NCCL, not asked for its work) returns none."""
+    if work is not None:
+        work.wait()
 
 
 def gathered_rows(t: torch.Tensor, group: dist.ProcessGroup | None) -> torch.Tensor:
