@@ -567,11 +567,13 @@ def trial(
         for c in cfgs
     ]
 
+    plain = runtime.plain(exes[0], full, weight_layout, world_size(full), fp8)  # (made once, as a call decided plain)
+
     def variants(operands: list[torch.Tensor], weights: list[torch.Tensor]) -> dict[str, Callable[[int], object]]:
         def on(i: int) -> tuple[torch.Tensor, torch.Tensor]:  # call i's operands
             return operands[i % len(operands)], weights[i % len(weights)]
 
-        timed = {"sequential": lambda i: runtime.sequential(*on(i), weight_layout, exes[0], full, scales, fp8)}
+        timed = {"sequential": lambda i: plain(*on(i), scales)}
         for name, prep, budget, ex, tail in zip(names, preps, budgets, exes, tails):
             timed[name] = lambda i, p=prep, b=budget, e=ex, t=tail: runtime.run_overlapped(
                 p, *on(i), e, b, tail_group=t, scales=scales

@@ -13,7 +13,7 @@ import logging
 import os
 import statistics
 import sys
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 import torch
 import torch.distributed as dist
@@ -25,7 +25,7 @@ from .plan import widest_budget
 from .prepared import prepare
 from .registry import entry, incumbent, read_entries, write_registry
 from .rules import COLLECTIVES, for_call, resolutions, takes_every_call
-from .runtime import plain, sequential
+from .runtime import plain
 from .timing import kernel_alone, operand_sets, time_variants
 from .tune_measure import comm_model, host_model, local_model, pull_model, tail_model
 from .tune_model import CommModel, HostModel, Problem, choose, partitions, pick_finalists, wave_bytes, with_local_adds
@@ -284,13 +284,19 @@ def _runnable(current: dict | None, ex, shape, dtype, device, fp8=None) -> dict 
     return current
 
 
+def _sequential(a: list[torch.Tensor], w: list[torch.Tensor], ex: comm.Exchange, fp8) -> Callable[[int], object]:
+    """The sequential variant on operand sets ``a`` and ``w``: the plain path made once, as a call
+    decided plain runs it (``fp8``: bench.fp8_arguments)."""
+    run = plain(ex, None, "nk", dist.get_world_size(), fp8.fp8)
+    return lambda i: run(a[i % len(a)], w[i % len(w)], fp8.scales)
+
+
 def _confirm(shape, collective, candidates, finalists, current, a, w, ex, rounds, graphs, fp8) -> list[dict]:
     """The summary rows of the finalists (and of ``current``, the registry's config, unless among
     them) measured against sequential, as the bench measures (``fp8``: bench.fp8_arguments)."""
     m, n, k = shape
-    sets = len(a)
     overlapped = getattr(overlap, f"gemm_{collective}")
-    variants = {"seq": lambda i: sequential(a[i % sets], w[i % sets], "nk", ex, None, fp8.scales, fp8.fp8)}
+    variants = {"seq": _sequential(a, w, ex, fp8)}
     tuned = [{**candidates[j], "partition": list(choice.partition)} for choice, j in finalists]
     for f, config in enumerate(tuned):  # one candidate may come twice (defaults)
         variants[f"fo{f}"] = _call(overlapped, a, w, config, fp8)
@@ -373,7 +379,6 @@ def _brute_force(shape, collective, candidates, preps, max_groups, a, w, rounds,
     of up to ``max_groups`` groups; sequential runs in every batch, so drift cancels in the ratio
     (``graphs``: timed as CUDA graph replays; ``fp8``: bench.fp8_arguments)."""
     m, n, k = shape
-    sets = len(a)
     overlapped = getattr(overlap, f"gemm_{collective}")
     tried = [
         {**candidates[j], "partition": list(p)}
@@ -384,7 +389,7 @@ def _brute_force(shape, collective, candidates, preps, max_groups, a, w, rounds,
     for start in range(0, len(tried), BRUTE_BATCH):
         batch = tried[start : start + BRUTE_BATCH]
         _progress(f"{m}x{n}x{k}: brute force {start + len(batch)}/{len(tried)}")
-        variants = {"seq": lambda i: sequential(a[i % sets], w[i % sets], "nk", ex, None, fp8.scales, fp8.fp8)}
+        variants = {"seq": _sequential(a, w, ex, fp8)}
         for b, cfg in enumerate(batch):
             variants[f"b{b}"] = _call(overlapped, a, w, cfg, fp8)
         times = time_variants(variants, rounds, 4, 2, graphs=graphs)

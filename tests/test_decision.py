@@ -201,11 +201,18 @@ def test_an_fp8_call_is_timed_and_run_with_its_scales(one_rank_group, monkeypatc
     monkeypatch.setattr(decision, "prepare", prepare)
     monkeypatch.setattr(decision, "budget_communicator", lambda *args: "budget")
     monkeypatch.setattr(runtime, "run_overlapped", lambda prep, a, w, ex, b, **kw: ran.append(kw["scales"]))
-    monkeypatch.setattr(runtime, "sequential", lambda *args: timed.append(args[5:]))
+    made = []  # the plain runner, made once per trial as a call decided plain makes it (not per timed call)
+
+    def plain(ex, group, layout, world, fp8):
+        made.append(fp8)
+        return lambda a, w, s: timed.append((s, fp8))
+
+    monkeypatch.setattr(runtime, "plain", plain)
 
     def time_variants(variants, *args, **kwargs):
         for run in variants.values():
             run(0)
+            run(1)
         return {name: 1.0 if name == "sequential" else 0.9 for name in variants}
 
     timings(monkeypatch, time_variants)
@@ -215,7 +222,8 @@ def test_an_fp8_call_is_timed_and_run_with_its_scales(one_rank_group, monkeypatc
     flashoverlap.gemm_all_reduce(a, w, **again)
     assert set(planned) == {(torch.float8_e4m3fn, (256, 128), Fp8(torch.bfloat16))}
     assert [(s.a, s.b) for s in ran[-2:]] == [tuple(scales.values()), tuple(again.values())]
-    assert [(s.a, s.b, kind) for s, kind in timed] == [(*scales.values(), Fp8(torch.bfloat16))]
+    assert [(s.a, s.b, kind) for s, kind in timed] == [(*scales.values(), Fp8(torch.bfloat16))] * 2
+    assert made == [Fp8(torch.bfloat16)]
     flashoverlap.gemm_all_reduce(a, w, **scales, out_dtype=torch.float16)
     assert planned[-1] == (torch.float8_e4m3fn, (256, 128), Fp8(torch.float16))
     assert timed[-1][1] == Fp8(torch.float16)

@@ -313,7 +313,9 @@ def test_fp8_calls_are_tuned_with_their_scales_and_their_result_s_dtype(monkeypa
     assert moved and set(moved) == {torch.bfloat16}
 
     calls = []
-    monkeypatch.setattr(tune, "sequential", lambda *a: calls.append(("seq", a[-2:])))
+    monkeypatch.setattr(
+        tune, "plain", lambda ex, group, layout, world, kind: lambda x, w, s: calls.append(("seq", (s, kind)))
+    )
     monkeypatch.setattr(overlap, "gemm_all_reduce", lambda x, w, config, **kw: calls.append(("fo", kw, config)))
     finalists = [(types.SimpleNamespace(partition=(1, 1), overlap_ms=1.0), 0)]
     tune._confirm(shape, "all_reduce", candidates, finalists, None, a, w, ex, 2, False, args)
