@@ -293,7 +293,8 @@ def _sequential(a: list[torch.Tensor], w: list[torch.Tensor], ex: comm.Exchange,
 
 def _confirm(shape, collective, candidates, finalists, current, a, w, ex, rounds, graphs, fp8) -> list[dict]:
     """The summary rows of the finalists (and of ``current``, the registry's config, unless among
-    them) measured against sequential, as the bench measures (``fp8``: bench.fp8_arguments)."""
+    them) measured against sequential as a call decided plain runs it, in the bench's way (whose
+    ``seq`` is torch's own call; ``fp8``: bench.fp8_arguments)."""
     m, n, k = shape
     overlapped = getattr(overlap, f"gemm_{collective}")
     variants = {"seq": _sequential(a, w, ex, fp8)}

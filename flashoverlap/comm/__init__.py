@@ -227,9 +227,11 @@ def plain_collective(ex: Exchange, group: dist.ProcessGroup | None) -> Callable[
     this repository's CPU machine, as much as flashoverlap's own front (the call's key and lookup).
     On a host-bound call (decode: 60-90 us of host time for the GEMM and the collective) that
     difference is the plain path's whole cost over torch's own call. Data that asks for torch
-    function handling (a subclass, or a torch function mode) takes :func:`collective`, and so does
-    a call torch.compile traces (the CPU path of flashoverlap.nn's layers: dynamo turns
-    torch.distributed's functions into functional collectives, and cannot trace the group's)."""
+    function handling (a subclass, or a torch function mode) or is complex (torch.distributed
+    views it as real: the CPU path takes any dtype) takes :func:`collective`, and so does a call
+    torch.compile traces (the CPU path of flashoverlap.nn's layers: dynamo turns
+    torch.distributed's functions into functional collectives, and cannot trace the group's).
+    Inside torch's coalescing manager the collective is issued at once, not queued."""
     if torch.compiler.is_compiling():
         return lambda data: collective(ex, data, group)
     pg = process_group(group)
@@ -238,7 +240,7 @@ def plain_collective(ex: Exchange, group: dist.ProcessGroup | None) -> Callable[
         reduce.asyncOp = False  # (as torch.distributed's blocking call: NCCL on the current stream, no work)
 
         def run(data: torch.Tensor) -> torch.Tensor:
-            if has_torch_function((data,)):
+            if has_torch_function((data,)) or data.is_complex():
                 return collective(ex, data, group)
             _wait(pg.allreduce([data], reduce))
             return data
@@ -249,7 +251,7 @@ def plain_collective(ex: Exchange, group: dist.ProcessGroup | None) -> Callable[
     counts = ([], []) if ex.uniform else (list(ex.recv), list(ex.send))
 
     def run(data: torch.Tensor) -> torch.Tensor:
-        if has_torch_function((data,)):
+        if has_torch_function((data,)) or data.is_complex():
             return collective(ex, data, group)
         out = data.new_empty((ex.rows, data.shape[1]))
         enqueue.opaque()  # (a replay would reuse this call's memory)
