@@ -1,4 +1,4 @@
-"""Timing variants: the orders they take turns in, and the statistics of their rounds (CPU)."""
+"""Timing variants: their orders, their rounds (CUDA faked) and the statistics of their rounds (CPU)."""
 
 import collections
 import math
@@ -67,3 +67,48 @@ def test_rounds_are_timed_without_garbage_collections():
         assert not gc.isenabled()
     finally:
         gc.enable()
+
+
+def test_time_samples_times_every_variant_s_blocks_without_garbage_collections(monkeypatch):
+    """time_samples on the CPU (the CUDA pieces faked, one rank; each call advances a clock by its
+    variant's cost): every variant's rounds (whole cycles of the orders) give its ms per call; the
+    warm-up runs first with the collector as it was, the timed blocks without it, on rotated operand
+    indices, and the collector is back on after."""
+    import gc
+
+    clock, calls = [0.0], []
+
+    class Event:
+        def __init__(self, enable_timing):
+            self.at = None
+
+        def record(self):
+            self.at = clock[0]
+
+        def elapsed_time(self, end):
+            return end.at - self.at
+
+    def variant(name, ms):
+        def call(i):
+            calls.append((name, i, gc.isenabled()))
+            clock[0] += ms
+
+        return call
+
+    real_empty = torch.empty
+    monkeypatch.setattr(torch.cuda, "Event", Event)
+    monkeypatch.setattr(torch.cuda, "synchronize", lambda: None)
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
+    monkeypatch.setattr(torch.Tensor, "cuda", lambda self: self)
+    monkeypatch.setattr(torch, "empty", lambda *args, device=None, **kw: real_empty(*args, **kw))
+    monkeypatch.setattr(timing.comm, "agree", lambda *args: None)
+    monkeypatch.setattr(timing.comm, "all_gather_single", lambda out, table, group=None: out.copy_(table))
+    monkeypatch.setattr(timing.dist, "barrier", lambda group=None: None)
+    monkeypatch.setattr(timing.dist, "get_world_size", lambda group=None: 1)
+    samples = timing.time_samples({"a": variant("a", 2.0), "b": variant("b", 3.0)}, rounds=3, block=2, warmup=1)
+    assert samples == {"a": [[2.0] * 4], "b": [[3.0] * 4]}  # 3 rounds: two whole cycles of two orders
+    warm, timed = calls[:2], calls[2:]
+    assert warm == [("a", 0, True), ("b", 0, True)] and len(timed) == 16
+    assert not any(enabled for *_, enabled in timed) and gc.isenabled()
+    for name in "ab":
+        assert [i for n, i, _ in timed if n == name] == list(range(8))  # round r: calls 2r, 2r + 1
