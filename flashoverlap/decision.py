@@ -580,9 +580,11 @@ def trial(
             )
         return timed
 
-    modes = {}
+    modes, rounds = {}, {}
     for mode, sets in _operands(a, weight).items():
-        samples = timing.time_samples(variants(*sets), TRIAL_ROUNDS, TRIAL_BLOCK, 1, group=full, graphs=graphs)
+        samples = rounds[mode] = timing.time_samples(
+            variants(*sets), TRIAL_ROUNDS, TRIAL_BLOCK, 1, group=full, graphs=graphs
+        )
         modes[mode] = {name: (timing.slowest(ranks), timing.spread(ranks)) for name, ranks in samples.items()}
     pick = trial_pick(names, list(modes.values()))
     trials.keep(key, pick)
@@ -598,6 +600,11 @@ def trial(
             f" for M in [{1 << (m.bit_length() - 1)}, "
             f"{(1 << m.bit_length()) - 1}] (tune to do better: python -m flashoverlap.tune)"
         )
+        # at DEBUG, every rank's rounds behind those medians: what a trial that went wrong shows
+        for mode, samples in rounds.items() if log.isEnabledFor(logging.DEBUG) else ():
+            for name, ranks in samples.items():
+                each = "; ".join(" ".join(f"{t:.3f}" for t in rank) for rank in ranks)
+                log.debug(f"trial of {exes[0].collective} {m}x{preps[0].plan.n}, {mode}, {name}: {each} ms per call")
     return pick
 
 

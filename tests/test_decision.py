@@ -158,9 +158,10 @@ def untuned_all_reduce(monkeypatch, m: int, n: int) -> dict:
     return preps
 
 
-def test_a_timed_call_runs_the_fastest_candidate(one_rank_group, monkeypatch):
+def test_a_timed_call_runs_the_fastest_candidate(one_rank_group, monkeypatch, caplog):
     """A call without a tuned config times the defaults, the same with its SM budget late
-    (rules.alternative) and sequential once; the fastest runs, with its own plan and communicator."""
+    (rules.alternative) and sequential once; the fastest runs, with its own plan and communicator.
+    At DEBUG the trial's rounds are logged, variant by variant (rank by rank, round by round)."""
 
     m, n = 4096, 8192
     ran = []
@@ -169,10 +170,16 @@ def test_a_timed_call_runs_the_fastest_candidate(one_rank_group, monkeypatch):
     monkeypatch.setattr(runtime, "run_overlapped", lambda prep, a, w, ex, budget, **kw: ran.append((prep, budget)))
     times = {"sequential": 1.0, "overlapped, comm_sms 16": 0.95, "overlapped, comm_sms 16 late": 0.9}
     timings(monkeypatch, lambda variants, *args, **kwargs: {v: times[v] for v in variants})
-    for _ in range(2):
-        flashoverlap.gemm_all_reduce(bf16(m, 64), bf16(n, 64))
+    with caplog.at_level(logging.DEBUG, logger="flashoverlap"):
+        for _ in range(2):
+            flashoverlap.gemm_all_reduce(bf16(m, 64), bf16(n, 64))
     late = preps[True, "nccl"]
     assert ran == [(late, "budget 16")] * 2 and len(state.of(None).trials) == 1
+    rounds = [line for line in caplog.messages if line.startswith("trial of all_reduce 4096x8192, hot, ")]
+    assert sorted(rounds) == sorted(
+        f"trial of all_reduce 4096x8192, hot, {name}: {' '.join([f'{t:.3f}'] * 4)} ms per call"
+        for name, t in times.items()
+    )
     assert (late.plan.after, late.plan.partition) == (6, (6, 1, 1))
     chosen = decision.decide(bf16(m, 64), bf16(n, 64), "all_reduce")
     assert chosen.config.late_budget and chosen.prep is late
