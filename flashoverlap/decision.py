@@ -600,11 +600,12 @@ def trial(
             f" for M in [{1 << (m.bit_length() - 1)}, "
             f"{(1 << m.bit_length()) - 1}] (tune to do better: python -m flashoverlap.tune)"
         )
-        # at DEBUG, every rank's rounds behind those medians: what a trial that went wrong shows
-        for mode, samples in rounds.items() if log.isEnabledFor(logging.DEBUG) else ():
-            for name, ranks in samples.items():
-                each = "; ".join(" ".join(f"{t:.3f}" for t in rank) for rank in ranks)
-                log.debug(f"trial of {exes[0].collective} {m}x{preps[0].plan.n}, {mode}, {name}: {each} ms per call")
+        if log.isEnabledFor(logging.DEBUG):  # every rank's rounds behind those medians: what a trial gone wrong shows
+            for mode, samples in rounds.items():
+                for name, ranks in samples.items():
+                    each = "; ".join(" ".join(f"{t:.3f}" for t in rank) for rank in ranks)
+                    label = f"trial of {exes[0].collective} {m}x{preps[0].plan.n}, {mode}, {name}"
+                    log.debug(f"{label}: {each} ms per call")
     return pick
 
 
