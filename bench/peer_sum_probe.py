@@ -27,6 +27,11 @@ memory, mapped as comm/peer.py maps it). Variants, timed on every rank:
   gather:sm   the same by SM loads: fo_sum with one input per owner (alone only)
   sum:local   the copied reduce-scatter's sum alone: fo_sum of the w slices in local memory (its
               rate beside the GEMM per SM is tune_predict's add_bytes_per_ms_per_sm)
+  nccl-ag     NCCL all-gather of each rank's share into the whole buffer (an all-reduce's second half)
+  nccl-ar     NCCL all-reduce of the whole buffer (what an all-reduce in a window does per group)
+  split       the two halves of an all-reduce on different engines at once: the reduce-scatter's
+              copies (gather:ring's, into staging) on the copy engines while nccl-ag moves the other
+              half on the SMs the GEMM leaves (do the copies and NCCL's transfers slow each other?)
 
 each alone on an idle GPU and (all but gather:sm) beside the signal GEMM (--shape, bf16, on every
 SM but comm_sms), started with it on another stream. Every round is barrier-aligned over the ranks;
@@ -171,11 +176,26 @@ def size_cases(numel: int, gemms: dict, groups: dict, only: tuple[str, ...]) -> 
             staging[j].copy_(rows[q])
         fo_sum(result, [mine[sl], *staging])
 
+    lane = torch.cuda.Stream()
+    ring_staging = [(theirs[q][sl], staging[others.index(q)]) for q in comm.peer.ring(rank, world)]
+
+    def split(group=None) -> None:
+        lane.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(lane):
+            dist.all_gather_into_tensor(gathered, mine[sl], group=group)
+        for src, dst in ring_staging:
+            dst.copy_(src)
+        torch.cuda.current_stream().wait_stream(lane)
+
     ops = {
         "ce+sum": ce_sum,
         "peer-sum": lambda: fo_sum(result, rows),
         "nccl-rs": lambda group=None: dist.reduce_scatter_tensor(result, plain, group=group),
+        "nccl-ag": lambda group=None: dist.all_gather_into_tensor(gathered, mine[sl], group=group),
+        "nccl-ar": lambda group=None: dist.all_reduce(plain, group=group),
+        "split": split,
     }
+    grouped = ("nccl-rs", "nccl-ag", "nccl-ar", "split")  # (on the capped communicator beside the GEMM)
     keep: tuple = (handle,)
     torch_rs = getattr(torch.ops.symm_mem, "reduce_scatter_out", None)
     if torch_rs is not None:  # its own buffer, zeroed once checked (torch says the op may modify its input)
@@ -187,6 +207,8 @@ def size_cases(numel: int, gemms: dict, groups: dict, only: tuple[str, ...]) -> 
     dist.barrier()  # every rank's buffer written before any rank reads it
     summed = sum(rank_data(q, numel)[sl].float() for q in range(world))  # (every reduce-scatter's answer)
     for name, op in list(ops.items()):
+        if name in grouped[1:]:
+            continue  # (checked below: they write gathered / plain)
         try:
             check(name, op, [result], summed, 1e-2)
         except (RuntimeError, NotImplementedError) as exc:  # (torch's op missing its CUDA kernel: on every rank)
@@ -196,6 +218,10 @@ def size_cases(numel: int, gemms: dict, groups: dict, only: tuple[str, ...]) -> 
             del ops[name]
     if torch_rs is not None:
         rs_in.zero_()
+    every_share = torch.cat([rank_data(q, numel)[q * share : (q + 1) * share].float() for q in range(world)])
+    check("nccl-ag", ops["nccl-ag"], [gathered], every_share, 0.0)
+    copied = [rank_data(q, numel)[sl].float() for q in others]
+    check("split", ops["split"], [gathered, *staging], torch.cat([every_share, *copied]), 0.0)
     # pushes: each rank's own share into the others' symmetric buffers, where pulls would have read it
     pushed, push_handle, their_pushed = symmetric(numel)
     keep += (push_handle,)
@@ -223,7 +249,7 @@ def size_cases(numel: int, gemms: dict, groups: dict, only: tuple[str, ...]) -> 
         beside[c] = {"gemm alone": (None, gemm)}
         for name, op in every.items():
             if name != "gather:sm":
-                beside[c][name] = (functools.partial(op, groups[c]) if name == "nccl-rs" else op, gemm)
+                beside[c][name] = (functools.partial(op, groups[c]) if name in grouped else op, gemm)
     return alone, beside, keep
 
 
