@@ -602,10 +602,12 @@ def test_ranks_agree_once_per_call_whatever_plans_each_keeps():
 def test_a_trial_holds_for_every_m_of_its_power_of_two(one_rank_group, monkeypatch):
     from flashoverlap.plan import make_plan
 
-    trials, ran = [], []
+    trials, ran, warmups, blocks = [], [], [], []
 
     def time_variants(variants, rounds, block, warmup, group=None, graphs=False):
         trials.append((plans[-1].m, graphs))
+        warmups.append(warmup)
+        blocks.append((block, decision.trial_block(plans[-1].m, plans[-1].n, 64)))
         overlapped = math.nan if graphs else 0.5  # NaN: as if a rank could not capture the overlapped calls
         return {name: 1.0 if name == "sequential" else overlapped for name in variants}
 
@@ -632,6 +634,10 @@ def test_a_trial_holds_for_every_m_of_its_power_of_two(one_rank_group, monkeypat
         flashoverlap.gemm_all_reduce(bf16(m, 64), bf16(256, 64))
     flashoverlap.gemm_all_reduce(bf16(512, 128), bf16(256, 128))  # another K: its own trial
     assert trials == [(512, False), (1024, False), (512, False)] and len(ran) == 7
+    # every variant warmed up until its calls replay natively, as a model's repeated calls do: none of
+    # its timed calls is the one that records
+    assert min(warmups) > runtime.RECORDED_CALLS
+    assert all(block == want for block, want in blocks)
     # calls replayed as CUDA graphs are timed so, apart from the eager answer; one no rank could
     # capture is not picked
     monkeypatch.setenv("FLASHOVERLAP_TIMING", "graphs")
@@ -697,6 +703,16 @@ def times(seq: tuple[float, float], **candidates: tuple[float, float]) -> dict:
 )
 def test_a_trial_takes_the_plain_path_unless_overlap_wins_by_more_than_margin_and_noise_in_every_mode(modes, pick):
     assert decision.trial_pick([name for name in modes[0] if name != "sequential"], modes) == pick
+
+
+def test_a_trial_times_short_calls_in_longer_rounds():
+    """Rounds of a few 0.1 ms calls time the host-bound plain call slow against an overlapped one
+    (the GPU idles at a round's start): short GEMMs get more calls per round, long ones the fewest."""
+    low, high = decision.TRIAL_BLOCKS
+    assert decision.trial_block(8, 8192, 2048) == decision.trial_block(1024, 8192, 2048) == high
+    assert decision.trial_block(8192, 8192, 8192) == decision.trial_block(16384, 8192, 14336) == low
+    sizes = [decision.trial_block(m, 8192, 7168) for m in (256, 1024, 2048, 4096, 8192)]
+    assert sizes == sorted(sizes, reverse=True) and low < sizes[2] < high
 
 
 def test_a_trial_times_operands_that_fit_in_l2_hot_and_rotated_too(monkeypatch):
