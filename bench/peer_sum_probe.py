@@ -28,7 +28,8 @@ memory, mapped as comm/peer.py maps it). Variants, timed on every rank:
   sum:local   the copied reduce-scatter's sum alone: fo_sum of the w slices in local memory (its
               rate beside the GEMM per SM is tune_predict's add_bytes_per_ms_per_sm)
   nccl-ag     NCCL all-gather of each rank's share into the whole buffer (an all-reduce's second half)
-  nccl-ar     NCCL all-reduce of the whole buffer (what an all-reduce in a window does per group)
+  nccl-ar     NCCL all-reduce of the whole buffer, in place in a copy of it (what an all-reduce in a
+              window does per group)
   split       the two halves of an all-reduce on different engines at once: the reduce-scatter's
               copies (gather:ring's, into staging) on the copy engines while nccl-ag moves the other
               half on the SMs the GEMM leaves (do the copies and NCCL's transfers slow each other?)
@@ -36,7 +37,8 @@ memory, mapped as comm/peer.py maps it). Variants, timed on every rank:
 each alone on an idle GPU and (all but gather:sm) beside the signal GEMM (--shape, bf16, on every
 SM but comm_sms), started with it on another stream. Every round is barrier-aligned over the ranks;
 medians over rounds, the slowest rank's median. Printed: ms (beside: when the op ends, from the
-GEMM's start, and the GEMM's own time against its time alone) and GB/s ((w-1)/w S read per rank).
+GEMM's start, and the GEMM's own time against its time alone) and GB/s ((w-1)/w S per rank, whatever
+the variant moves: nccl-ar and split move twice that).
 Each variant is checked once before timing (relative error against a float32 sum).
 
     NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 torchrun --nproc-per-node 4 bench/peer_sum_probe.py \\
@@ -168,6 +170,7 @@ def size_cases(numel: int, gemms: dict, groups: dict, only: tuple[str, ...]) -> 
     rows = [mine[sl] if q == rank else theirs[q][sl] for q in range(world)]
     staging = torch.empty(world - 1, share, dtype=DTYPE, device="cuda")
     result, gathered, plain = torch.empty(share, dtype=DTYPE, device="cuda"), torch.empty_like(mine), mine.clone()
+    reduced = mine.clone()  # (nccl-ar's, summed in place call after call: its values only grow)
     owned = [(theirs[q][q * share : (q + 1) * share], gathered[q * share : (q + 1) * share]) for q in others]
     ring = [owned[others.index(q)] for q in comm.peer.ring(rank, world)]  # (the pulls' order)
 
@@ -192,10 +195,11 @@ def size_cases(numel: int, gemms: dict, groups: dict, only: tuple[str, ...]) -> 
         "peer-sum": lambda: fo_sum(result, rows),
         "nccl-rs": lambda group=None: dist.reduce_scatter_tensor(result, plain, group=group),
         "nccl-ag": lambda group=None: dist.all_gather_into_tensor(gathered, mine[sl], group=group),
-        "nccl-ar": lambda group=None: dist.all_reduce(plain, group=group),
+        "nccl-ar": lambda group=None: dist.all_reduce(reduced, group=group),
         "split": split,
     }
     grouped = ("nccl-rs", "nccl-ag", "nccl-ar", "split")  # (on the capped communicator beside the GEMM)
+    into_buffers = ("nccl-ag", "nccl-ar", "split")  # (checked below: they write whole buffers)
     keep: tuple = (handle,)
     torch_rs = getattr(torch.ops.symm_mem, "reduce_scatter_out", None)
     if torch_rs is not None:  # its own buffer, zeroed once checked (torch says the op may modify its input)
@@ -207,8 +211,8 @@ def size_cases(numel: int, gemms: dict, groups: dict, only: tuple[str, ...]) -> 
     dist.barrier()  # every rank's buffer written before any rank reads it
     summed = sum(rank_data(q, numel)[sl].float() for q in range(world))  # (every reduce-scatter's answer)
     for name, op in list(ops.items()):
-        if name in grouped[1:]:
-            continue  # (checked below: they write gathered / plain)
+        if name in into_buffers:
+            continue
         try:
             check(name, op, [result], summed, 1e-2)
         except (RuntimeError, NotImplementedError) as exc:  # (torch's op missing its CUDA kernel: on every rank)
@@ -222,6 +226,8 @@ def size_cases(numel: int, gemms: dict, groups: dict, only: tuple[str, ...]) -> 
     check("nccl-ag", ops["nccl-ag"], [gathered], every_share, 0.0)
     copied = [rank_data(q, numel)[sl].float() for q in others]
     check("split", ops["split"], [gathered, *staging], torch.cat([every_share, *copied]), 0.0)
+    total = sum(rank_data(q, numel).float() for q in range(world))
+    check("nccl-ar", lambda: (reduced.copy_(mine), ops["nccl-ar"]()), [reduced], total, 1e-2)
     # pushes: each rank's own share into the others' symmetric buffers, where pulls would have read it
     pushed, push_handle, their_pushed = symmetric(numel)
     keep += (push_handle,)

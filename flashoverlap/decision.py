@@ -506,12 +506,10 @@ def _say(ex: Exchange, shape: tuple[int, int, int], dtype: torch.dtype, group, p
 
 
 TRIAL_MARGIN = 0.02  # overlap must beat sequential by this fraction (as the tuner's --margin)
-TRIAL_ROUNDS = 3  # rounds (rounded up to whole cycles of orders)
-TRIAL_BLOCKS = (4, 16)  # the fewest and most calls per round (trial_block)
-TRIAL_BLOCK_FLOP = 2**41  # the GEMM work a round should hold where that takes no more calls than the most
-# calls of each variant before its timed rounds: past an overlapped call's set-up and recorded calls
-# (runtime.RECORDED_CALLS) to its first replay. With one, the first timed round held the recording, and
-# the overlapped variants measured several times their later rounds there.
+TRIAL_ROUNDS = 3  # rounds (rounded up to whole cycles of orders), each of timing.round_calls calls
+# calls of each variant before its timed rounds: an overlapped call's set-up and recorded calls
+# (runtime.RECORDED_CALLS), which take more host time than the replays that follow, then one replay,
+# so that no timed round starts with a kind's first native run
 TRIAL_WARMUP = runtime.RECORDED_CALLS + 1
 
 
@@ -587,7 +585,7 @@ def trial(
         return timed
 
     modes, rounds = {}, {}
-    block = trial_block(m, preps[0].plan.n, a.shape[1])
+    block = timing.round_calls(m, preps[0].plan.n, a.shape[1])
     for mode, sets in _operands(a, weight).items():
         samples = rounds[mode] = timing.time_samples(
             variants(*sets), TRIAL_ROUNDS, block, TRIAL_WARMUP, group=full, graphs=graphs
@@ -614,19 +612,6 @@ def trial(
                     label = f"trial of {exes[0].collective} {m}x{preps[0].plan.n}, {mode}, {name}"
                     log.debug(f"{label}: {each} ms per call")
     return pick
-
-
-def trial_block(m: int, n: int, k: int) -> int:
-    """Calls per timed round of a trial of an M x N x K call: enough that a round holds
-    :data:`TRIAL_BLOCK_FLOP` of GEMM work, within :data:`TRIAL_BLOCKS`. A round is timed between two
-    events on the GPU, which is idle at its start where the host sets the pace (short calls): the
-    round then also holds the last call's time on the GPU after the host enqueued it, about one call
-    more for a host-bound variant (the plain call) and less for one whose GPU work runs behind the
-    host (an overlapped call). In rounds of four calls of a 0.1 ms reduce-scatter the trial timed the
-    plain call 1.6-1.7x the bench's rounds of 16 and sent it to a pull the bench then measured
-    slower; long calls keep short rounds (the trial costs a few of them)."""
-    low, high = TRIAL_BLOCKS
-    return min(high, max(low, -(-TRIAL_BLOCK_FLOP // max(2 * m * n * k, 1))))
 
 
 def _operands(a: torch.Tensor, weight: torch.Tensor) -> dict[str, tuple[list[torch.Tensor], list[torch.Tensor]]]:

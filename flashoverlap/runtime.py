@@ -24,10 +24,10 @@ from .inputs import Fp8, Scales, epilogue, world_size
 from .prepared import Prepared
 from .streams import join, lanes, side_stream
 
-# Calls of a kind (:func:`replay_key`) an overlapped call of a plan makes before it replays natively:
-# the first sets up what the calls share (events, windows, communicators), the second records its
-# steps on a tape (host time beyond a replay's), the rest replay it. A timing of calls as a model
-# makes them warms each variant up past these.
+# Calls of a kind (:func:`replay_key`) a plan runs from Python before it replays them natively: the
+# first sets up what the calls share (events, windows, communicators), the second records its steps on
+# a tape (host time beyond a replay's), the later ones replay it. Timings meant to show a model's
+# repeated calls warm each variant up past these.
 RECORDED_CALLS = 2
 
 

@@ -26,6 +26,22 @@ from .inputs import FP8_DTYPES, Scales, epilogue
 log = logging.getLogger(__name__)
 
 
+ROUND_FLOP = 2**41  # GEMM work a timed round aims for (round_calls)
+ROUND_CALLS = (4, 16)  # the fewest and most calls per round round_calls gives by default
+
+
+def round_calls(m: int, n: int, k: int, fewest: int = ROUND_CALLS[0], most: int = ROUND_CALLS[1]) -> int:
+    """Calls per timed round of an M x N x K call: enough that a round holds :data:`ROUND_FLOP` of
+    GEMM work, within [``fewest``, ``most``] (FP8 GEMMs, about twice as fast, get the rounds of a
+    16-bit GEMM of their size). A round is timed between two events on the GPU, which is idle at its
+    start where the host sets the pace (short calls): the round then also holds the last call's GPU
+    time after the host enqueued it, about one call more of a host-bound variant (a plain call) and
+    less of one whose GPU work runs behind the host (an overlapped call). In few calls per round that
+    weighs against the plain call; long calls keep short rounds (a first-use trial costs a few of
+    them). docs/experiments.md, "Calls not tuned for their shape"."""
+    return min(most, max(fewest, -(-ROUND_FLOP // max(2 * m * n * k, 1))))
+
+
 def median_ms(samples: Sequence[float]) -> float:
     return statistics.median(samples)
 

@@ -26,7 +26,7 @@ from .prepared import prepare
 from .registry import entry, incumbent, read_entries, write_registry
 from .rules import COLLECTIVES, for_call, resolutions, takes_every_call
 from .runtime import plain
-from .timing import kernel_alone, operand_sets, time_variants
+from .timing import kernel_alone, operand_sets, round_calls, time_variants
 from .tune_measure import comm_model, host_model, local_model, pull_model, tail_model
 from .tune_model import CommModel, HostModel, Problem, choose, partitions, pick_finalists, wave_bytes, with_local_adds
 
@@ -307,7 +307,7 @@ def _confirm(shape, collective, candidates, finalists, current, a, w, ex, rounds
         variants["current"] = _call(overlapped, a, w, current, fp8)
     what = "best predicted overall and of each kind, defaults" + (", the registry's" if current is not None else "")
     _progress(f"{m}x{n}x{k}: measuring {len(finalists)} finalists ({what}) against sequential")
-    measured = time_variants(variants, 2 * rounds, 8, 3, graphs=graphs)
+    measured = time_variants(variants, 2 * rounds, round_calls(m, n, k, fewest=8), 3, graphs=graphs)
     rows = [
         {
             "shape": f"{m}x{n}x{k}",

@@ -112,3 +112,14 @@ def test_time_samples_times_every_variant_s_blocks_without_garbage_collections(m
     assert not any(enabled for *_, enabled in timed) and gc.isenabled()
     for name in "ab":
         assert [i for n, i, _ in timed if n == name] == list(range(8))  # round r: calls 2r, 2r + 1
+
+
+def test_short_calls_are_timed_in_longer_rounds():
+    """Rounds of a few 0.1 ms calls time a host-bound plain call slow against an overlapped one (the
+    GPU idles at a round's start): short GEMMs get more calls per round, long ones the fewest."""
+    low, high = timing.ROUND_CALLS
+    assert timing.round_calls(8, 8192, 2048) == timing.round_calls(1024, 8192, 2048) == high
+    assert timing.round_calls(8192, 8192, 8192) == timing.round_calls(16384, 8192, 14336) == low
+    sizes = [timing.round_calls(m, 8192, 7168) for m in (256, 1024, 2048, 4096, 8192)]
+    assert sizes == sorted(sizes, reverse=True) and low < sizes[2] < high
+    assert timing.round_calls(8192, 8192, 8192, fewest=8) == 8 and timing.round_calls(8, 8, 8, most=12) == 12
