@@ -387,10 +387,11 @@ def _brute_force(shape, collective, candidates, preps, max_groups, a, w, rounds,
         for p in partitions(prep.plan.num_waves, max_groups)
     ]
     best = (1.0, json.dumps({"sequential": True}))
+    seq = _sequential(a, w, ex, fp8)  # (one plain runner for every batch, as a call decided plain keeps one)
     for start in range(0, len(tried), BRUTE_BATCH):
         batch = tried[start : start + BRUTE_BATCH]
         _progress(f"{m}x{n}x{k}: brute force {start + len(batch)}/{len(tried)}")
-        variants = {"seq": _sequential(a, w, ex, fp8)}
+        variants = {"seq": seq}
         for b, cfg in enumerate(batch):
             variants[f"b{b}"] = _call(overlapped, a, w, cfg, fp8)
         times = time_variants(variants, rounds, 4, 2, graphs=graphs)
