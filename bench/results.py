@@ -3,6 +3,7 @@ H200s, ...), one row per variant, shape and run, and the plots and tables drawn 
 
     python bench/results.py                      # redraw bench/results/plots/*.png from the CSVs
     python bench/results.py table [--shapes]     # the current runs as markdown (a row per setup, or per shape)
+    python bench/results.py plain RUN [RUN ...]  # the plain path's cost in those runs (fallback, noise floor)
     python bench/results.py append run.csv [--note TEXT] [--run NAME]
         # add a ``python -m flashoverlap.bench --csv run.csv`` output to its machine's CSV, with
         # today's date and this checkout's commit
@@ -13,14 +14,15 @@ as with ``NCCL_P2P_DISABLE=1``), ``collective``, ``dtype``, ``shape`` (MxNxK); `
 :data:`VARIANTS`; ``ms`` per call; ``speedup`` (the same run's ``sequential`` ms over ``ms``);
 ``efficiency`` (``(sequential - ms) / min(gemm, collective)``: the share of the hideable time
 hidden); ``mode`` (``eager``, ``graphs``: each block of calls one CUDA-graph replay, ``tune`` /
-``tune-graphs``: the tuner's finalists); ``config`` (flashoverlap's config as the bench labels it, ``registry:{...}``
+``tune-graphs``: the tuner's finalists); ``inputs`` (``rotated``: operands rotated through sets larger
+than L2, ``hot``: the same every call); ``config`` (flashoverlap's config as the bench labels it, ``registry:{...}``
 for what a call without ``config=`` ran; ``chunks=N`` for the decomposition); ``run`` (rows of
 one invocation share it); ``note`` (empty where the commit's code and configs ran with their
 defaults, else what differed).
 
 The *current* runs of a setup (machine, world, transport, collective, mode, operand dtype) are
-those of the latest commit that measured the registry's picks (a call without ``config=``) with an
-empty note (an FP8 run with other than per-tensor scales and promoted sums says so in its note).
+those of the latest commit that measured the registry's picks (a call without ``config=``) on
+rotated inputs with an empty note (an FP8 run with other than per-tensor scales and promoted sums says so in its note).
 """
 
 from __future__ import annotations
@@ -52,6 +54,7 @@ FIELDS = [
     "speedup",
     "efficiency",
     "mode",
+    "inputs",
     "config",
     "run",
     "note",
@@ -64,6 +67,8 @@ VARIANTS = {
     "decomposition": "the GEMM in column chunks, each chunk's collective on a second stream (best chunk count)",
     "async-tp": "torch's fused_(scaled_)matmul_reduce_scatter (symmetric memory; reduce-scatter over NVLink)",
     "flashoverlap": "the flashoverlap call",
+    "fallback": "the flashoverlap call forced onto the plain path (config sequential)",
+    "sequential-again": "sequential timed again as a variant of its own: the run's noise floor",
     "signal-gemm": "flashoverlap's GEMM alone, with the config's SM budget",
     "model": "the tuner's predicted time of a finalist",
     "brute-force": "the best partition the tuner's brute force measured",
@@ -115,6 +120,7 @@ def tidy(bench_rows: Iterable[dict], date: str, commit: str, run: str, note: str
             "dtype": row.get("dtype") or "bfloat16",
             "shape": shape,
             "mode": row.get("timing") or "eager",
+            "inputs": row.get("inputs") or "rotated",
             "run": run,
             "note": note,
         }
@@ -128,14 +134,16 @@ def tidy(bench_rows: Iterable[dict], date: str, commit: str, run: str, note: str
             ("decomposition", f"chunks={chunks}" if chunks else "", decomp),
             ("async-tp", "", _num(row.get("t_asynctp_ms"))),
             ("flashoverlap", config, _num(row.get("t_fo_ms"))),
+            ("fallback", "", _num(row.get("t_fallback_ms"))),
+            ("sequential-again", "", _num(row.get("t_seq_again_ms"))),
             ("signal-gemm", re.sub(r" nccl=\w+", "", config), _num(row.get("t_kernel_ms"))),  # whatever the NCCL path
         ]
         for variant, label, ms in entries:
-            key = (shape, variant, label if variant in ("flashoverlap", "signal-gemm") else "")
+            key = (shape, base["inputs"], variant, label if variant in ("flashoverlap", "signal-gemm") else "")
             if math.isnan(ms) or (key in seen and variant != "flashoverlap"):
                 continue
             seen.add(key)
-            hides = variant in ("sequential", "decomposition", "async-tp", "flashoverlap")
+            hides = variant not in ("gemm", "collective", "signal-gemm")
             out.append(
                 dict(
                     base,
@@ -191,7 +199,8 @@ def _what(key: tuple) -> str:
 
 def current(rows: Sequence[dict]) -> dict[tuple, list[dict]]:
     """Per setup (:func:`setup`), the rows of its current runs: the runs of the latest commit (in
-    file order) that measured the registry's picks with an empty note."""
+    file order) that measured the registry's picks on rotated inputs with an empty note."""
+    rows = [row for row in rows if row["inputs"] == "rotated"]
     latest: dict[tuple, str] = {}
     for row in rows:
         if row["variant"] == "flashoverlap" and row["config"].startswith("registry") and not row["note"]:
@@ -301,6 +310,43 @@ def table(rows: Sequence[dict], shapes: bool = False) -> str:
     return "\n".join(lines).strip()
 
 
+PLAIN = ("flashoverlap", "fallback", "sequential-again")  # the plain path's table: its columns
+
+
+def plain(rows: Sequence[dict], runs: Sequence[str]) -> str:
+    """The plain path's cost in ``runs`` as markdown: per run, mode and inputs, the mean (worst) over
+    the shapes of the speedup over ``sequential`` of the registry's call, the forced fallback and
+    ``sequential`` timed again (the run's noise floor), and how many shapes the registry overlapped
+    (their worst)."""
+    lines = [
+        "| run | GPUs | collective | mode | inputs | registry | fallback | seq again | overlapped: worst |",
+        "| --- | --- | --- | --- | --- | --- | --- | --- | --- |",
+    ]
+    for run in runs:
+        mine = [r for r in rows if r["run"] == run]
+        if not mine:
+            raise ValueError(f"no rows of run {run!r}")
+        cases = {(machine(r["gpu"], r["world"]), r["collective"], r["mode"], r["inputs"]) for r in mine}
+        for case in sorted(cases, key=lambda c: (c[:3], c[3] != "rotated")):
+            these = [
+                r for r in mine if (machine(r["gpu"], r["world"]), r["collective"], r["mode"], r["inputs"]) == case
+            ]
+            what = f"{these[0]['world']}x {_short_gpu(these[0]['gpu'])} | {case[1].replace('_', '-')}"
+            mode, inputs = case[2:]
+            registry = [r for r in these if r["variant"] == "flashoverlap" and r["config"].startswith("registry")]
+            cells = []
+            for picked in (registry, *([r for r in these if r["variant"] == v] for v in PLAIN[1:])):
+                values = [_num(r["speedup"]) for r in picked]
+                cells.append(f"{_mean(values):.3f} ({min(values):.3f})" if values else "-")
+            overlapped = [_num(r["speedup"]) for r in registry if '"sequential": true' not in r["config"]]
+            worst = f"{min(overlapped):.3f}" if overlapped else "-"
+            shapes = len({r["shape"] for r in these})
+            lines.append(
+                f"| {run} | {what} | {mode} | {inputs} | {' | '.join(cells)} | {len(overlapped)} of {shapes}: {worst} |"
+            )
+    return "\n".join(lines)
+
+
 def _bars(ax, cases: dict[str, dict[str, float]], title: str) -> None:
     methods = [m for m in COLORS if any(not math.isnan(c.get(m, math.nan)) for c in cases.values())]
     width = 0.8 / max(1, len(methods))
@@ -369,6 +415,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     sub.add_parser("plot", help="redraw the plots (the default)")
     show = sub.add_parser("table", help="print the current runs as markdown")
     show.add_argument("--shapes", action="store_true", help="a table per setup with a row per shape")
+    cost = sub.add_parser("plain", help="print the plain path's cost in the named runs as markdown")
+    cost.add_argument("runs", nargs="+", help="the runs' names (the CSVs' run column)")
     more = sub.add_parser("append", help="append bench CSVs to their machines' CSVs")
     more.add_argument("csv", nargs="+", type=Path, help="outputs of python -m flashoverlap.bench --csv")
     more.add_argument("--date", default=datetime.date.today().isoformat())
@@ -386,6 +434,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     rows = load(args.results)
     if args.command == "table":
         print(table(rows, args.shapes))
+        return 0
+    if args.command == "plain":
+        print(plain(rows, args.runs))
         return 0
     for path in plot(rows, args.results / "plots"):
         print(path)

@@ -81,6 +81,42 @@ def test_bench_rows_become_one_row_per_variant():
     assert {r["mode"] for r in out} == {"eager"} and {r["shape"] for r in out} == {"4096x8192x8192"}
 
 
+def test_the_plain_paths_variants_and_inputs_are_kept():
+    """The forced fallback and seq timed again become variants of their own, hot inputs' rows keep
+    their baselines beside the rotated ones', and the plain path's table reads them per inputs."""
+    plain_path = dict(t_fallback_ms=1.02, t_seq_again_ms=0.98)
+    rows = [
+        bench_row(8, 'registry:{"sequential": true}', 1.0, t_seq=1.0, inputs="rotated", **plain_path),
+        bench_row(8, 'registry:{"sequential": true}', 0.9, t_seq=0.9, inputs="hot", **plain_path),
+        bench_row(2048, 'registry:{"comm_sms": 4}', 0.8, inputs="rotated", **plain_path),
+    ]
+    out = results.tidy(rows, "2026-01-02", "abc1234", "small")
+    hot = [r for r in out if r["inputs"] == "hot"]
+    assert [r["variant"] for r in hot] == [
+        "gemm",
+        "collective",
+        "sequential",
+        "decomposition",
+        "flashoverlap",
+        "fallback",
+        "sequential-again",
+        "signal-gemm",
+    ]
+    fallback = next(r for r in hot if r["variant"] == "fallback")
+    assert fallback["ms"] == "1.0200" and fallback["speedup"] == "0.8824"  # against the hot seq's 0.9
+    assert all(
+        r["inputs"] == "rotated" for r in results.current(out)[("h200x2", "nvlink", "all_reduce", "eager", "bfloat16")]
+    )
+    text = results.plain(out, ["small"]).splitlines()
+    assert text[2] == (
+        "| small | 2x H200 | all-reduce | eager | rotated | 1.125 (1.000) | 0.980 (0.980) | 1.020 (1.020) "
+        "| 1 of 2: 1.250 |"
+    )
+    assert text[3].startswith("| small | 2x H200 | all-reduce | eager | hot | 1.000 (1.000) | 0.882 (0.882) |")
+    with pytest.raises(ValueError, match="no rows of run"):
+        results.plain(out, ["elsewhere"])
+
+
 def write_bench(path: Path, rows: list[dict]) -> Path:
     report.write_csv(str(path), rows)
     return path
@@ -145,6 +181,7 @@ def test_committed_results_are_tidy():
             assert reader.fieldnames == results.FIELDS, path
             for row in reader:
                 assert row["variant"] in results.VARIANTS and float(row["ms"]) > 0, (path, row)
+                assert row["inputs"] in ("rotated", "hot"), (path, row)
                 assert results.machine(row["gpu"], row["world"]) == path.stem, (path, row)
     now = results.current(results.load(store))
     assert ("h200x2", "nvlink", "all_reduce", "eager", "bfloat16") in now
