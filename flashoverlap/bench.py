@@ -52,7 +52,7 @@ from .prepared import prepare
 from .registry import DTYPES as DTYPE_NAMES
 from .rules import for_call
 from .runtime import plain
-from .timing import kernel_alone, operand_sets, slowest, time_samples
+from .timing import kernel_alone, operand_sets, round_calls, slowest, time_samples
 
 log = logging.getLogger("flashoverlap.bench")  # not __name__: "__main__" under python -m
 INPUTS = {"rotated": ("rotated",), "hot": ("hot",), "both": ("rotated", "hot")}  # --inputs: the modes timed
@@ -109,7 +109,12 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--rowwise", action="store_true", help="FP8: rowwise scales ([M, 1] and [1, N])")
     parser.add_argument("--transport", choices=sorted(TRANSPORTS), default="nvlink")
     parser.add_argument("--rounds", type=int, default=15, help="timed rounds per variant")
-    parser.add_argument("--block", type=int, default=8, help="calls per timed round")
+    parser.add_argument(
+        "--block",
+        type=int,
+        help="calls per timed round (default: per shape, 8 for long GEMMs up to 64 for short host-bound calls: "
+        "timing.round_calls)",
+    )
     parser.add_argument("--warmup", type=int, default=5)
     parser.add_argument(
         "--inputs",
@@ -244,6 +249,11 @@ def async_tp(
 
 
 FALLBACK = {"sequential": True}  # the config of the forced-fallback variant
+# Calls per timed round by default (timing.round_calls): short calls are host-bound, and the host's
+# jitter over a round of a few of them spread identical variants by up to 10-20 %; rounds of 64 such
+# calls (a few ms) average it, and long GEMMs keep rounds of 8 (docs/experiments.md, "The plain path's
+# cost").
+BLOCK = (8, 64)
 
 
 class Fp8Arguments(NamedTuple):
@@ -333,7 +343,8 @@ def bench_shape(shape: tuple[int, int, int], args: argparse.Namespace, inputs: s
         if not cfg.sequential and cfg not in kernels:
             kernels[cfg] = f"kernel{len(kernels)}"
             variants[kernels[cfg]] = kernel_alone(planned(cfg), a, w, scales)
-    samples = time_samples(variants, args.rounds, args.block, args.warmup, graphs=args.graphs)
+    block = args.block or round_calls(m, n, k, *BLOCK)
+    samples = time_samples(variants, args.rounds, block, args.warmup, graphs=args.graphs)
     times = {name: slowest(ranks) for name, ranks in samples.items()}
 
     rows = []
@@ -363,6 +374,7 @@ def bench_shape(shape: tuple[int, int, int], args: argparse.Namespace, inputs: s
                 "t_comm_ms": t_comm,
                 "t_seq_ms": t_seq,
                 "t_fallback_ms": times["fallback"],
+                "t_seq_again_ms": times["seq_again"],
                 "t_fo_ms": t_fo,
                 "t_kernel_ms": times.get(kernels.get(cfg, ""), float("nan")),
                 "t_decomp_ms": t_decomp,
@@ -378,6 +390,7 @@ def bench_shape(shape: tuple[int, int, int], args: argparse.Namespace, inputs: s
                 "efficiency": overlap_efficiency(t_seq, t_fo, t_gemm, t_comm),
                 "kernel_vs_cublas": t_gemm / times.get(kernels.get(cfg, ""), float("nan")),
                 "rel_err": errors[j, path],
+                "block": block,
             }
         )
     labels = {f"fo{j}{path}": row["config"] for (j, path), row in zip(runs, rows)}
@@ -536,7 +549,8 @@ def main(argv: Sequence[str] | None = None) -> int:
             name = torch.cuda.get_device_name()
             print(
                 f"\n{name} x{dist.get_world_size()}, {args.collective}, transport={args.transport}, {args.dtype}, "
-                f"ms per call, median of {args.rounds}+ rounds (whole cycles of balanced orders) of {args.block} calls"
+                f"ms per call, median of {args.rounds}+ rounds (whole cycles of balanced orders) of "
+                + (f"{args.block} calls" if args.block else "8-64 calls (by the shape's GEMM work)")
                 + (", each block one CUDA graph replay (GPU time only)" if args.graphs else "")
             )
             timing = "graphs" if args.graphs else "eager"
