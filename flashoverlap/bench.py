@@ -19,7 +19,9 @@ CSVs without GPUs, each file's runs apart:
 
 Variants take turns round by round (so drift hits all alike), after warm-up, timed with CUDA
 events over blocks of back-to-back calls (the host running ahead, as in a model); the reported
-time per call is the median over rounds, the largest over ranks. Inputs (``--inputs``): random
+time per call is the median over rounds, the largest over ranks, and a speedup over ``seq`` is
+paired: the median over rounds of ``seq``'s time over the variant's in the same turn (the least
+over ranks; timing.paired_speedup), which the host's drift between turns does not move. Inputs (``--inputs``): random
 operands ``rotated`` through sets larger than L2 (every call reads them from memory), or ``hot``:
 the same operands every call, as a layer's activations and weights can sit in L2, or ``both``.
 ``--graphs`` captures each variant's block once as a CUDA graph and times its replays instead:
@@ -52,7 +54,7 @@ from .prepared import prepare
 from .registry import DTYPES as DTYPE_NAMES
 from .rules import for_call
 from .runtime import plain
-from .timing import kernel_alone, operand_sets, round_calls, slowest, time_samples
+from .timing import kernel_alone, operand_sets, paired_speedup, round_calls, slowest, time_samples
 
 log = logging.getLogger("flashoverlap.bench")  # not __name__: "__main__" under python -m
 INPUTS = {"rotated": ("rotated",), "hot": ("hot",), "both": ("rotated", "hot")}  # --inputs: the modes timed
@@ -249,10 +251,10 @@ def async_tp(
 
 
 FALLBACK = {"sequential": True}  # the config of the forced-fallback variant
-# Calls per timed round by default (timing.round_calls): short calls are host-bound, and the host's
-# jitter over a round of a few of them spread identical variants by up to 10-20 %; rounds of 64 such
-# calls (a few ms) average it, and long GEMMs keep rounds of 8 (docs/experiments.md, "The plain path's
-# cost").
+# Calls per timed round by default (timing.round_calls): short calls are host-bound, and a round of
+# a few of them (well under a millisecond) holds a few calls' host jitter; rounds of up to 64 (a few
+# ms) hold more of them, long GEMMs keep rounds of 8. (Slower drift of the host's speed, over seconds,
+# is what the paired speedups take out: docs/experiments.md, "The plain path's cost".)
 BLOCK = (8, 64)
 
 
@@ -347,13 +349,17 @@ def bench_shape(shape: tuple[int, int, int], args: argparse.Namespace, inputs: s
     samples = time_samples(variants, args.rounds, block, args.warmup, graphs=args.graphs)
     times = {name: slowest(ranks) for name, ranks in samples.items()}
 
+    def faster(name: str) -> float:  # how much faster than seq, round by round (NaN where not timed)
+        return paired_speedup(samples["seq"], samples[name]) if name in samples else float("nan")
+
     rows = []
     t_gemm, t_comm, t_seq = times["gemm"], times["comm"], times["seq"]
     best_chunks = min(chunks, key=lambda ch: times[f"decomp{ch}"])
     t_decomp = times[f"decomp{best_chunks}"]
     t_async = times.get("asynctp", float("nan"))
+    ideal = t_seq / max(t_gemm, t_comm)
     for j, path in runs:
-        cfg, t_fo = picked[j, path], times[f"fo{j}{path}"]
+        cfg, t_fo, speedup = picked[j, path], times[f"fo{j}{path}"], faster(f"fo{j}{path}")
         plan = None if cfg.sequential else planned(cfg).plan
         rows.append(
             {
@@ -380,14 +386,14 @@ def bench_shape(shape: tuple[int, int, int], args: argparse.Namespace, inputs: s
                 "t_decomp_ms": t_decomp,
                 "decomp_chunks": best_chunks,
                 "t_asynctp_ms": t_async,
-                "speedup": t_seq / t_fo,
-                "fallback_speedup": t_seq / times["fallback"],
-                "noise_speedup": t_seq / times["seq_again"],
-                "decomp_speedup": t_seq / t_decomp,
-                "asynctp_speedup": t_seq / t_async,
-                "ideal_speedup": t_seq / max(t_gemm, t_comm),
-                "of_ideal": max(t_gemm, t_comm) / t_fo,
-                "efficiency": overlap_efficiency(t_seq, t_fo, t_gemm, t_comm),
+                "speedup": speedup,
+                "fallback_speedup": faster("fallback"),
+                "noise_speedup": faster("seq_again"),
+                "decomp_speedup": faster(f"decomp{best_chunks}"),
+                "asynctp_speedup": faster("asynctp"),
+                "ideal_speedup": ideal,
+                "of_ideal": speedup / ideal,
+                "efficiency": overlap_efficiency(t_seq, t_seq / speedup, t_gemm, t_comm),
                 "kernel_vs_cublas": t_gemm / times.get(kernels.get(cfg, ""), float("nan")),
                 "rel_err": errors[j, path],
                 "block": block,

@@ -188,6 +188,22 @@ def slowest(ranks: Sequence[Sequence[float]]) -> float:
     return math.nan if any(math.isnan(t) for t in medians) else max(medians)
 
 
+def paired_speedup(base: Sequence[Sequence[float]], other: Sequence[Sequence[float]]) -> float:
+    """How much faster than ``base`` a variant ``other`` ran (:func:`time_samples`' rounds of the
+    two): on each rank the median over rounds of base's time over other's in the same round (one
+    turn of every variant), the least over the ranks (NaN where any rank's is). A host-bound call's
+    host speed drifts between levels over seconds (the same launches took 12 and 20 us per call on
+    one GPU host, in runs of rounds), so two medians taken apart carry the drift's luck: identical
+    variants measured up to 15 % apart on 0.05-0.1 ms calls. In one turn both run at the same level,
+    and the ratio's median lies within about 3 % (docs/experiments.md, "The plain path's cost")."""
+
+    def median_ratio(b: Sequence[float], o: Sequence[float]) -> float:
+        return median_ms([x / y for x, y in zip(b, o)])
+
+    ratios = [median_ratio(b, o) for b, o in zip(base, other)]
+    return math.nan if any(math.isnan(r) for r in ratios) else min(ratios)
+
+
 def spread(ranks: Sequence[Sequence[float]]) -> float:
     """How far apart a variant's rounds lie (:func:`time_samples`), as a fraction of their median:
     half the range of the widest rank's, without its slowest and fastest round where it has four or

@@ -48,6 +48,20 @@ def test_a_variant_s_time_is_the_slowest_rank_s_median_and_its_spread_the_widest
     assert math.isnan(timing.slowest(not_captured)) and math.isnan(timing.spread(not_captured))
 
 
+def test_a_speedup_is_paired_round_by_round_and_the_least_over_ranks():
+    # the same work; the host's speed moves between turns (1.0, 2.0, 1.5 ms per call) and one turn
+    # of the variant caught 10 % of jitter: both medians are that turn's, 10 % apart, while the
+    # turn by turn ratios' median says "the same"
+    seq = [[1.0, 1.0, 2.0, 2.0, 1.5]]
+    same = [[1.0, 1.0, 2.0, 2.0, 1.35]]
+    assert timing.slowest(seq) / timing.slowest(same) == pytest.approx(1.5 / 1.35)
+    assert timing.paired_speedup(seq, same) == pytest.approx(1.0)
+    assert timing.paired_speedup(seq, [[0.8 * t for t in seq[0]]]) == pytest.approx(1.25)
+    # the least over ranks; NaN (a variant some rank could not capture) stays NaN
+    assert timing.paired_speedup([[1.0, 1.0], [1.0, 1.0]], [[0.5, 0.5], [0.8, 0.8]]) == pytest.approx(1.25)
+    assert math.isnan(timing.paired_speedup([[1.0, 1.0]], [[math.nan, math.nan]]))
+
+
 def test_rounds_are_timed_without_garbage_collections():
     """Inside, no collection can pause a timed block; after, the collector is as it was (also when
     the rounds raise, and off where the caller had it off)."""
