@@ -142,9 +142,8 @@ for step in $steps; do
       for mode in ${SMALL_MODES:-eager graphs}; do
         name=small_${collective}_$mode
         graphs=(); [ "$mode" = graphs ] && graphs=(--graphs)
-        # (more rounds than elsewhere, each of up to 64 calls, the bench's default: a call of
-        # 0.05-0.5 ms is mostly host time, whose jitter spread 15 rounds of 8 calls by +-5 %; one
-        # decomposition, which these shapes do not need)
+        # (more rounds than elsewhere, of up to 64 calls, the bench's default: a call of 0.05-0.5 ms
+        # is mostly host time, which drifts; one decomposition, which these shapes do not need)
         BENCH_TIMEOUT=300 bench "$name" -- "${graphs[@]}" --collective "$collective" --shapes-file bench/small.yaml \
           --rounds "${ROUNDS:-20}" ${BLOCK:+--block "$BLOCK"} --chunks 2 --configs registry --inputs both \
           --csv "$OUT/$name.csv" --rounds-csv "$OUT/${name}_rounds.csv"

@@ -11,8 +11,9 @@ H200s, ...), one row per variant, shape and run, and the plots and tables drawn 
 Columns (:data:`FIELDS`): ``date`` and ``commit`` the run was recorded with; ``gpu`` (torch's
 device name), ``world`` (ranks), ``transport`` (``nvlink``, ``pcie``: NCCL through host memory,
 as with ``NCCL_P2P_DISABLE=1``), ``collective``, ``dtype``, ``shape`` (MxNxK); ``variant``, one of
-:data:`VARIANTS`; ``ms`` per call; ``speedup`` (the same run's ``sequential`` ms over ``ms``);
-``efficiency`` (``(sequential - ms) / min(gemm, collective)``: the share of the hideable time
+:data:`VARIANTS`; ``ms`` per call; ``speedup`` over the same run's ``sequential`` (the bench's:
+paired round by round from dcbd1a1 on, before the ratio of the medians); ``efficiency``
+(``(sequential - sequential / speedup) / min(gemm, collective)``: the share of the hideable time
 hidden); ``mode`` (``eager``, ``graphs``: each block of calls one CUDA-graph replay, ``tune`` /
 ``tune-graphs``: the tuner's finalists); ``inputs`` (``rotated``: operands rotated through sets larger
 than L2, ``hot``: the same every call); ``config`` (flashoverlap's config as the bench labels it, ``registry:{...}``
@@ -120,14 +121,16 @@ def tidy(bench_rows: Iterable[dict], date: str, commit: str, run: str, note: str
             "dtype": row.get("dtype") or "bfloat16",
             "shape": shape,
             "mode": row.get("timing") or "eager",
-            "inputs": row.get("inputs") or "rotated",
+            "inputs": row.get("inputs") or "rotated",  # (bench CSVs before --inputs: rotated)
             "run": run,
             "note": note,
         }
         config = row.get("config", "")
         decomp = _num(row.get("t_decomp_ms"))
         chunks = row.get("decomp_chunks") or ""
-        entries = [  # variant, config, ms, the bench's speedup column (where it hides the collective)
+        # variant, config, ms, and the bench's column of its speedup over sequential: None where a
+        # variant has none (the GEMM or collective alone), "" for sequential itself (1.0)
+        entries = [
             ("gemm", "", gemm, None),
             ("collective", "", coll, None),
             ("sequential", "", seq, ""),
@@ -202,7 +205,7 @@ def _what(key: tuple) -> str:
 def current(rows: Sequence[dict]) -> dict[tuple, list[dict]]:
     """Per setup (:func:`setup`), the rows of its current runs: the runs of the latest commit (in
     file order) that measured the registry's picks on rotated inputs with an empty note."""
-    rows = [row for row in rows if row["inputs"] == "rotated"]
+    rows = [row for row in rows if row.get("inputs", "rotated") == "rotated"]
     latest: dict[tuple, str] = {}
     for row in rows:
         if row["variant"] == "flashoverlap" and row["config"].startswith("registry") and not row["note"]:
@@ -312,14 +315,15 @@ def table(rows: Sequence[dict], shapes: bool = False) -> str:
     return "\n".join(lines).strip()
 
 
-PLAIN = ("flashoverlap", "fallback", "sequential-again")  # the plain path's table: its columns
+PLAIN = ("fallback", "sequential-again")  # the plain path's table: its columns beside the registry's call
 
 
 def plain(rows: Sequence[dict], runs: Sequence[str]) -> str:
     """The plain path's cost in ``runs`` as markdown: per run, mode and inputs, the mean (worst) over
     the shapes of the speedup over ``sequential`` of the registry's call, the forced fallback and
-    ``sequential`` timed again (the run's noise floor), and how many shapes the registry overlapped
-    (their worst)."""
+    ``sequential`` timed again (the run's noise floor), and on how many shapes the registry's call
+    overlapped (the worst of those calls). A run name shared by several invocations (or their
+    NCCL paths) pools their rows."""
     lines = [
         "| run | GPUs | collective | mode | inputs | registry | fallback | seq again | overlapped: worst |",
         "| --- | --- | --- | --- | --- | --- | --- | --- | --- |",
@@ -337,15 +341,13 @@ def plain(rows: Sequence[dict], runs: Sequence[str]) -> str:
             mode, inputs = case[2:]
             registry = [r for r in these if r["variant"] == "flashoverlap" and r["config"].startswith("registry")]
             cells = []
-            for picked in (registry, *([r for r in these if r["variant"] == v] for v in PLAIN[1:])):
+            for picked in (registry, *([r for r in these if r["variant"] == v] for v in PLAIN)):
                 values = [_num(r["speedup"]) for r in picked]
                 cells.append(f"{_mean(values):.3f} ({min(values):.3f})" if values else "-")
-            overlapped = [_num(r["speedup"]) for r in registry if '"sequential": true' not in r["config"]]
-            worst = f"{min(overlapped):.3f}" if overlapped else "-"
-            shapes = len({r["shape"] for r in these})
-            lines.append(
-                f"| {run} | {what} | {mode} | {inputs} | {' | '.join(cells)} | {len(overlapped)} of {shapes}: {worst} |"
-            )
+            overlapped = [r for r in registry if '"sequential": true' not in r["config"]]
+            worst = f"{min(_num(r['speedup']) for r in overlapped):.3f}" if overlapped else "-"
+            count = f"{len({r['shape'] for r in overlapped})} of {len({r['shape'] for r in these})}"
+            lines.append(f"| {run} | {what} | {mode} | {inputs} | {' | '.join(cells)} | {count}: {worst} |")
     return "\n".join(lines)
 
 

@@ -251,10 +251,10 @@ def async_tp(
 
 
 FALLBACK = {"sequential": True}  # the config of the forced-fallback variant
-# Calls per timed round by default (timing.round_calls): short calls are host-bound, and a round of
-# a few of them (well under a millisecond) holds a few calls' host jitter; rounds of up to 64 (a few
-# ms) hold more of them, long GEMMs keep rounds of 8. (Slower drift of the host's speed, over seconds,
-# is what the paired speedups take out: docs/experiments.md, "The plain path's cost".)
+# Calls per timed round by default (timing.round_calls): a round's events also hold its last call's
+# GPU time after the host enqueued it, which weighs against a host-bound plain call in short rounds
+# (timing.round_calls); short calls get rounds of up to 64, long GEMMs keep 8. The host's drift
+# between speeds is what the paired speedups take out (docs/experiments.md, Measuring).
 BLOCK = (8, 64)
 
 
@@ -556,7 +556,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             print(
                 f"\n{name} x{dist.get_world_size()}, {args.collective}, transport={args.transport}, {args.dtype}, "
                 f"ms per call, median of {args.rounds}+ rounds (whole cycles of balanced orders) of "
-                + (f"{args.block} calls" if args.block else "8-64 calls (by the shape's GEMM work)")
+                + (f"{args.block} calls" if args.block else "{}-{} calls (by the shape's GEMM work)".format(*BLOCK))
                 + (", each block one CUDA graph replay (GPU time only)" if args.graphs else "")
             )
             timing = "graphs" if args.graphs else "eager"

@@ -62,7 +62,8 @@ def _cell(value, fmt: str) -> str:
 
 def format_table(rows: list[dict]) -> str:
     """Aligned table, a row per shape and variant: times in ms, speedups over sequential (``fallback``:
-    a call forced onto the sequential path), ``of_ideal`` = max(gemm, comm) / fo."""
+    a call forced onto the sequential path; paired round by round, bench.bench_shape), ``of_ideal`` =
+    speedup / ideal."""
     cells = [[title for _, title, _ in COLUMNS]]
     for row in rows:
         cells.append([_cell(row.get(key), fmt) for key, _, fmt in COLUMNS])

@@ -191,11 +191,12 @@ def slowest(ranks: Sequence[Sequence[float]]) -> float:
 def paired_speedup(base: Sequence[Sequence[float]], other: Sequence[Sequence[float]]) -> float:
     """How much faster than ``base`` a variant ``other`` ran (:func:`time_samples`' rounds of the
     two): on each rank the median over rounds of base's time over other's in the same round (one
-    turn of every variant), the least over the ranks (NaN where any rank's is). A host-bound call's
-    host speed drifts between levels over seconds (the same launches took 12 and 20 us per call on
-    one GPU host, in runs of rounds), so two medians taken apart carry the drift's luck: identical
-    variants measured up to 15 % apart on 0.05-0.1 ms calls. In one turn both run at the same level,
-    and the ratio's median lies within about 3 % (docs/experiments.md, "The plain path's cost")."""
+    turn of every variant), the least over the ranks (the slowest rank's view, as :func:`slowest`;
+    NaN where any rank's is). A host-bound call's host speed moves between levels over seconds (the
+    same launches took 12 and 20 us per call on one GPU host, in runs of rounds), so two medians
+    taken apart carry that luck: identical variants measured up to 20 % apart on 0.05-0.1 ms calls.
+    In one turn both mostly run at one level, which narrowed identical variants' worst case to 3-8 %
+    on those calls (docs/experiments.md, Measuring)."""
 
     def median_ratio(b: Sequence[float], o: Sequence[float]) -> float:
         return median_ms([x / y for x, y in zip(b, o)])

@@ -102,6 +102,14 @@ def test_the_plain_paths_variants_and_inputs_are_kept():
         "sequential-again",
         "signal-gemm",
     ]
+    # the bench's own (paired) speedups, not the ratio of the medians; the efficiency from them
+    paired = results.tidy(
+        [bench_row(4096, "registry:{}", 0.8, speedup=1.3, noise_speedup=math.nan, **plain_path)], "d", "c", "r"
+    )
+    fo = next(r for r in paired if r["variant"] == "flashoverlap")
+    assert fo["speedup"] == "1.3000" and fo["efficiency"] == "0.769"  # (1.0 - 1.0 / 1.3) / min(0.8, 0.3)
+    again = next(r for r in paired if r["variant"] == "sequential-again")
+    assert again["speedup"] == "1.0204"  # no column of its own: 1.0 / 0.98
     fallback = next(r for r in hot if r["variant"] == "fallback")
     assert fallback["ms"] == "1.0200" and fallback["speedup"] == "0.8824"  # against the hot seq's 0.9
     assert all(
