@@ -332,11 +332,10 @@ def plain(rows: Sequence[dict], runs: Sequence[str]) -> str:
         mine = [r for r in rows if r["run"] == run]
         if not mine:
             raise ValueError(f"no rows of run {run!r}")
-        cases = {(machine(r["gpu"], r["world"]), r["collective"], r["mode"], r["inputs"]) for r in mine}
-        for case in sorted(cases, key=lambda c: (c[:3], c[3] != "rotated")):
-            these = [
-                r for r in mine if (machine(r["gpu"], r["world"]), r["collective"], r["mode"], r["inputs"]) == case
-            ]
+        cases: dict[tuple, list[dict]] = {}
+        for r in mine:
+            cases.setdefault((machine(r["gpu"], r["world"]), r["collective"], r["mode"], r["inputs"]), []).append(r)
+        for case, these in sorted(cases.items(), key=lambda item: (item[0][:3], item[0][3] != "rotated")):
             what = f"{these[0]['world']}x {_short_gpu(these[0]['gpu'])} | {case[1].replace('_', '-')}"
             mode, inputs = case[2:]
             registry = [r for r in these if r["variant"] == "flashoverlap" and r["config"].startswith("registry")]

@@ -252,8 +252,8 @@ def async_tp(
 
 FALLBACK = {"sequential": True}  # the config of the forced-fallback variant
 # Calls per timed round by default (timing.round_calls): a round's events also hold its last call's
-# GPU time after the host enqueued it, which weighs against a host-bound plain call in short rounds
-# (timing.round_calls); short calls get rounds of up to 64, long GEMMs keep 8. The host's drift
+# GPU time after the host enqueued it, which weighs against a host-bound plain call in short rounds;
+# short calls get rounds of up to 64, long GEMMs keep 8. The host's drift
 # between speeds is what the paired speedups take out (docs/experiments.md, Measuring).
 BLOCK = (8, 64)
 
