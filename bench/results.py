@@ -439,7 +439,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(table(rows, args.shapes))
         return 0
     if args.command == "plain":
-        print(plain(rows, args.runs))
+        try:
+            print(plain(rows, args.runs))
+        except ValueError as exc:  # (a run with no rows)
+            parser.error(str(exc))
         return 0
     for path in plot(rows, args.results / "plots"):
         print(path)

@@ -531,6 +531,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         except (OSError, ValueError) as exc:
             parser.error(str(exc))
     args.shapes = shapes or [(4096, 8192, 8192)]
+    for flag, value in (("--rounds", args.rounds), ("--block", args.block)):  # (--block: None is the default)
+        if value is not None and value < 1:
+            parser.error(f"{flag} must be at least 1, got {value}")
     for flag, given in (("--fast-accum", args.fast_accum), ("--rowwise", args.rowwise)):
         if given and not args.dtype.startswith("float8"):
             parser.error(f"{flag} is for FP8 operands (--dtype float8_e4m3fn), not {args.dtype}")

@@ -87,6 +87,11 @@ def test_cli_defaults_and_choices(capsys, monkeypatch):
     with pytest.raises(SystemExit):
         bench.main(["--rowwise"])
     assert "--rowwise is for FP8 operands" in capsys.readouterr().err
+    assert args.block is None  # per shape, timing.round_calls within bench.BLOCK
+    for flag in ("--block", "--rounds"):
+        with pytest.raises(SystemExit):
+            bench.main([flag, "0"])
+        assert f"{flag} must be at least 1, got 0" in capsys.readouterr().err
     assert bench.TRANSPORTS["pcie"] == {"NCCL_P2P_DISABLE": "1"}
     assert bench.TRANSPORTS["net"] == {"NCCL_P2P_DISABLE": "1", "NCCL_SHM_DISABLE": "1"}
 

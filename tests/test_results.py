@@ -125,6 +125,14 @@ def test_the_plain_paths_variants_and_inputs_are_kept():
         results.plain(out, ["elsewhere"])
 
 
+def test_the_plain_table_of_an_unknown_run_is_a_clear_error(tmp_path, capsys):
+    store = tmp_path / "results"
+    store.mkdir()
+    with pytest.raises(SystemExit):
+        results.main(["--results", str(store), "plain", "nowhere"])
+    assert "no rows of run 'nowhere'" in capsys.readouterr().err
+
+
 def write_bench(path: Path, rows: list[dict]) -> Path:
     report.write_csv(str(path), rows)
     return path
