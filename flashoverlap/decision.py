@@ -584,23 +584,28 @@ def trial(
             )
         return timed
 
-    modes, rounds = {}, {}
+    rounds = {}
     block = timing.round_calls(m, preps[0].plan.n, a.shape[1])
     for mode, sets in _operands(a, weight).items():
-        samples = rounds[mode] = timing.time_samples(
-            variants(*sets), TRIAL_ROUNDS, block, TRIAL_WARMUP, group=full, graphs=graphs
-        )
-        modes[mode] = {name: (timing.slowest(ranks), timing.spread(ranks)) for name, ranks in samples.items()}
-    pick = trial_pick(names, list(modes.values()))
+        calls = variants(*sets)
+        rounds[mode] = timing.time_samples(calls, TRIAL_ROUNDS, block, TRIAL_WARMUP, group=full, graphs=graphs)
+    pick = trial_pick(names, list(rounds.values()))
     trials.keep(key, pick)
     if dist.get_rank(full) == 0:
         what = "no tuned config" if untuned else "tuned for another shape"
-        timed = "; ".join(
-            f"{mode}: " + ", ".join(f"{name} {t:.3f} ms (+-{noise:.0%})" for name, (t, noise) in times.items())
-            for mode, times in modes.items()
+
+        def said(name: str, samples: dict) -> str:  # its time per call, and against sequential's in the same turns
+            base, own = samples["sequential"], samples[name]
+            text = f"{name} {timing.slowest(own):.3f} ms"
+            if name == "sequential":
+                return text
+            return f"{text} ({timing.paired_speedup(base, own):.3f}x +-{timing.paired_spread(base, own):.0%})"
+
+        summary = "; ".join(
+            f"{mode}: " + ", ".join(said(name, samples) for name in samples) for mode, samples in rounds.items()
         )
         log.info(
-            f"{exes[0].collective} {m}x{preps[0].plan.n}, {what}: {timed} per call"
+            f"{exes[0].collective} {m}x{preps[0].plan.n}, {what}: {summary} per call"
             f"{' (CUDA graphs)' * graphs} -> {'sequential' if pick is None else names[pick]}"
             f" for M in [{1 << (m.bit_length() - 1)}, "
             f"{(1 << m.bit_length()) - 1}] (tune to do better: python -m flashoverlap.tune)"
@@ -630,26 +635,28 @@ def _operands(a: torch.Tensor, weight: torch.Tensor) -> dict[str, tuple[list[tor
 
 
 def trial_pick(
-    names: Sequence[str], modes: Sequence[Mapping[str, tuple[float, float]]], margin: float = TRIAL_MARGIN
+    names: Sequence[str], modes: Sequence[Mapping[str, Sequence[Sequence[float]]]], margin: float = TRIAL_MARGIN
 ) -> int | None:
     """The candidate (an index into ``names``) a trial runs, None for the sequential call, from its
-    timings ``modes`` (one per way of timing: operands hot, rotated; each ``{variant: (ms per call,
-    spread)}``, ``"sequential"`` among the variants; timing.slowest, timing.spread): of the
-    candidates that beat sequential in every mode by more than ``margin`` and more than the spread
-    of both timings there (a smaller win may be noise, and the plain call never loses to itself),
-    the one whose slowest mode against sequential is fastest. A candidate some rank could not time
-    (NaN) is none."""
-    best, best_ratio = None, 1.0
+    rounds ``modes`` (one per way of timing: operands hot, rotated; each every rank's rounds of every
+    variant, timing.time_samples, ``"sequential"`` among them): of the candidates faster than
+    sequential in every mode by more than ``margin`` and more than the noise of that speedup, both
+    paired round by round (timing.paired_speedup, timing.paired_spread: a host-bound call's host
+    drifts between speeds over seconds, which two medians taken apart carry and a turn's pair does
+    not; a smaller win may be noise, and the plain call never loses to itself), the one fastest in
+    its slowest mode. A candidate some rank could not time (NaN) is none."""
+    best, best_speedup = None, 1.0
     for j, name in enumerate(names):
-        ratios = []
-        for times in modes:
-            (t, noise), (t_seq, noise_seq) = times[name], times["sequential"]
-            if math.isnan(t) or not t < t_seq * (1 - max(margin, noise + noise_seq)):
+        speedups = []
+        for samples in modes:
+            base, other = samples["sequential"], samples[name]
+            speedup, noise = timing.paired_speedup(base, other), timing.paired_spread(base, other)
+            if math.isnan(speedup) or math.isnan(noise) or not 1 / speedup < 1 - max(margin, noise):
                 break
-            ratios.append(t / t_seq)
+            speedups.append(speedup)
         else:
-            if max(ratios) < best_ratio:
-                best, best_ratio = j, max(ratios)
+            if min(speedups) > best_speedup:
+                best, best_speedup = j, min(speedups)
     return best
 
 

@@ -220,6 +220,13 @@ def spread(ranks: Sequence[Sequence[float]]) -> float:
     return math.nan if any(math.isnan(w) for w in widths) else max(widths)
 
 
+def paired_spread(base: Sequence[Sequence[float]], other: Sequence[Sequence[float]]) -> float:
+    """How far apart the per-round ratios of :func:`paired_speedup` lie (:func:`spread` of base's
+    time over other's, round by round): the noise of a paired speedup, which the host's drift
+    between turns, moving both variants of a turn alike, does not widen."""
+    return spread([[b / o for b, o in zip(bs, os)] for bs, os in zip(base, other)])
+
+
 def balanced_orders(n: int) -> list[list[int]]:
     """Orders of ``n`` variants (a Williams design) in which each comes first equally often and
     directly after every other equally often: ``n`` orders for even ``n``, ``2n`` for odd (the

@@ -687,23 +687,34 @@ def test_a_repeated_call_reuses_its_decision_until_what_it_rests_on_changes(one_
     assert len(lookups) == 5
 
 
-def times(seq: tuple[float, float], **candidates: tuple[float, float]) -> dict:
-    """One mode's timings: {variant: (ms per call, spread)}, sequential's first."""
-    return {"sequential": seq, **candidates}
+def rounds(sequential: list, **candidates: list) -> dict:
+    """One mode's rounds of one rank ({variant: [[ms per call, round by round]]}), sequential's first."""
+    return {name: [list(times)] for name, times in {"sequential": sequential, **candidates}.items()}
+
+
+FLAT = [1.0] * 4
 
 
 @pytest.mark.parametrize(
     ("modes", "pick"),
     [
-        ([times((1.0, 0.0), a=(0.9, 0.0), b=(0.8, 0.0))], 1),  # the fastest
-        ([times((1.0, 0.0), a=(0.99, 0.0))], None),  # within the margin
-        ([times((1.0, 0.02), a=(0.95, 0.04))], None),  # a win smaller than the noise of both
-        ([times((1.0, 0.01), a=(0.95, 0.01))], 0),  # ... and larger
+        ([rounds(FLAT, a=[0.9] * 4, b=[0.8] * 4)], 1),  # the fastest
+        ([rounds(FLAT, a=[0.99] * 4)], None),  # within the margin
+        # a large median win from two rounds of four: noise (against sequential's rounds, paired)
+        ([rounds(FLAT, a=[0.8, 1.05, 0.8, 1.01])], None),
+        ([rounds(FLAT, a=[0.93, 0.95, 0.94, 0.96])], 0),  # a steady 5 % win
+        # the host's speed moving both alike between turns: apart the medians lie within the rounds'
+        # spread, turn by turn a steady 7 % win
+        ([rounds([1.0, 1.3, 1.0, 1.3], a=[0.93, 1.21, 0.93, 1.21])], 0),
+        # faster in one turn of four (the host faster in it), slower in the others: none
+        ([rounds([1.3, 1.3, 1.0, 1.0], a=[1.0, 1.35, 1.01, 1.02])], None),
         # hot wins, rotated loses: the plain path (a model's calls may run either way)
-        ([times((1.0, 0.0), a=(0.9, 0.0)), times((1.0, 0.0), a=(1.01, 0.0))], None),
+        ([rounds(FLAT, a=[0.9] * 4), rounds(FLAT, a=[1.01] * 4)], None),
         # the best in its worst mode, not in its best
-        ([times((1.0, 0.0), a=(0.8, 0.0), b=(0.85, 0.0)), times((1.0, 0.0), a=(0.95, 0.0), b=(0.9, 0.0))], 1),
-        ([times((1.0, 0.0), a=(math.nan, math.nan), b=(0.9, 0.0))], 1),  # not timed on some rank: none
+        ([rounds(FLAT, a=[0.8] * 4, b=[0.85] * 4), rounds(FLAT, a=[0.95] * 4, b=[0.9] * 4)], 1),
+        ([rounds(FLAT, a=[math.nan] * 4, b=[0.9] * 4)], 1),  # not timed on some rank: none
+        # every rank decides alike, on the rank it wins least on
+        ([{"sequential": [FLAT, FLAT], "a": [[0.9] * 4, [1.0] * 4]}], None),
     ],
 )
 def test_a_trial_takes_the_plain_path_unless_overlap_wins_by_more_than_margin_and_noise_in_every_mode(modes, pick):
