@@ -10,6 +10,7 @@ from __future__ import annotations
 import argparse
 import json
 import logging
+import math
 import os
 import statistics
 import sys
@@ -26,7 +27,7 @@ from .prepared import prepare
 from .registry import entry, incumbent, read_entries, write_registry
 from .rules import COLLECTIVES, for_call, resolutions, takes_every_call
 from .runtime import plain
-from .timing import kernel_alone, operand_sets, round_calls, time_variants
+from .timing import kernel_alone, operand_sets, paired_speedup, round_calls, slowest, time_samples, time_variants
 from .tune_measure import comm_model, host_model, local_model, pull_model, tail_model
 from .tune_model import CommModel, HostModel, Problem, choose, partitions, pick_finalists, wave_bytes, with_local_adds
 
@@ -294,7 +295,8 @@ def _sequential(a: list[torch.Tensor], w: list[torch.Tensor], ex: comm.Exchange,
 def _confirm(shape, collective, candidates, finalists, current, a, w, ex, rounds, graphs, fp8) -> list[dict]:
     """The summary rows of the finalists (and of ``current``, the registry's config, unless among
     them) measured against sequential as a call decided plain runs it, in the bench's way (whose
-    ``seq`` is torch's own call; ``fp8``: bench.fp8_arguments)."""
+    ``seq`` is torch's own call; ``fp8``: bench.fp8_arguments): times per call and the speedup
+    paired round by round."""
     m, n, k = shape
     overlapped = getattr(overlap, f"gemm_{collective}")
     variants = {"seq": _sequential(a, w, ex, fp8)}
@@ -307,7 +309,8 @@ def _confirm(shape, collective, candidates, finalists, current, a, w, ex, rounds
         variants["current"] = _call(overlapped, a, w, current, fp8)
     what = "best predicted overall and of each kind, defaults" + (", the registry's" if current is not None else "")
     _progress(f"{m}x{n}x{k}: measuring {len(finalists)} finalists ({what}) against sequential")
-    measured = time_variants(variants, 2 * rounds, round_calls(m, n, k, fewest=8), 3, graphs=graphs)
+    samples = time_samples(variants, 2 * rounds, round_calls(m, n, k, fewest=8), 3, graphs=graphs)
+    measured = {name: slowest(ranks) for name, ranks in samples.items()}
     rows = [
         {
             "shape": f"{m}x{n}x{k}",
@@ -316,6 +319,7 @@ def _confirm(shape, collective, candidates, finalists, current, a, w, ex, rounds
             "predicted_ms": choice.overlap_ms,
             "measured_ms": measured[f"fo{f}"],
             "seq_ms": measured["seq"],
+            "speedup": paired_speedup(samples["seq"], samples[f"fo{f}"]),
         }
         for f, (choice, j) in enumerate(finalists)
     ]
@@ -328,6 +332,7 @@ def _confirm(shape, collective, candidates, finalists, current, a, w, ex, rounds
                 "predicted_ms": None,  # (not modelled: the registry's)
                 "measured_ms": measured["current"],
                 "seq_ms": measured["seq"],
+                "speedup": paired_speedup(samples["seq"], samples["current"]),
             }
         )
     return rows
@@ -354,9 +359,11 @@ def measured_entry(
 
 def config_to_write(rows: list[dict], margin: float) -> tuple[dict, float]:
     """The config to write from measured finalists (summary rows of :func:`tune_shape`) and its
-    speedup over sequential: the fastest, or sequential where it does not win by ``margin``."""
-    best = min(rows, key=lambda r: r["measured_ms"])
-    speedup = best["seq_ms"] / best["measured_ms"]
+    speedup over sequential: the fastest against sequential round by round (each row's paired
+    ``speedup``, timing.paired_speedup: the host's drift between turns, which moves two medians
+    taken apart, cancels in a turn), or sequential where it does not win by ``margin``."""
+    best = max(rows, key=lambda r: -math.inf if math.isnan(r["speedup"]) else r["speedup"])
+    speedup = best["speedup"]
     if speedup > 1.0 + margin:  # (a registry entry measured beside the finalists may have no partition)
         partition = {} if best["partition"] is None else {"partition": best["partition"]}
         return {**json.loads(best["config"]), **partition}, speedup

@@ -1,5 +1,7 @@
 """The tuner on the CPU: what it writes from measured finalists, its summaries and command line."""
 
+import math
+
 import pytest
 
 from flashoverlap.registry import entry, incumbent, read_entries, write_registry
@@ -33,7 +35,7 @@ def test_a_retune_measures_the_registry_s_entry_and_keeps_it_where_it_wins(tmp_p
 
     def row(config, partition, measured_ms, predicted_ms=1.0):
         return {"config": config, "partition": partition, "measured_ms": measured_ms, "seq_ms": 1.2,
-                "predicted_ms": predicted_ms, "shape": "4096x8192x8192"}  # fmt: skip
+                "speedup": 1.2 / measured_ms, "predicted_ms": predicted_ms, "shape": "4096x8192x8192"}  # fmt: skip
 
     finalists = [row("{}", [2, 2], 1.05), row('{"comm_sms": 8}', [3, 1], 1.02)]
     registry_s = row('{"comm_sms": 4, "reduction": "pull"}', [1, 2, 1], 1.0, None)
@@ -41,7 +43,7 @@ def test_a_retune_measures_the_registry_s_entry_and_keeps_it_where_it_wins(tmp_p
     assert config_to_write([*finalists, {**registry_s, "config": '{"symmetric": true}', "partition": None}], 0.02)[
         0
     ] == {"symmetric": True}
-    assert config_to_write([*finalists, {**registry_s, "measured_ms": 1.1}], 0.02)[0] == {
+    assert config_to_write([*finalists, {**registry_s, "measured_ms": 1.1, "speedup": 1.2 / 1.1}], 0.02)[0] == {
         "comm_sms": 8,
         "partition": [3, 1],
     }
@@ -49,11 +51,28 @@ def test_a_retune_measures_the_registry_s_entry_and_keeps_it_where_it_wins(tmp_p
     assert text.splitlines()[-1].split()[1:3] == ["-", "1.000"]  # no prediction for the registry's entry
 
 
+def test_the_tuner_writes_what_wins_against_sequential_round_by_round():
+    """The paired speedup decides (timing.paired_speedup), not two medians taken apart, which the
+    host's drift between turns moves: a finalist whose median looks 5 % faster but that lost in
+    its turns is not written, and of two winners the one that won more in its turns is; a finalist
+    some rank could not time (NaN) is none."""
+    from flashoverlap.tune import config_to_write
+
+    def row(config, measured_ms, speedup):
+        return {"config": config, "partition": [1, 1], "measured_ms": measured_ms, "seq_ms": 1.0, "speedup": speedup}
+
+    assert config_to_write([row("{}", 0.95, 0.99)], 0.02) == ({"sequential": True}, 0.99)
+    written, speedup = config_to_write([row("{}", 0.9, 1.05), row('{"comm_sms": 8}', 0.92, 1.08)], 0.02)
+    assert written == {"comm_sms": 8, "partition": [1, 1]} and speedup == 1.08
+    assert config_to_write([row("{}", 0.9, math.nan), row('{"comm_sms": 8}', 0.92, 1.08)], 0.02)[0]["comm_sms"] == 8
+
+
 def test_an_entry_that_cannot_carry_every_call_gets_the_best_finalist_that_can_as_its_fallback():
     from flashoverlap.tune import measured_entry
 
     def row(config, measured_ms, partition=(1, 2)):
-        return {"config": config, "partition": list(partition), "measured_ms": measured_ms, "seq_ms": 1.0}
+        return {"config": config, "partition": list(partition), "measured_ms": measured_ms, "seq_ms": 1.0,
+                "speedup": 1 / measured_ms}  # fmt: skip
 
     rows = [row('{"layout": "rows"}', 0.85), row("{}", 0.95, (2, 1)), row('{"comm_sms": 24}', 0.9)]
     written = measured_entry("all_to_all", "nvlink", "bfloat16", (8, 8, 8), rows, 0.02)
@@ -290,6 +309,9 @@ def test_fp8_calls_are_tuned_with_their_scales_and_their_result_s_dtype(monkeypa
             run(0)
         return dict.fromkeys(variants, 1.0)
 
+    def time_samples(variants, *args, **kwargs):  # (one rank, one round)
+        return {name: [[t]] for name, t in time_variants(variants).items()}
+
     def model(name):
         def fitted(*args):
             used.append((name, args))
@@ -298,6 +320,7 @@ def test_fp8_calls_are_tuned_with_their_scales_and_their_result_s_dtype(monkeypa
         return fitted
 
     monkeypatch.setattr(tune, "time_variants", time_variants)
+    monkeypatch.setattr(tune, "time_samples", time_samples)
     monkeypatch.setattr(tune, "_progress", lambda message: None)
     monkeypatch.setattr(tune.dist, "get_world_size", lambda group=None: 2)
     monkeypatch.setattr(tune, "plain", lambda *a: lambda x, w, s: used.append(("product", s)))
