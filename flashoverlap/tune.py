@@ -2,7 +2,8 @@
 
 For each shape: time the GEMM per wave of every candidate config and the collectives by size
 (tune_measure), predict each candidate's best partition (tune_model), measure the best predicted
-against sequential, and write the fastest (sequential where none wins by ``--margin``).
+against sequential, and write the one with the best speedup over it, paired round by round
+(sequential where none wins by ``--margin``).
 """
 
 from __future__ import annotations
@@ -138,8 +139,8 @@ def tune_shape(
     for calls replayed as CUDA graphs: no host time in the model, the finalists and sequential
     timed as graph replays, the entry marked ``timing: graphs``. ``current``: the config the
     registry being written has for this call (:func:`incumbent`), measured beside the finalists
-    (unless one of them), so that a re-tune replaces it only with what measures faster in the same
-    run (the model can rank the registry's entry below the finalists where it measures faster).
+    (unless one of them), so that a re-tune replaces it only with what measures a better speedup in
+    the same run (the model can rank the registry's entry below the finalists where it measures faster).
     ``dtype`` FP8: calls with per-tensor scales and a bf16 result (bench.fp8_arguments; ``fast_accum``:
     unpromoted sums), candidates naming no tile in FP8's (config.resolve), the entry under ``dtype``."""
     m, n, k = shape
@@ -384,8 +385,9 @@ def _call(overlapped, a: list, w: list, config: dict, fp8):
 
 def _brute_force(shape, collective, candidates, preps, max_groups, a, w, rounds, ex, graphs, fp8) -> tuple[float, str]:
     """Best measured (time / sequential time, config JSON) over every candidate and every partition
-    of up to ``max_groups`` groups; sequential runs in every batch, so drift cancels in the ratio
-    (``graphs``: timed as CUDA graph replays; ``fp8``: bench.fp8_arguments)."""
+    of up to ``max_groups`` groups; sequential runs in every batch, and each ratio is paired round
+    by round (timing.paired_speedup), as the finalists' (``graphs``: timed as CUDA graph replays;
+    ``fp8``: bench.fp8_arguments)."""
     m, n, k = shape
     overlapped = getattr(overlap, f"gemm_{collective}")
     tried = [
@@ -401,9 +403,11 @@ def _brute_force(shape, collective, candidates, preps, max_groups, a, w, rounds,
         variants = {"seq": seq}
         for b, cfg in enumerate(batch):
             variants[f"b{b}"] = _call(overlapped, a, w, cfg, fp8)
-        times = time_variants(variants, rounds, 4, 2, graphs=graphs)
+        samples = time_samples(variants, rounds, 4, 2, graphs=graphs)
         for b, cfg in enumerate(batch):
-            best = min(best, (times[f"b{b}"] / times["seq"], json.dumps(cfg, sort_keys=True)))
+            speedup = paired_speedup(samples["seq"], samples[f"b{b}"])
+            if not math.isnan(speedup):  # (a partition some rank could not capture is none)
+                best = min(best, (1 / speedup, json.dumps(cfg, sort_keys=True)))
     return best
 
 
@@ -565,15 +569,15 @@ def _tune_shapes(args, shapes, candidates, existing, no_pulls, gpu, world) -> tu
 
 
 def format_summary(rows: list[dict]) -> str:
-    """Predicted vs measured per tuned candidate."""
-    lines = [f"{'shape':>16} {'pred ms':>8} {'meas ms':>8} {'seq ms':>8} {'err':>6}  partition  config"]
+    """Predicted vs measured per tuned candidate, and the paired speedup that decides what is written."""
+    lines = [f"{'shape':>16} {'pred ms':>8} {'meas ms':>8} {'seq ms':>8} {'err':>6} {'speedup':>7}  partition  config"]
     for r in rows:
         if r["predicted_ms"] is None:  # the registry's entry, measured beside the finalists
             predicted, err = f"{'-':>8}", f"{'-':>6}"
         else:
             predicted, err = f"{r['predicted_ms']:>8.3f}", f"{r['predicted_ms'] / r['measured_ms'] - 1:>+6.1%}"
-        measured = f"{r['measured_ms']:>8.3f} {r['seq_ms']:>8.3f}"
-        lines.append(f"{r['shape']:>16} {predicted} {measured} {err}  {r['partition']}  {r['config']}")
+        measured = f"{r['measured_ms']:>8.3f} {r['seq_ms']:>8.3f} {err} {r['speedup']:>7.3f}"
+        lines.append(f"{r['shape']:>16} {predicted} {measured}  {r['partition']}  {r['config']}")
     return "\n".join(lines)
 
 

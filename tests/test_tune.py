@@ -1,5 +1,6 @@
 """The tuner on the CPU: what it writes from measured finalists, its summaries and command line."""
 
+import json
 import math
 
 import pytest
@@ -103,10 +104,10 @@ def test_summary_and_cli_errors(capsys, monkeypatch):
     from flashoverlap import tune
 
     rows = [
-        {"shape": "8x8x8", "config": "{}", "partition": [1], "predicted_ms": 1.1, "measured_ms": 1.0, "seq_ms": 1.2}
+        dict(shape="8x8x8", config="{}", partition=[1], predicted_ms=1.1, measured_ms=1.0, seq_ms=1.2, speedup=1.19)
     ]
     text = format_summary(rows)
-    assert "+10.0%" in text and "8x8x8" in text
+    assert "+10.0%" in text and "8x8x8" in text and "1.190" in text  # (the paired speedup, not 1.2 / 1.0)
     with pytest.raises(SystemExit):
         tune.main(["--output", "x.yaml"])  # no shapes
     assert "give --shapes" in capsys.readouterr().err
@@ -160,6 +161,25 @@ def test_under_torchrun_without_gpus_the_tuner_says_so(tmp_path, capsys, monkeyp
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
     assert tune.main(["--shapes", "8x8x8", "--output", str(tmp_path / "new.yaml")]) == 2
     assert "no CUDA GPU here" in capsys.readouterr().err
+
+
+def test_brute_force_keeps_the_best_paired_ratio_to_sequential(monkeypatch):
+    """Every partition of every candidate against sequential in its batch, each ratio paired round by
+    round; one some rank could not time (NaN) is none."""
+    import types
+
+    from flashoverlap import tune
+
+    samples = {"seq": [[1.0, 2.0, 1.0, 2.0]], "b0": [[1.1, 2.2, 1.1, 2.2]], "b1": [[0.95, 1.9, 0.95, 1.9]],
+               "b2": [[math.nan] * 4]}  # fmt: skip
+    monkeypatch.setattr(tune, "time_samples", lambda variants, *a, **kw: {name: samples[name] for name in variants})
+    monkeypatch.setattr(tune, "_progress", lambda message: None)
+    monkeypatch.setattr(tune, "plain", lambda *a: lambda x, w, s: None)
+    monkeypatch.setattr(tune.dist, "get_world_size", lambda group=None: 2)
+    preps = [types.SimpleNamespace(plan=types.SimpleNamespace(num_waves=3))]  # partitions (3,), (1, 2), (2, 1)
+    args = tune.bench.Fp8Arguments(None, None, {})
+    ratio, config = tune._brute_force((8, 8, 8), "all_reduce", [{}], preps, 2, [None], [None], 4, None, False, args)
+    assert ratio == pytest.approx(0.95) and json.loads(config) == {"partition": [1, 2]}
 
 
 def test_brute_force_summary_compares_what_was_written(capsys):
