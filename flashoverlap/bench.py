@@ -321,9 +321,9 @@ def bench_shape(shape: tuple[int, int, int], args: argparse.Namespace, inputs: s
         variants[f"decomp{chunk}"] = lambda i, chunk=chunk: decomposed(
             a[i % sets], w[i % sets], ex, chunk, side, product, scales, fp8
         )
-    # async-TP sets up its symmetric memory before flashoverlap's first call on purpose: on four GPUs
-    # whichever of the two sets up second can run slower for the whole process, async-TP more so
-    # (docs/experiments.md, "The pulls' speed per process"); this order favours the competitor
+    # async-TP sets up its symmetric memory before this shape's first flashoverlap call on purpose: on
+    # four GPUs whichever of the two sets up second can run slower for the whole process, async-TP
+    # more so (docs/experiments.md, "The pulls' speed per process"); this order favours the competitor
     fused = async_tp(a[0], w[0], scales, fp8) if collective == "reduce_scatter" else None
     if fused is not None:
         variants["asynctp"] = lambda i: fused(a[i % sets], w[i % sets])

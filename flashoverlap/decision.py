@@ -643,8 +643,8 @@ def trial_pick(
     sequential in every mode by more than ``margin`` and more than the noise of that speedup, both
     paired round by round (timing.paired_speedup, timing.paired_spread: a host-bound call's host
     drifts between speeds over seconds, which two medians taken apart carry and a turn's pair does
-    not; a smaller win may be noise, and the plain call never loses to itself), the one fastest in
-    its slowest mode. A candidate some rank could not time (NaN) is none."""
+    not; a smaller win may be noise, and the plain call never loses to itself), the one with the
+    largest speedup in the mode it wins least in. A candidate some rank could not time (NaN) is none."""
     best, best_speedup = None, 1.0
     for j, name in enumerate(names):
         speedups = []

@@ -21,8 +21,9 @@ where they come before ``eager`` ones of the same shape. A call with ``config=No
 of its GPU, world size, collective, transport and dtype whose shape is nearest (log-distance over
 M, N, K); a ``partition`` (waves per group) is kept only for the exact shape. An entry of another
 shape is a hint: a call takes it, or the same with NCCL's SMs taken differently
-(rules.alternative), or the sequential path, whichever its first timing finds fastest
-(decision.trial); so does a call with no matching entry, from the built-in defaults.
+(rules.alternative), or the sequential path, whichever its first timing finds beats the
+sequential call clearly (decision.trial); so does a call with no matching entry, from the built-in
+defaults.
 
 Files are read from ``FLASHOVERLAP_CONFIG_DIRS`` (``os.pathsep``-separated directories, searched
 first) and the package's own ``configs/`` (:data:`SHIPPED`, package data: an installed wheel carries it).

@@ -713,7 +713,7 @@ FLAT = [1.0] * 4
         # the best in its worst mode, not in its best
         ([rounds(FLAT, a=[0.8] * 4, b=[0.85] * 4), rounds(FLAT, a=[0.95] * 4, b=[0.9] * 4)], 1),
         ([rounds(FLAT, a=[math.nan] * 4, b=[0.9] * 4)], 1),  # not timed on some rank: none
-        # every rank decides alike, on the rank it wins least on
+        # the rank it wins least on decides (every rank holds every rank's rounds)
         ([{"sequential": [FLAT, FLAT], "a": [[0.9] * 4, [1.0] * 4]}], None),
     ],
 )
