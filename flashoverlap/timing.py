@@ -197,12 +197,13 @@ def paired_speedup(base: Sequence[Sequence[float]], other: Sequence[Sequence[flo
     taken apart carry that luck: identical variants measured up to 20 % apart on 0.05-0.1 ms calls.
     In one turn both mostly run at one level, which narrowed identical variants' worst case to 3-8 %
     on those calls (docs/experiments.md, Measuring)."""
-
-    def median_ratio(b: Sequence[float], o: Sequence[float]) -> float:
-        return median_ms([x / y for x, y in zip(b, o)])
-
-    ratios = [median_ratio(b, o) for b, o in zip(base, other)]
+    ratios = [median_ms(rank) for rank in _round_ratios(base, other)]
     return math.nan if any(math.isnan(r) for r in ratios) else min(ratios)
+
+
+def _round_ratios(base: Sequence[Sequence[float]], other: Sequence[Sequence[float]]) -> list[list[float]]:
+    """Per rank, base's time over other's in each round (the pairs behind :func:`paired_speedup`)."""
+    return [[b / o for b, o in zip(bs, os)] for bs, os in zip(base, other)]
 
 
 def spread(ranks: Sequence[Sequence[float]]) -> float:
@@ -224,7 +225,7 @@ def paired_spread(base: Sequence[Sequence[float]], other: Sequence[Sequence[floa
     """How far apart the per-round ratios of :func:`paired_speedup` lie (:func:`spread` of base's
     time over other's, round by round): the noise of a paired speedup, which the host's drift
     between turns, moving both variants of a turn alike, does not widen."""
-    return spread([[b / o for b, o in zip(bs, os)] for bs, os in zip(base, other)])
+    return spread(_round_ratios(base, other))
 
 
 def balanced_orders(n: int) -> list[list[int]]:
