@@ -588,7 +588,9 @@ def trial(
     block = timing.round_calls(m, preps[0].plan.n, a.shape[1])
     for mode, sets in _operands(a, weight).items():
         calls = variants(*sets)
-        rounds[mode] = timing.time_samples(calls, TRIAL_ROUNDS, block, TRIAL_WARMUP, group=full, graphs=graphs)
+        rounds[mode] = timing.time_samples(
+            calls, TRIAL_ROUNDS, block, TRIAL_WARMUP, group=full, graphs=graphs, host_floor=True
+        )
     pick = trial_pick(names, list(rounds.values()))
     trials.keep(key, pick)
     if dist.get_rank(full) == 0:

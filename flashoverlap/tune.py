@@ -296,8 +296,9 @@ def _sequential(a: list[torch.Tensor], w: list[torch.Tensor], ex: comm.Exchange,
 def _confirm(shape, collective, candidates, finalists, current, a, w, ex, rounds, graphs, fp8) -> list[dict]:
     """The summary rows of the finalists (and of ``current``, the registry's config, unless among
     them) measured against sequential as a call decided plain runs it, in the bench's way (whose
-    ``seq`` is torch's own call; ``fp8``: bench.fp8_arguments): times per call and the speedup
-    paired round by round."""
+    ``seq`` is torch's own call; ``fp8``: bench.fp8_arguments) but never faster than the host
+    enqueues each call (timing.time_samples' ``host_floor``, as the first-use trial decides): times
+    per call and the speedup paired round by round."""
     m, n, k = shape
     overlapped = getattr(overlap, f"gemm_{collective}")
     variants = {"seq": _sequential(a, w, ex, fp8)}
@@ -310,7 +311,7 @@ def _confirm(shape, collective, candidates, finalists, current, a, w, ex, rounds
         variants["current"] = _call(overlapped, a, w, current, fp8)
     what = "best predicted overall and of each kind, defaults" + (", the registry's" if current is not None else "")
     _progress(f"{m}x{n}x{k}: measuring {len(finalists)} finalists ({what}) against sequential")
-    samples = time_samples(variants, 2 * rounds, round_calls(m, n, k, fewest=8), 3, graphs=graphs)
+    samples = time_samples(variants, 2 * rounds, round_calls(m, n, k, fewest=8), 3, graphs=graphs, host_floor=True)
     measured = {name: slowest(ranks) for name, ranks in samples.items()}
     rows = [
         {
@@ -403,7 +404,7 @@ def _brute_force(shape, collective, candidates, preps, max_groups, a, w, rounds,
         variants = {"seq": seq}
         for b, cfg in enumerate(batch):
             variants[f"b{b}"] = _call(overlapped, a, w, cfg, fp8)
-        samples = time_samples(variants, rounds, 4, 2, graphs=graphs)
+        samples = time_samples(variants, rounds, 4, 2, graphs=graphs, host_floor=True)
         for b, cfg in enumerate(batch):
             speedup = paired_speedup(samples["seq"], samples[f"b{b}"])
             if not math.isnan(speedup):  # (a partition some rank could not capture is none)

@@ -88,14 +88,9 @@ def test_rounds_are_timed_without_garbage_collections():
         gc.enable()
 
 
-def test_time_samples_times_every_variant_s_blocks_without_garbage_collections(monkeypatch):
-    """time_samples on the CPU (the CUDA pieces faked, one rank; each call advances a clock by its
-    variant's cost): every variant's rounds (whole cycles of the orders) give its ms per call; the
-    warm-up runs first with the collector as it was, the timed blocks without it, on rotated operand
-    indices, and the collector is back on after."""
-    import gc
-
-    clock, calls = [0.0], []
+def _fake_gpu(monkeypatch, clock: list[float]) -> None:
+    """time_samples on the CPU: CUDA events read ``clock[0]`` (the GPU's time, which each fake call
+    advances), one rank, the collectives copies."""
 
     class Event:
         def __init__(self, enable_timing):
@@ -107,13 +102,6 @@ def test_time_samples_times_every_variant_s_blocks_without_garbage_collections(m
         def elapsed_time(self, end):
             return end.at - self.at
 
-    def variant(name, ms):
-        def call(i):
-            calls.append((name, i, gc.isenabled()))
-            clock[0] += ms
-
-        return call
-
     real_empty = torch.empty
     monkeypatch.setattr(torch.cuda, "Event", Event)
     monkeypatch.setattr(torch.cuda, "synchronize", lambda: None)
@@ -124,6 +112,25 @@ def test_time_samples_times_every_variant_s_blocks_without_garbage_collections(m
     monkeypatch.setattr(timing.comm, "all_gather_single", lambda out, table, group=None: out.copy_(table))
     monkeypatch.setattr(timing.dist, "barrier", lambda group=None: None)
     monkeypatch.setattr(timing.dist, "get_world_size", lambda group=None: 1)
+
+
+def test_time_samples_times_every_variant_s_blocks_without_garbage_collections(monkeypatch):
+    """time_samples on the CPU (the CUDA pieces faked, one rank; each call advances a clock by its
+    variant's cost): every variant's rounds (whole cycles of the orders) give its ms per call; the
+    warm-up runs first with the collector as it was, the timed blocks without it, on rotated operand
+    indices, and the collector is back on after."""
+    import gc
+
+    clock, calls = [0.0], []
+
+    def variant(name, ms):
+        def call(i):
+            calls.append((name, i, gc.isenabled()))
+            clock[0] += ms
+
+        return call
+
+    _fake_gpu(monkeypatch, clock)
     samples = timing.time_samples({"a": variant("a", 2.0), "b": variant("b", 3.0)}, rounds=3, block=2, warmup=1)
     assert samples == {"a": [[2.0] * 4], "b": [[3.0] * 4]}  # 3 rounds: two whole cycles of two orders
     warm, timed = calls[:2], calls[2:]
@@ -131,6 +138,30 @@ def test_time_samples_times_every_variant_s_blocks_without_garbage_collections(m
     assert not any(enabled for *_, enabled in timed) and gc.isenabled()
     for name in "ab":
         assert [i for n, i, _ in timed if n == name] == list(range(8))  # round r: calls 2r, 2r + 1
+
+
+def test_host_floor_times_a_call_no_faster_than_its_host_enqueues_it(monkeypatch):
+    """With ``host_floor`` a round's time per call is the longer of the GPU's (the events) and the
+    host's to enqueue it: a call with 1 ms of GPU work and 4 ms of host work per call is 4 ms, one
+    whose GPU work outlasts its host's stays at the GPU's; without it, the events alone."""
+    clock, host = [0.0], [0.0]
+
+    def variant(gpu_ms, host_ms):
+        def call(i):
+            clock[0] += gpu_ms
+            host[0] += host_ms / 1e3
+
+        return call
+
+    _fake_gpu(monkeypatch, clock)
+    monkeypatch.setattr(timing.time, "perf_counter", lambda: host[0])
+    variants = {"host-bound": variant(1.0, 4.0), "gpu-bound": variant(3.0, 0.5)}
+    floored = timing.time_samples(variants, rounds=2, block=2, warmup=1, host_floor=True)
+    assert floored == {"host-bound": [[4.0] * 2], "gpu-bound": [[3.0] * 2]}
+    assert timing.time_samples(variants, rounds=2, block=2, warmup=1) == {
+        "host-bound": [[1.0] * 2],
+        "gpu-bound": [[3.0] * 2],
+    }
 
 
 def test_short_calls_are_timed_in_longer_rounds():
