@@ -47,7 +47,9 @@ class _Attributes(ctypes.Structure):  # cudaMemcpyAttributes (CUDA 12.8+)
 
 
 def _cudart() -> ctypes.CDLL:
-    """The CUDA runtime torch loaded (CUDA 13: ``cudaMemcpyBatchAsync`` without a failure index)."""
+    """The CUDA runtime torch loaded (CUDA 13: ``cudaMemcpyBatchAsync`` without 12.8's failure index)."""
+    if int(torch.version.cuda.split(".")[0]) < 13:
+        raise RuntimeError(f"this probe calls CUDA 13's cudaMemcpyBatchAsync; torch has CUDA {torch.version.cuda}")
     rt = ctypes.CDLL(f"libcudart.so.{torch.version.cuda.split('.')[0]}")
     rt.cudaMemcpyBatchAsync.argtypes = [ctypes.c_void_p] * 3 + [
         ctypes.c_size_t,
@@ -83,16 +85,23 @@ class Probe:
                 out.append((theirs, mine, size) if push else (mine, theirs, size))
         return out
 
+    def _copy(self, dst: int, src: int, size: int, stream: torch.cuda.Stream) -> None:
+        status = self.rt.cudaMemcpyAsync(dst, src, size, DEVICE_TO_DEVICE, ctypes.c_void_p(stream.cuda_stream))
+        if status:
+            raise RuntimeError(f"cudaMemcpyAsync: error {status}")
+
     def issue(self, kind: str, share: int, stream: torch.cuda.Stream) -> None:
         push = kind.startswith("push")
         copies = self.pieces(share, SPLIT if kind.endswith("_split") else 1, push)
         if kind.endswith("_seq"):
             for dst, src, size in copies:
-                self.rt.cudaMemcpyAsync(dst, src, size, DEVICE_TO_DEVICE, ctypes.c_void_p(stream.cuda_stream))
-        elif kind.endswith("_3s"):
-            for lane, (dst, src, size) in zip(self.lanes, copies):
+                self._copy(dst, src, size, stream)
+        elif kind.endswith("_3s"):  # every lane after the stream's work, then the stream after every lane
+            for lane in self.lanes:
                 lane.wait_stream(stream)
-                self.rt.cudaMemcpyAsync(dst, src, size, DEVICE_TO_DEVICE, ctypes.c_void_p(lane.cuda_stream))
+            for lane, (dst, src, size) in zip(self.lanes, copies):
+                self._copy(dst, src, size, lane)
+            for lane in self.lanes:
                 stream.wait_stream(lane)
         else:
             n = len(copies)

@@ -534,7 +534,8 @@ def trial(
     defaults, or the nearest tuned shape's config: neither is tuned for this GPU, world size,
     transport and shape; on small GEMMs over NVLink they lose, and 16 SMs for NCCL lose beside a
     long GEMM). Timed on the call's own operands, a few rounds of each taking turns, every rank's
-    rounds deciding (timing.time_samples), so that every rank decides alike: with the same operands
+    rounds deciding (timing.time_samples, each round no faster than the host enqueued it), so that
+    every rank decides alike: with the same operands
     every call (hot in L2, as a layer's), and where they fit in L2, also rotated through copies
     larger than it together (as where activations come from far away). The answer is kept for
     every M of the same power of two (with the same N, K, dtype, configs, kind of exchange and

@@ -125,10 +125,9 @@ def time_samples(
     round replays it: GPU time alone, as in a model captured in CUDA graphs. A variant that cannot
     be captured on some rank has NaN rounds on every rank.
     ``host_floor`` (eager): a round's time per call is at least the host's time to enqueue it. A
-    call whose host work outlasts its GPU work runs at the host's pace once such calls follow each
-    other, but a round that starts behind the work the round before it queued shows the GPU's time
-    (a pull reduce-scatter of 0.09 ms on the GPU and ~0.1-0.16 ms of host per call won its trial
-    1.06-1.08x and lost in the bench 0.89-0.93x): what decides which path to take counts it.
+    call whose host work outlasts its GPU work (a short pull's dozens of stream operations) runs at
+    the host's pace once such calls follow each other, which a round that starts behind the work
+    the round before it queued can hide: what decides which path to take counts the host.
     """
 
     if graphs and warmup < 1:

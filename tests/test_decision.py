@@ -37,9 +37,11 @@ def plain_records(monkeypatch, record) -> None:
 
 def timings(monkeypatch, time_variants) -> None:
     """The trial's timings from ``time_variants(variants, rounds, block, warmup, group=, graphs=)``
-    ({variant: ms per call}) as four equal rounds of one rank, on the call's own operands only."""
+    ({variant: ms per call}) as four equal rounds of one rank, on the call's own operands only (the
+    trial asking for rounds no faster than the host enqueued them)."""
 
-    def time_samples(variants, rounds, block, warmup, group=None, graphs=False):
+    def time_samples(variants, rounds, block, warmup, group=None, graphs=False, host_floor=False):
+        assert host_floor, "the trial times the host's pace too"
         times = time_variants(variants, rounds, block, warmup, group=group, graphs=graphs)
         return {name: [[t] * 4] for name, t in times.items()}
 
