@@ -22,12 +22,13 @@ import torch.distributed as dist
 
 from . import bench, comm, overlap, report
 from .config import OverlapConfig, cli_config, resolve
+from .decision import TRIAL_WARMUP
 from .inputs import DTYPES, FP8_DTYPES, OPERAND_DTYPES
 from .plan import widest_budget
 from .prepared import prepare
 from .registry import entry, incumbent, read_entries, write_registry
 from .rules import COLLECTIVES, for_call, resolutions, takes_every_call
-from .runtime import RECORDED_CALLS, plain
+from .runtime import plain
 from .timing import kernel_alone, operand_sets, paired_speedup, round_calls, slowest, time_samples, time_variants
 from .tune_measure import comm_model, host_model, local_model, pull_model, tail_model
 from .tune_model import CommModel, HostModel, Problem, choose, partitions, pick_finalists, wave_bytes, with_local_adds
@@ -311,8 +312,8 @@ def _confirm(shape, collective, candidates, finalists, current, a, w, ex, rounds
         variants["current"] = _call(overlapped, a, w, current, fp8)
     what = "best predicted overall and of each kind, defaults" + (", the registry's" if current is not None else "")
     _progress(f"{m}x{n}x{k}: measuring {len(finalists)} finalists ({what}) against sequential")
-    warmup = RECORDED_CALLS + 1  # (no timed round starts with a kind's first native run, as in the trial)
-    samples = time_samples(variants, 2 * rounds, round_calls(m, n, k, fewest=8), warmup, graphs=graphs, host_floor=True)
+    block = round_calls(m, n, k, fewest=8)  # (warmed up as the trial: no timed round starts with a first native run)
+    samples = time_samples(variants, 2 * rounds, block, TRIAL_WARMUP, graphs=graphs, host_floor=True)
     measured = {name: slowest(ranks) for name, ranks in samples.items()}
     rows = [
         {
@@ -405,7 +406,7 @@ def _brute_force(shape, collective, candidates, preps, max_groups, a, w, rounds,
         variants = {"seq": seq}
         for b, cfg in enumerate(batch):
             variants[f"b{b}"] = _call(overlapped, a, w, cfg, fp8)
-        samples = time_samples(variants, rounds, 4, RECORDED_CALLS + 1, graphs=graphs, host_floor=True)
+        samples = time_samples(variants, rounds, 4, TRIAL_WARMUP, graphs=graphs, host_floor=True)
         for b, cfg in enumerate(batch):
             speedup = paired_speedup(samples["seq"], samples[f"b{b}"])
             if not math.isnan(speedup):  # (a partition some rank could not capture is none)
