@@ -87,24 +87,23 @@ class Tape:
         self.errors.append(error)
 
     def program(self) -> Program:
-        return Program(self.words, self.errors)
+        return Program(self.words, self.errors, len(self.values))
 
 
 class Program:
     """A :class:`Tape` made native: :meth:`replay` enqueues its calls with new per-call values."""
 
-    def __init__(self, words: Sequence[int], errors: Sequence[Callable[[int], str]]) -> None:
+    def __init__(self, words: Sequence[int], errors: Sequence[Callable[[int], str]], values: int) -> None:
         self._words = (ctypes.c_uint64 * len(words))(*words)
         self._errors = tuple(errors)
+        self._values = ctypes.c_uint64 * values  # (made once: a replay's host time is what it is for)
+        self._replay = jit.runtime_library().fo_replay
         self.ops = len(errors)
 
     def replay(self, values: Sequence[int]) -> None:
         """Enqueue the recorded calls, the per-call values (in the tape's order) substituted."""
-        lib = jit.runtime_library()
         status = ctypes.c_int()
-        failed = lib.fo_replay(
-            self._words, len(self._words), (ctypes.c_uint64 * len(values))(*values), ctypes.byref(status)
-        )
+        failed = self._replay(self._words, len(self._words), self._values(*values), ctypes.byref(status))
         if failed >= 0:
             raise RuntimeError(
                 f"flashoverlap: replayed call {failed} of {self.ops} failed: {self._errors[failed](status.value)}"

@@ -38,9 +38,12 @@ class Prepared:
     pulls_start: torch.cuda.Event | None = None  # where the lanes start
     # the GEMM's end on the caller's stream (a window's copies out; a pull's last add)
     gemm_done: torch.cuda.Event | None = None
-    # replay_key -> the call's enqueue.Program; None once seen (noted on the next call like it), False
+    # replay_key -> the call's runtime.Replay; None once seen (noted on the next call like it), False
     # where that call could not be replayed
     programs: dict = field(default_factory=dict)
+    # (exchange, group, tail group, the caller's cudaStream_t) -> the runtime.Replay a repeat takes
+    # first, found without working out its replay_key
+    replays: dict = field(default_factory=dict)
 
     @functools.cached_property
     def out_dtype(self) -> torch.dtype:

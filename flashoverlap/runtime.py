@@ -19,6 +19,7 @@ import torch.distributed as dist
 
 from . import comm, enqueue, signal, state, watchdog
 from .comm import Exchange
+from .comm.nccl import raw_stream
 from .gemm import FusedSums
 from .inputs import Fp8, Scales, epilogue, world_size
 from .prepared import Prepared
@@ -104,6 +105,9 @@ def run_overlapped(
     (comm.direct). A call of a kind this plan ran twice before is replayed natively where it can
     be (:func:`replay_key`, flashoverlap.enqueue)."""
     device = a.device
+    replay = prep.replays.get((ex, group, tail_group, raw_stream(device.index)))
+    if replay is not None and replay.current():
+        return replay(a, weight, scales)
     if torch.cuda.current_device() != device.index:  # (_On switches streams on the current device)
         with torch.cuda.device(device):
             return run_overlapped(prep, a, weight, ex, group, tail_group, scales)
@@ -114,8 +118,10 @@ def run_overlapped(
     # before the GEMM that reads it there; or the rowwise scales themselves), then what it allocates
     scaled = epilogue(scales)
     fresh: list[torch.Tensor] = [t for t in scaled if t is not None]
+    shapes: list[tuple[int, ...]] = []  # (what it allocates, for its replays)
 
     def alloc(shape):
+        shapes.append(tuple(shape))
         fresh.append(torch.empty(shape, dtype=dtype, device=device))
         return fresh[-1]
 
@@ -154,9 +160,7 @@ def run_overlapped(
     known = key is not None and key in prep.programs
     program = prep.programs[key] if known else None
     if program:
-        program.replay([t.data_ptr() for t in tensors])
-        _watch(ex, (a.shape[0], prep.plan.n, a.shape[1]), group, peers, window, caller, device)
-        return result
+        return program(a, weight, scales)
     tape = None
     if known and program is None:  # seen once: what it set up (events, windows, communicators) is there now
         extents = [(t.data_ptr(), t.numel() * t.element_size()) for t in tensors]
@@ -165,23 +169,76 @@ def run_overlapped(
         prep.programs[key] = None
     with enqueue.recording(tape):
         _enqueue(prep, a, weight, ex, (group, tail_group), caller, window, (out, buffer, recv, result), timeout, scaled)
+    watched = _watched(ex, (a.shape[0], prep.plan.n, a.shape[1]), group, peers, window, caller, device)
     if tape is not None:  # (False: a step that is not a native call, on every call like it)
-        prep.programs[key] = tape.program() if tape.usable else False
+        made = fresh[len(fresh) - len(shapes) :]
+        replay = False
+        if tape.usable:
+            shared = window or peers
+            region = None if shared is None else shared.memory
+            which = next(i for i, t in enumerate(made) if t is result)  # (the result is always allocated)
+            waits = signal.stream_waits(device.index, False)
+            replay = Replay(tape.program(), shared, region, waits, tuple(shapes), which, dtype, device, watched)
+            prep.replays[ex, group, tail_group, caller.cuda_stream] = replay
+        prep.programs[key] = replay
     if key is not None or not torch.cuda.is_current_stream_capturing():  # (a graph's owner synchronises its replays)
-        _watch(ex, (a.shape[0], prep.plan.n, a.shape[1]), group, peers, window, caller, device)
+        _watch(watched)
     if timeout is not None:
         signal.raise_on_timeout(prep.report, plan.num_groups, timeout)
     return result
 
 
-def _watch(ex: Exchange, shape: tuple, group, peers, window, caller: torch.cuda.Stream, device: torch.device) -> None:
-    """Hand the call to the watchdog: its end on the caller's stream and, for pulls, the claim for the
-    next call on the communication stream (it waits for the other ranks, and no later call of this
-    process may come to wait behind it)."""
+def _watched(
+    ex: Exchange, shape: tuple, group, peers, window, caller: torch.cuda.Stream, device: torch.device
+) -> tuple:
+    """What the watchdog is handed of a call (:func:`_watch`): its end on the caller's stream and, for
+    pulls, the claim for the next call on the communication stream (it waits for the other ranks,
+    and no later call of this process may come to wait behind it), each (stream, collective, shape,
+    path, group)."""
     path = "pulls" if peers is not None else "an NCCL window" if window is not None else _nccl_path(group)
-    watchdog.track(caller, ex.collective, shape, path, group)
-    if peers is not None:
-        watchdog.track(side_stream(device), ex.collective, shape, path, group)
+    streams = (caller, side_stream(device)) if peers is not None else (caller,)
+    return tuple((stream, ex.collective, shape, path, group) for stream in streams)
+
+
+def _watch(watched: tuple) -> None:
+    """Hand a call to the watchdog (:func:`_watched`)."""
+    for call in watched:
+        watchdog.track(*call)
+
+
+class Replay:
+    """A call's native replay (enqueue.Program) with what calls like it allocate and watch, called
+    as ``replay(a, weight, scales)`` in place of :func:`run_overlapped` while :meth:`current`: a
+    repeat then costs its allocations, the replay and the watchdog's events, nothing else (kept in
+    ``Prepared.replays`` under (exchange, group, tail group, the caller's stream)). ``shared``: the
+    NCCL window or comm.Peers whose memory (``region`` when recorded) its pointers lie in; ``waits``:
+    whether its waits were stream waits (signal.stream_waits); ``shapes``: the tensors it allocates,
+    in order, the ``result``-th returned; ``watched``: :func:`_watched`'s."""
+
+    __slots__ = ("program", "shared", "region", "waits", "shapes", "result", "dtype", "device", "watched")
+
+    def __init__(self, program, shared, region, waits, shapes, result, dtype, device, watched) -> None:
+        self.program, self.shared, self.region, self.waits = program, shared, region, waits
+        self.shapes, self.result, self.dtype, self.device, self.watched = shapes, result, dtype, device, watched
+
+    def current(self) -> bool:
+        """Whether a call now would be recorded the same: its window's (or pulls') memory not grown,
+        no capture, replays on, not in debug mode, waits of the same kind, on the current device."""
+        return (
+            (self.shared is None or self.shared.memory is self.region)
+            and torch.cuda.current_device() == self.device.index
+            and not torch.cuda.is_current_stream_capturing()
+            and os.environ.get("FLASHOVERLAP_REPLAY") != "0"
+            and signal.debug_timeout() is None
+            and signal.stream_waits(self.device.index, False) == self.waits
+        )
+
+    def __call__(self, a: torch.Tensor, weight: torch.Tensor, scales: Scales | None = None) -> torch.Tensor:
+        made = [torch.empty(shape, dtype=self.dtype, device=self.device) for shape in self.shapes]
+        scaled = [t.data_ptr() for t in epilogue(scales) if t is not None]
+        self.program.replay([a.data_ptr(), weight.data_ptr(), *scaled, *(t.data_ptr() for t in made)])
+        _watch(self.watched)
+        return made[self.result]
 
 
 def _nccl_path(group) -> str:

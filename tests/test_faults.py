@@ -358,6 +358,7 @@ def overlapped(monkeypatch, path: str):
     monkeypatch.setattr(torch.cuda, "current_device", lambda: None)
     monkeypatch.setattr(torch.cuda, "current_stream", lambda device=None: SimpleNamespace(cuda_stream=1))
     monkeypatch.setattr(runtime, "replay_key", lambda *args: None)
+    monkeypatch.setattr(runtime, "raw_stream", lambda device: 1)
     monkeypatch.setattr(runtime, "_enqueue", lambda *args: enqueued.append(args[7]))  # (its tensors)
     monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: False)
     monkeypatch.setattr(runtime, "side_stream", lambda device, role="comm": role)

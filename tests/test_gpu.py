@@ -9,7 +9,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from flashoverlap import OverlapConfig, comm, decision, enqueue, runtime, signal, state
+from flashoverlap import OverlapConfig, comm, decision, enqueue, jit, runtime, signal, state
 from flashoverlap.comm import restore
 from flashoverlap.config import resolve
 from flashoverlap.inputs import Fp8, Scales, check_scales
@@ -374,6 +374,7 @@ def test_pipeline_on_one_gpu(nccl_one_rank, monkeypatch, mode, symmetric, nccl, 
             ex = comm.exchange(collective, m, 1, reduction=reduction)
             replays.clear()
             prep.programs.clear()  # (plans are shared by the cases of this test)
+            prep.replays.clear()
             outs = [run_overlapped(prep, *inputs[0][:2], ex, group, tail)]  # may set up communicators, windows
             with no_host_sync():  # none inside a call: the host runs ahead
                 outs += [run_overlapped(prep, a, w, ex, group, tail) for a, w, _ in inputs[1:]]  # counters reset
@@ -652,6 +653,44 @@ def test_a_captured_wait_is_a_stream_wait_that_holds(monkeypatch):
         assert flag.item() == 2
     finally:
         signal.forget_probes()
+
+
+def test_a_replay_keeps_the_order_of_the_stream_operations_it_batches():
+    """fo_replay enqueues stream memory operations in a row on one stream as one batch: in their
+    order (two writes of one flag: the last stays), before the operation after them (a copy reads
+    what they wrote), a row at the end too, rows on two streams each on its own stream."""
+    flags = torch.zeros(8, dtype=torch.int32, device="cuda")
+    lib = jit.runtime_library()
+    side = torch.cuda.Stream()
+    main = torch.cuda.current_stream()
+    at = [flags.data_ptr() + 4 * i for i in range(8)]
+    tape = enqueue.Tape([])
+    for (name, flag, value), stream in [
+        (("fo_write_value", 0, 1), main),
+        (("fo_write_value", 0, 2), main),
+        (("fo_stream_wait", 0, 2), main),  # (already set: a wait that holds nothing up)
+        (("fo_write_value", 1, 3), main),
+        (("fo_write_value", 2, 4), side),  # another stream: the row on `main` goes first
+    ]:
+        function = getattr(lib, name)
+        tape.add(
+            enqueue.signature(function.argtypes), enqueue.address(lib, name), (at[flag], value, stream.cuda_stream), str
+        )
+    tape.add(
+        enqueue.signature(lib.fo_copy_2d.argtypes),
+        enqueue.address(lib, "fo_copy_2d"),
+        (at[4], 8, at[0], 8, 8, 1, main.cuda_stream),
+        str,
+    )  # flags 0, 1 -> 4, 5 after the row
+    tape.add(
+        enqueue.signature(lib.fo_write_value.argtypes),
+        enqueue.address(lib, "fo_write_value"),
+        (at[6], 5, main.cuda_stream),
+        str,
+    )  # the last row
+    tape.program().replay([])
+    torch.cuda.synchronize()
+    assert flags.tolist() == [2, 3, 4, 0, 2, 3, 5, 0]
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])

@@ -16,6 +16,73 @@ def test_a_call_is_recorded_for_replay_only_where_its_tensors_do_not_overlap():
     assert not runtime._disjoint([(0, 0), (0, 0)])  # two empty tensors share address 0
 
 
+def _replay(monkeypatch, shared):
+    """A runtime.Replay on the CPU of a call that allocates [2, 3] then [4] and returns the first,
+    its program and the watchdog noting what they are handed."""
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: None)  # (a CPU device's index)
+    monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: False)
+    monkeypatch.setattr(runtime.signal, "stream_waits", lambda device, capturing: True)
+    monkeypatch.delenv("FLASHOVERLAP_REPLAY", raising=False)
+    monkeypatch.delenv("FLASHOVERLAP_DEBUG", raising=False)
+    replayed, watched = [], []
+    monkeypatch.setattr(runtime.watchdog, "track", lambda *call: watched.append(call))
+    program = type("Program", (), {"replay": lambda self, values: replayed.append(values)})()
+    call = ("caller", "all_reduce", (2, 3, 5), "pulls", "group")
+    region = None if shared is None else shared.memory
+    shapes = ((2, 3), (4,))
+    replay = runtime.Replay(program, shared, region, True, shapes, 0, torch.bfloat16, torch.device("cpu"), (call,))
+    return replay, replayed, watched
+
+
+def test_a_replay_substitutes_the_operands_and_what_it_allocates_and_returns_its_result(monkeypatch):
+    replay, replayed, watched = _replay(monkeypatch, None)
+    a, w = bf16(2, 5), bf16(3, 5)
+    assert replay.current()
+    out = replay(a, w)
+    assert out.shape == (2, 3) and out.dtype == torch.bfloat16
+    assert replayed[0][:3] == [a.data_ptr(), w.data_ptr(), out.data_ptr()] and len(replayed[0]) == 4
+    assert watched == [("caller", "all_reduce", (2, 3, 5), "pulls", "group")]
+    scales = Scales(torch.ones(1), torch.ones(1))  # FP8's: the scales' product, between the operands and the rest
+    replay(a, w, scales)
+    assert len(replayed[1]) == 5
+
+
+@pytest.mark.parametrize("change", ["memory", "capture", "env replay", "env debug", "waits", "device"])
+def test_a_replay_is_taken_only_while_a_call_would_be_recorded_the_same(monkeypatch, change):
+    shared = type("Shared", (), {"memory": torch.empty(4)})()
+    replay, _, _ = _replay(monkeypatch, shared)
+    assert replay.current()
+    if change == "memory":  # the window (or pulls' memory) grew: its pointers are elsewhere
+        shared.memory = torch.empty(8)
+    elif change == "capture":
+        monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: True)
+    elif change == "env replay":
+        monkeypatch.setenv("FLASHOVERLAP_REPLAY", "0")
+    elif change == "env debug":
+        monkeypatch.setenv("FLASHOVERLAP_DEBUG", "1")
+    elif change == "waits":
+        monkeypatch.setattr(runtime.signal, "stream_waits", lambda device, capturing: False)
+    else:
+        monkeypatch.setattr(torch.cuda, "current_device", lambda: 1)
+    assert not replay.current()
+
+
+def test_a_repeat_takes_its_replay_before_anything_else(monkeypatch):
+    """run_overlapped finds a kept replay by (exchange, group, tail group, the caller's stream) and
+    does nothing else; on another stream it goes on (here into a plan that is not there)."""
+    replay, replayed, _ = _replay(monkeypatch, None)
+    monkeypatch.setattr(runtime, "raw_stream", lambda device: 7)
+    ex = comm.exchange("all_reduce", 2, 2)
+    prep = type("Prep", (), {"replays": {(ex, "group", None, 7): replay}})()
+    a, w = bf16(2, 5), bf16(3, 5)
+    out = runtime.run_overlapped(prep, a, w, ex, "group")
+    assert out.shape == (2, 3) and len(replayed) == 1
+    monkeypatch.setattr(runtime, "raw_stream", lambda device: 8)
+    with pytest.raises(AttributeError):
+        runtime.run_overlapped(prep, a, w, ex, "group")
+    assert len(replayed) == 1
+
+
 @pytest.mark.parametrize("layout", ["nk", "kn"])
 def test_the_plain_runner_is_the_matmul_and_nothing_else_on_one_rank(layout):
     """A call decided plain runs the product alone on one rank (the collective of one rank is the

@@ -151,11 +151,14 @@ __global__ void spin_wait(uint32_t const* counter, uint32_t target, uint64_t tim
   }
 }
 
-// cuStreamWaitValue32 / cuStreamWriteValue32 (one signature) from the driver the runtime uses (no
-// link to libcuda, no Python bindings to match the driver's version); null where the driver lacks it.
+// Driver functions from the driver the runtime uses (no link to libcuda, no Python bindings to
+// match the driver's version): cuStreamWaitValue32 / cuStreamWriteValue32 (one signature), and
+// cuStreamBatchMemOp; null where the driver lacks them.
 using StreamValue32 = CUresult (*)(CUstream, CUdeviceptr, cuuint32_t, unsigned int);
+using BatchMemOp = CUresult (*)(CUstream, unsigned int, CUstreamBatchMemOpParams*, unsigned int);
 
-StreamValue32 driver_entry(char const* name) {
+template <class F>
+F driver_entry(char const* name) {
   void* found = nullptr;
   cudaDriverEntryPointQueryResult status;
 #if CUDART_VERSION >= 12050
@@ -163,7 +166,7 @@ StreamValue32 driver_entry(char const* name) {
 #else
   cudaError_t err = cudaGetDriverEntryPoint(name, &found, cudaEnableDefault, &status);
 #endif
-  return err == cudaSuccess && status == cudaDriverEntryPointSuccess ? reinterpret_cast<StreamValue32>(found) : nullptr;
+  return err == cudaSuccess && status == cudaDriverEntryPointSuccess ? reinterpret_cast<F>(found) : nullptr;
 }
 
 // A stream memory operation on `counter` (no SM): `name` the driver function, `flags` its own.
@@ -180,6 +183,57 @@ int stream_value(char const* name, StreamValue32 fn, void const* counter, unsign
   }
   return 0;
 }
+
+// Stream memory operations in a row on one stream (a pull's waits and flag writes: a third of a
+// call's operations) are enqueued as one cuStreamBatchMemOp, in their order: one driver call for
+// the row instead of ~1-2 us of host time each.
+struct MemOps {
+  static constexpr int kMax = 32;
+  CUstreamBatchMemOpParams ops[kMax];
+  int count = 0;
+  int first = 0;  // the replayed op the row starts at (its errors name it)
+  void* stream = nullptr;
+
+  // Adds fo_stream_wait's or fo_write_value's (address, value) on `stream` after enqueuing the row
+  // so far where it is on another stream or full; false where that enqueue failed.
+  bool add(bool wait, uint64_t address, unsigned value, void* on, int index) {
+    if (count > 0 && (on != stream || count == kMax) && !flush()) {
+      return false;
+    }
+    if (count == 0) {
+      first = index;
+      stream = on;
+    }
+    CUstreamBatchMemOpParams& op = ops[count++];
+    op = {};
+    if (wait) {
+      op.waitValue.operation = CU_STREAM_MEM_OP_WAIT_VALUE_32;
+      op.waitValue.address = CUdeviceptr(address);
+      op.waitValue.value = value;
+      op.waitValue.flags = CU_STREAM_WAIT_VALUE_GEQ;
+    } else {
+      op.writeValue.operation = CU_STREAM_MEM_OP_WRITE_VALUE_32;
+      op.writeValue.address = CUdeviceptr(address);
+      op.writeValue.value = value;
+      op.writeValue.flags = CU_STREAM_WRITE_VALUE_DEFAULT;
+    }
+    return true;
+  }
+
+  // Enqueues the row (if any); false where the driver refused it.
+  bool flush() {
+    static BatchMemOp const batch = driver_entry<BatchMemOp>("cuStreamBatchMemOp");
+    int const n = count;
+    count = 0;
+    if (n == 0) return true;
+    CUresult const err = batch(static_cast<CUstream>(stream), unsigned(n), ops, 0);
+    if (err != CUDA_SUCCESS) {
+      std::snprintf(g_error, sizeof(g_error), "cuStreamBatchMemOp of %d operations returned CUresult %d", n, int(err));
+      return false;
+    }
+    return true;
+  }
+};
 
 }  // namespace
 
@@ -233,7 +287,7 @@ int fo_zero(void* ptr, size_t bytes, void* stream) {
 // Makes the stream wait (in the GPU's front end, no SM) until *counter >= target, cyclic; returns
 // non-zero where stream memory operations are missing or refused.
 int fo_stream_wait(void const* counter, unsigned target, void* stream) {
-  static StreamValue32 const fn = driver_entry("cuStreamWaitValue32");
+  static StreamValue32 const fn = driver_entry<StreamValue32>("cuStreamWaitValue32");
   return stream_value("cuStreamWaitValue32", fn, counter, target, CU_STREAM_WAIT_VALUE_GEQ, stream);
 }
 
@@ -241,7 +295,7 @@ int fo_stream_wait(void const* counter, unsigned target, void* stream) {
 // orders it behind a memory barrier): a rank's signal to another one's stream, which waits on the
 // flag in its own memory (flashoverlap.comm.peer).
 int fo_write_value(void* flag, unsigned value, void* stream) {
-  static StreamValue32 const fn = driver_entry("cuStreamWriteValue32");
+  static StreamValue32 const fn = driver_entry<StreamValue32>("cuStreamWriteValue32");
   return stream_value("cuStreamWriteValue32", fn, flag, value, CU_STREAM_WRITE_VALUE_DEFAULT, stream);
 }
 
@@ -280,6 +334,10 @@ int fo_replay(uint64_t const* ops, int64_t words, uint64_t const* values, int* s
   using N = size_t;
   constexpr int kArgs[] = {2, 3, 3, 7, 6, 7, 6, 6, 0, 30, 11, 14};  // per signature (checked by a CPU test)
   constexpr int kSignatures = sizeof(kArgs) / sizeof(kArgs[0]);
+  static bool const batches = driver_entry<BatchMemOp>("cuStreamBatchMemOp") != nullptr;
+  void* const wait_fn = reinterpret_cast<void*>(&fo_stream_wait);
+  void* const write_fn = reinterpret_cast<void*>(&fo_write_value);
+  MemOps row;
   uint64_t a[30];
   int index = 0;
   for (int64_t w = 0; w < words; ++index) {
@@ -293,6 +351,17 @@ int fo_replay(uint64_t const* ops, int64_t words, uint64_t const* values, int* s
     w += 2;
     for (int i = 0; i < kArgs[sig]; ++i, w += 2) {
       a[i] = ops[w] == 0 ? ops[w + 1] : values[ops[w] - 1] + ops[w + 1];
+    }
+    if (sig == 1 && batches && (fn == wait_fn || fn == write_fn)) {
+      if (!row.add(fn == wait_fn, a[0], U(a[1]), P(a[2]), index)) {
+        *status = 1;
+        return row.first;
+      }
+      continue;
+    }
+    if (!row.flush()) {  // (what came before this op, in order)
+      *status = 1;
+      return row.first;
     }
     int rc = 0;
     switch (sig) {
@@ -351,6 +420,10 @@ int fo_replay(uint64_t const* ops, int64_t words, uint64_t const* values, int* s
       *status = rc;
       return index;
     }
+  }
+  if (!row.flush()) {
+    *status = 1;
+    return row.first;
   }
   return -1;
 }
