@@ -1,11 +1,13 @@
 """Where a replayed call's host time goes (torchrun): the public call back to back against its
-pieces, each timed alone the same way (ms per call of 200 calls while the host runs ahead; where
+pieces, each timed alone the same way (us per call of 200 calls while the host runs ahead; where
 the host sets the pace, host time): ``call`` (the public call), ``runner`` (the kept decision's
 runner: the call less its front), ``replay`` (runtime.Replay: allocations, native replay,
-watchdog), ``native`` (enqueue.Program.replay alone), ``allocs``, ``watch``, ``current`` (the
+watchdog), ``native`` (enqueue.Program.replay alone), ``unbatched`` (the same native replay with
+every stream memory operation enqueued on its own), ``allocs``, ``watch``, ``current`` (the
 replay's checks), and ``torch`` (``F.linear`` + torch.distributed's collective). Then the native
 replay's driver calls by kind, from a build of csrc/runtime.cu that times each (rows of stream
-memory operations as one). The cases take turns in balanced orders; medians of 4 blocks.
+memory operations as one). The cases take turns in balanced orders (timing.balanced_orders), one
+block each per order; the median block.
   torchrun --nproc-per-node 2 bench/replay_profile.py MxNxK CONFIG_JSON [COLLECTIVE]
 (COLLECTIVE: all_reduce (default), reduce_scatter or all_to_all, split evenly; the config must
 make the call overlapped and replayable: NCCL's C API or pulls.)"""
@@ -30,9 +32,10 @@ ROWS = len(KINDS)  # (the timed build's slot for rows of stream memory operation
 SINCE = "std::chrono::duration<double, std::nano>(std::chrono::steady_clock::now() - t0_).count()"
 
 
-def timed_source() -> str:
+def timed_source(batched: bool = True) -> str:
     """csrc/runtime.cu with each replayed call's host time added up per signature, and per row of
-    stream memory operations (``fo_times`` reads and resets the sums)."""
+    stream memory operations (``fo_times`` reads and resets the sums); ``batched`` False: every
+    stream memory operation enqueued on its own."""
     src = (jit._PACKAGE_DIR / "csrc" / "runtime.cu").read_text()
     edits = [
         ("#include <algorithm>", "#include <algorithm>\n#include <chrono>"),
@@ -57,6 +60,13 @@ def timed_source() -> str:
             '    if (err != CUDA_SUCCESS) {\n      std::snprintf(g_error, sizeof(g_error), "cuStreamBatchMemOp',
         ),
     ]
+    if not batched:
+        edits.append(
+            (
+                'static bool const batches = driver_entry<BatchMemOp>("cuStreamBatchMemOp") != nullptr;',
+                "static bool const batches = false;",
+            )
+        )
     for old, new in edits:
         if src.count(old) != 1:
             raise RuntimeError(f"csrc/runtime.cu changed: {old!r} is not there once")
@@ -102,11 +112,23 @@ def main() -> None:
     runner = list(state.kept(None).runners.values())[-1][0]
     made = [torch.empty(shape, dtype=replay.dtype, device="cuda") for shape in replay.shapes]
     values = [a.data_ptr(), w.data_ptr(), *(t.data_ptr() for t in made)]
+    # the same words replayed by a build that batches nothing: their functions are the first build's
+    unbatched = ctypes.CDLL(str(jit.build("fo_runtime_unbatched", timed_source(False), arch=jit.RUNTIME_ARCH)))
+    unbatched.fo_replay.argtypes = jit.runtime_library().fo_replay.argtypes
+    words = replay.program._words
+    status = ctypes.c_int()
+
+    def one_by_one() -> None:
+        if unbatched.fo_replay(words, len(words), (ctypes.c_uint64 * len(values))(*values), ctypes.byref(status)) >= 0:
+            raise RuntimeError(unbatched.fo_runtime_error().decode())
+
+    unbatched.fo_runtime_error.restype = ctypes.c_char_p
     cases = {
         "call": lambda: call(a, w, config=cfg),
         "runner": lambda: runner(a, w, None),
         "replay": lambda: replay(a, w, None),
         "native": lambda: replay.program.replay(values),
+        "unbatched": one_by_one,
         "allocs": lambda: [torch.empty(s, dtype=replay.dtype, device="cuda") for s in replay.shapes],
         "watch": lambda: runtime._watch(replay.watched),
         "current": replay.current,
@@ -114,7 +136,7 @@ def main() -> None:
     }
     names = list(cases)
     blocks: dict[str, list[float]] = {c: [] for c in names}
-    for order in balanced_orders(len(names))[:4]:
+    for order in balanced_orders(len(names)):
         for v in order:
             blocks[names[v]].append(per_call_us(cases[names[v]]))
     lib = jit.runtime_library()
@@ -131,7 +153,7 @@ def main() -> None:
         )
         for case in names:
             each = [round(b, 1) for b in blocks[case]]
-            print(f"  {case:>8}: {statistics.median(blocks[case]):6.1f} us per call  {each}")
+            print(f"  {case:>9}: {statistics.median(blocks[case]):6.1f} us per call  {each}")
         print("  native, by kind (us per call):")
         for i, kind in enumerate(KINDS):
             if counts[i]:

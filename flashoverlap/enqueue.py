@@ -102,6 +102,8 @@ class Program:
 
     def replay(self, values: Sequence[int]) -> None:
         """Enqueue the recorded calls, the per-call values (in the tape's order) substituted."""
+        if len(values) != self._values._length_:  # (ctypes would pad a short list with null pointers)
+            raise ValueError(f"replay: {len(values)} per-call values for a tape of {self._values._length_}")
         status = ctypes.c_int()
         failed = self._replay(self._words, len(self._words), self._values(*values), ctypes.byref(status))
         if failed >= 0:

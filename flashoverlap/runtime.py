@@ -159,8 +159,11 @@ def run_overlapped(
     key = replay_key(prep, ex, (group, tail_group), caller, window or peers, timeout)
     known = key is not None and key in prep.programs
     program = prep.programs[key] if known else None
-    if program:
-        return program(a, weight, scales)
+    if program:  # (kept under another stream key, or displaced there by a recording with other waits)
+        prep.replays[ex, group, tail_group, caller.cuda_stream] = program
+        program.program.replay([t.data_ptr() for t in tensors])
+        _watch(program.watched)
+        return result
     tape = None
     if known and program is None:  # seen once: what it set up (events, windows, communicators) is there now
         extents = [(t.data_ptr(), t.numel() * t.element_size()) for t in tensors]
@@ -172,11 +175,11 @@ def run_overlapped(
     watched = _watched(ex, (a.shape[0], prep.plan.n, a.shape[1]), group, peers, window, caller, device)
     if tape is not None:  # (False: a step that is not a native call, on every call like it)
         made = fresh[len(fresh) - len(shapes) :]
+        which = next((i for i, t in enumerate(made) if t is result), None)  # (always allocated, today)
         replay = False
-        if tape.usable:
+        if tape.usable and which is not None:
             shared = window or peers
             region = None if shared is None else shared.memory
-            which = next(i for i, t in enumerate(made) if t is result)  # (the result is always allocated)
             waits = signal.stream_waits(device.index, False)
             replay = Replay(tape.program(), shared, region, waits, tuple(shapes), which, dtype, device, watched)
             prep.replays[ex, group, tail_group, caller.cuda_stream] = replay
@@ -234,9 +237,11 @@ class Replay:
         )
 
     def __call__(self, a: torch.Tensor, weight: torch.Tensor, scales: Scales | None = None) -> torch.Tensor:
+        # (an FP8 call's scales' product is made here, a new tensor: held until the GEMM reading it is
+        # enqueued, so that no other allocation on the stream can take its memory first)
+        scaled = [t for t in epilogue(scales) if t is not None]
         made = [torch.empty(shape, dtype=self.dtype, device=self.device) for shape in self.shapes]
-        scaled = [t.data_ptr() for t in epilogue(scales) if t is not None]
-        self.program.replay([a.data_ptr(), weight.data_ptr(), *scaled, *(t.data_ptr() for t in made)])
+        self.program.replay([t.data_ptr() for t in (a, weight, *scaled, *made)])
         _watch(self.watched)
         return made[self.result]
 

@@ -350,9 +350,10 @@ def test_pipeline_on_one_gpu(nccl_one_rank, monkeypatch, mode, symmetric, nccl, 
     the same by copies out of the ranks' memory (comm.peer: no NCCL, so native on either path).
     Four calls on new operands: through NCCL's C API the third and fourth are replayed natively
     (every step of every layout is a native call on one rank; runtime.replay_key)."""
-    replays = []
-    replay = enqueue.Program.replay
+    replays, keys = [], []
+    replay, replay_key = enqueue.Program.replay, runtime.replay_key
     monkeypatch.setattr(enqueue.Program, "replay", lambda self, values: replays.append(1) or replay(self, values))
+    monkeypatch.setattr(runtime, "replay_key", lambda *args: keys.append(1) or replay_key(*args))
     if reduction in comm.PULLS and symmetric:
         pytest.skip("pulls bring their own memory (no NCCL window)")
     native = nccl == "direct" or reduction in comm.PULLS
@@ -373,6 +374,7 @@ def test_pipeline_on_one_gpu(nccl_one_rank, monkeypatch, mode, symmetric, nccl, 
             prep = prepare(m, n, k, torch.bfloat16, "nk", inputs[0][0].device, cfg)
             ex = comm.exchange(collective, m, 1, reduction=reduction)
             replays.clear()
+            keys.clear()
             prep.programs.clear()  # (plans are shared by the cases of this test)
             prep.replays.clear()
             outs = [run_overlapped(prep, *inputs[0][:2], ex, group, tail)]  # may set up communicators, windows
@@ -384,6 +386,8 @@ def test_pipeline_on_one_gpu(nccl_one_rank, monkeypatch, mode, symmetric, nccl, 
             for i, (out, (_, _, ref)) in enumerate(zip(outs, inputs)):
                 assert not torch.isnan(out).any() and rel_err(out, ref) < 1e-2, f"call {i}"
             assert len(replays) == (len(inputs) - runtime.RECORDED_CALLS if native else 0)
+            # the replays kept and taken first: only the recorded calls work out their replay key
+            assert len(prep.replays) == native and len(keys) == (runtime.RECORDED_CALLS if native else len(inputs))
     finally:
         signal.forget_probes()
 
@@ -658,11 +662,12 @@ def test_a_captured_wait_is_a_stream_wait_that_holds(monkeypatch):
 def test_a_replay_keeps_the_order_of_the_stream_operations_it_batches():
     """fo_replay enqueues stream memory operations in a row on one stream as one batch: in their
     order (two writes of one flag: the last stays), before the operation after them (a copy reads
-    what they wrote), a row at the end too, rows on two streams each on its own stream."""
+    what they wrote), a row at the end too, and a row on another stream in between."""
     flags = torch.zeros(8, dtype=torch.int32, device="cuda")
     lib = jit.runtime_library()
     side = torch.cuda.Stream()
     main = torch.cuda.current_stream()
+    side.wait_stream(main)  # (the zeros first)
     at = [flags.data_ptr() + 4 * i for i in range(8)]
     tape = enqueue.Tape([])
     for (name, flag, value), stream in [

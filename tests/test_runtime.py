@@ -43,8 +43,9 @@ def test_a_replay_substitutes_the_operands_and_what_it_allocates_and_returns_its
     assert replayed[0][:3] == [a.data_ptr(), w.data_ptr(), out.data_ptr()] and len(replayed[0]) == 4
     assert watched == [("caller", "all_reduce", (2, 3, 5), "pulls", "group")]
     scales = Scales(torch.ones(1), torch.ones(1))  # FP8's: the scales' product, between the operands and the rest
-    replay(a, w, scales)
-    assert len(replayed[1]) == 5
+    out = replay(a, w, scales)
+    assert len(replayed[1]) == 5 and replayed[1][:2] == [a.data_ptr(), w.data_ptr()]
+    assert replayed[1][3] == out.data_ptr()
 
 
 @pytest.mark.parametrize("change", ["memory", "capture", "env replay", "env debug", "waits", "device"])
@@ -78,7 +79,7 @@ def test_a_repeat_takes_its_replay_before_anything_else(monkeypatch):
     out = runtime.run_overlapped(prep, a, w, ex, "group")
     assert out.shape == (2, 3) and len(replayed) == 1
     monkeypatch.setattr(runtime, "raw_stream", lambda device: 8)
-    with pytest.raises(AttributeError):
+    with pytest.raises(AttributeError, match="plan"):
         runtime.run_overlapped(prep, a, w, ex, "group")
     assert len(replayed) == 1
 

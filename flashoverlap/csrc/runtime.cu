@@ -327,7 +327,9 @@ int fo_spin_wait(void const* counter, unsigned target, unsigned long long timeou
 // argument (slot, value)]; an argument is `value` where slot is 0, else values[slot - 1] + value (what
 // changes per call: the operands, the buffers allocated per call). Signatures
 // are flashoverlap.enqueue.SIGNATURES by index: p pointer, u unsigned, i int, n size_t. Returns -1,
-// or the index of the op that failed, its status in *status (the callee's own error code).
+// or the index of the op that failed, its status in *status (the callee's own error code; for a row
+// of stream memory operations enqueued as one, MemOps, the row's first op and 1). Every op before
+// the one that failed is enqueued.
 int fo_replay(uint64_t const* ops, int64_t words, uint64_t const* values, int* status) {
   using P = void*;
   using U = unsigned;
@@ -344,6 +346,10 @@ int fo_replay(uint64_t const* ops, int64_t words, uint64_t const* values, int* s
     uint64_t const sig = ops[w];
     void* const fn = reinterpret_cast<void*>(ops[w + 1]);
     if (sig >= uint64_t(kSignatures) || w + 2 + 2 * kArgs[sig] > words) {
+      if (!row.flush()) {
+        *status = 1;
+        return row.first;
+      }
       std::snprintf(g_error, sizeof(g_error), "replay: malformed op %d", index);
       *status = -1;
       return index;
