@@ -34,7 +34,9 @@ CALLS = 400
 BLOCK = 50  # calls per timed block where the paths take turns
 
 
-def per_call_us(fn, calls: int = CALLS) -> float:
+def per_call_us(fn, calls: int = CALLS, waited: bool = True) -> float:
+    """us per call of ``calls`` back to back after a warm-up, the GPU waited for at the end
+    (``waited`` False: the host's time alone, the work still queued not counted)."""
     for _ in range(20):
         fn()
     torch.cuda.synchronize()
@@ -42,12 +44,18 @@ def per_call_us(fn, calls: int = CALLS) -> float:
     start = time.perf_counter()
     for _ in range(calls):
         fn()
+    if waited:
+        torch.cuda.synchronize()
+    elapsed = time.perf_counter() - start
     torch.cuda.synchronize()
-    return (time.perf_counter() - start) / calls * 1e6
+    return elapsed / calls * 1e6
 
 
-def main() -> None:
-    m, n, k = (int(x) for x in (sys.argv[1] if len(sys.argv) > 1 else "256x2048x2048").split("x"))
+def setup(default_shape: str = "256x2048x2048"):
+    """This rank's process group (NCCL, the GPU of its local rank) and the call the command line
+    names, [MxNxK] [CONFIG_JSON] [COLLECTIVE]: rank, (m, n, k), the config dict, the collective,
+    random bf16 operands a [M, K] and w [N, K], the call's even Exchange, the public call."""
+    m, n, k = (int(x) for x in (sys.argv[1] if len(sys.argv) > 1 else default_shape).split("x"))
     config = json.loads(sys.argv[2]) if len(sys.argv) > 2 else {}
     name = sys.argv[3] if len(sys.argv) > 3 else "all_reduce"
     rank = int(os.environ["LOCAL_RANK"])
@@ -56,7 +64,11 @@ def main() -> None:
     a = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
     w = torch.randn(n, k, device="cuda", dtype=torch.bfloat16)
     ex = comm.exchange(name, m, dist.get_world_size())
-    call = getattr(flashoverlap, f"gemm_{name}")
+    return rank, (m, n, k), config, name, a, w, ex, getattr(flashoverlap, f"gemm_{name}")
+
+
+def main() -> None:
+    rank, (m, n, k), config, name, a, w, ex, call = setup()
     c = a @ w.t()
     plain = OverlapConfig(sequential=True)
     cases = {

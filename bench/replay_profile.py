@@ -13,16 +13,16 @@ block each per order; the median block.
 make the call overlapped and replayable: NCCL's C API or pulls.)"""
 
 import ctypes
-import json
-import os
 import statistics
 import sys
-import time
 
 import torch
 import torch.distributed as dist
+from host_profile import (  # (bench/host_profile.py: torchrun puts this script's folder first on the path)
+    per_call_us,
+    setup,
+)
 
-import flashoverlap
 from flashoverlap import comm, jit, runtime, state
 from flashoverlap.config import OverlapConfig
 from flashoverlap.timing import balanced_orders
@@ -77,31 +77,10 @@ def timed_source(batched: bool = True) -> str:
     )
 
 
-def per_call_us(fn, calls: int = 200) -> float:
-    for _ in range(10):
-        fn()
-    torch.cuda.synchronize()
-    dist.barrier()
-    start = time.perf_counter()
-    for _ in range(calls):
-        fn()
-    elapsed = time.perf_counter() - start
-    torch.cuda.synchronize()
-    return elapsed / calls * 1e6
-
-
 def main() -> None:
     jit.build_runtime = lambda **kw: jit.build("fo_runtime_timed", timed_source(), arch=jit.RUNTIME_ARCH, **kw)
-    m, n, k = (int(x) for x in sys.argv[1].split("x"))
-    cfg = OverlapConfig.from_dict(json.loads(sys.argv[2]))
-    name = sys.argv[3] if len(sys.argv) > 3 else "all_reduce"
-    rank = int(os.environ["LOCAL_RANK"])
-    torch.cuda.set_device(rank)
-    dist.init_process_group("nccl", device_id=torch.device("cuda", rank))
-    a = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
-    w = torch.randn(n, k, device="cuda", dtype=torch.bfloat16)
-    ex = comm.exchange(name, m, dist.get_world_size())
-    call = getattr(flashoverlap, f"gemm_{name}")
+    rank, (m, n, k), config, name, a, w, ex, call = setup()
+    cfg = OverlapConfig.from_dict(config)
     for _ in range(runtime.RECORDED_CALLS + 2):
         call(a, w, config=cfg)
     torch.cuda.synchronize()
@@ -138,7 +117,7 @@ def main() -> None:
     blocks: dict[str, list[float]] = {c: [] for c in names}
     for order in balanced_orders(len(names)):
         for v in order:
-            blocks[names[v]].append(per_call_us(cases[names[v]]))
+            blocks[names[v]].append(per_call_us(cases[names[v]], 200, waited=False))
     lib = jit.runtime_library()
     ns, counts = (ctypes.c_double * 16)(), (ctypes.c_longlong * 16)()
     lib.fo_times(ns, counts)
