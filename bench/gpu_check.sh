@@ -25,7 +25,8 @@
 #   small   bench/small.yaml (M 8-2048) for every collective, eager and as CUDA graphs, hot and rotated
 #           inputs, the registry's path (untuned: timed on first use) and the forced fallback beside seq
 #           (SMALL_COLLECTIVES, SMALL_MODES); NVLink
-#   host    host time per call of each path on a host-bound shape, and where it goes (bench/host_profile.py)
+#   host    host time per call of each path on a host-bound shape, and where it goes (bench/host_profile.py);
+#           a replayed pull reduce-scatter's pieces (bench/replay_profile.py)
 #   symm    NCCL ring vs symmetric-memory vs copy-engine kernels on a few CTAs beside the GEMM
 #           (bench/symmetric_probe.py; NCCL's kernel choices in symm.log)
 #   fp8     FP8 e4m3 (per-tensor scales, bf16 out): the kernels alone against cuBLAS (bench/fp8_probe.py,
@@ -151,7 +152,10 @@ for step in $steps; do
     done ;;
   host)
     timeout 120 torchrun --nproc-per-node "$NGPU" bench/host_profile.py > "$OUT/host.log" 2>&1
-    grep "us per call" "$OUT/host.log" ;;
+    grep "us per call" "$OUT/host.log"
+    timeout 120 torchrun --nproc-per-node "$NGPU" bench/replay_profile.py 1024x8192x2048 \
+      '{"reduction": "pull_fused", "comm_sms": 0, "layout": "rows"}' reduce_scatter > "$OUT/replay.log" 2>&1
+    grep -A24 "operations per call" "$OUT/replay.log" ;;
   fp8)
     CUDA_VISIBLE_DEVICES=0 timeout 200 python3 bench/fp8_probe.py > "$OUT/fp8_probe.log" 2>&1
     grep -v '^\[flashoverlap\]' "$OUT/fp8_probe.log" | tail -n 40
