@@ -4,6 +4,7 @@ H200s, ...), one row per variant, shape and run, and the plots and tables drawn 
     python bench/results.py                      # redraw bench/results/plots/*.png from the CSVs
     python bench/results.py table [--shapes]     # the current runs as markdown (a row per setup, or per shape)
     python bench/results.py plain RUN [RUN ...]  # the plain path's cost in those runs (fallback, noise floor)
+    python bench/results.py rounds ROUNDS.csv ... # each variant against seq, with the interval one run allows
     python bench/results.py append run.csv [--note TEXT] [--run NAME]
         # add a ``python -m flashoverlap.bench --csv run.csv`` output to its machine's CSV, with
         # today's date and this checkout's commit
@@ -411,6 +412,63 @@ def git_commit() -> str:
     return out.stdout.strip()
 
 
+PARTS = ("gemm", "comm", "kernel")  # rounds of a call's parts (kernel0, ...): nothing to compare with seq
+
+
+def _kind(variant: str, config: str) -> str:
+    """A rounds CSV's variant as :func:`rounds` groups it: the registry's calls decided plain apart
+    from the overlapped ones."""
+    if config.startswith("registry"):
+        return "registry, plain" if '"sequential": true' in config else "registry, overlapped"
+    return variant if not config else f"{variant} {config}"
+
+
+def rounds(paths: Sequence[Path], floor: float = 0.98, within: float = 0.01) -> str:
+    """Every variant of a bench's ``--rounds-csv`` outputs against ``seq``, per input mode, as markdown:
+    over the shapes the mean and the worst paired speedup (flashoverlap.timing.paired_speedup, the
+    bench's) with the 95 % interval one run puts that worst in (timing.paired_interval), and the
+    shapes whose whole interval lies below ``floor`` or outside ``within`` of ``seq``: a worst of
+    many shapes is a tail of their noise as often as a loss, which only the interval tells apart."""
+    from flashoverlap.timing import paired_interval, paired_speedup  # (torch: the other commands need none)
+
+    times: dict[tuple, dict[int, dict[int, float]]] = {}
+    for path in paths:
+        for r in read(path):
+            key = (r["inputs"], _kind(r["variant"], r["config"]), r["shape"])
+            times.setdefault(key, {}).setdefault(int(r["rank"]), {})[int(r["round"])] = _num(r["ms"])
+
+    def ranks(key: tuple) -> list[list[float]]:
+        return [[per[i] for i in sorted(per)] for _, per in sorted(times[key].items())]
+
+    cases: dict[tuple, list[tuple[str, float, tuple[float, float]]]] = {}
+    for inputs, kind, shape in sorted(times):
+        if kind == "seq" or kind.startswith(PARTS) or (inputs, "seq", shape) not in times:
+            continue
+        base, other = ranks((inputs, "seq", shape)), ranks((inputs, kind, shape))
+        cases.setdefault((inputs, kind), []).append((shape, paired_speedup(base, other), paired_interval(base, other)))
+    lines = [
+        f"| inputs | variant | shapes | mean | worst (95 % interval) | wholly below {floor} | "
+        f"wholly outside {1 - within:.2f}-{1 + within:.2f} |",
+        "| --- | --- | --- | --- | --- | --- | --- |",
+    ]
+    for (inputs, kind), shapes in sorted(cases.items(), key=lambda item: (item[0][0] != "rotated", item[0])):
+        shape, worst, (low, high) = min(shapes, key=lambda case: case[1])
+        below = [s for s, _, (_, hi) in shapes if hi < floor]
+        outside = [s for s, _, (lo, hi) in shapes if hi < 1 - within or lo > 1 + within]
+        mean = statistics.fmean(speedup for _, speedup, _ in shapes)
+        lines.append(
+            f"| {inputs} | {kind} | {len(shapes)} | {mean:.3f} | {worst:.3f} ({low:.3f}-{high:.3f}, {shape}) | "
+            f"{_some(below)} | {_some(outside)} |"
+        )
+    return "\n".join(lines)
+
+
+def _some(shapes: Sequence[str], shown: int = 4) -> str:
+    """How many ``shapes``, and the first ``shown`` of them."""
+    more = f", {len(shapes) - shown} more" if len(shapes) > shown else ""
+    return f"{len(shapes)}: {', '.join(shapes[:shown])}{more}" if shapes else "0"
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python bench/results.py", description=__doc__.split("\n\n")[0])
     parser.add_argument("--results", type=Path, default=HERE, help="the folder of the machines' CSVs")
@@ -420,6 +478,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     show.add_argument("--shapes", action="store_true", help="a table per setup with a row per shape")
     cost = sub.add_parser("plain", help="print the plain path's cost in the named runs as markdown")
     cost.add_argument("runs", nargs="+", help="the runs' names (the CSVs' run column)")
+    noise = sub.add_parser("rounds", help="every variant against seq with the interval one run puts it in")
+    noise.add_argument("csv", nargs="+", type=Path, help="outputs of python -m flashoverlap.bench --rounds-csv")
+    noise.add_argument("--floor", type=float, default=0.98, help="speedups below this count as losses")
+    noise.add_argument("--within", type=float, default=0.01, help="how close to seq counts as the same")
     more = sub.add_parser("append", help="append bench CSVs to their machines' CSVs")
     more.add_argument("csv", nargs="+", type=Path, help="outputs of python -m flashoverlap.bench --csv")
     more.add_argument("--date", default=datetime.date.today().isoformat())
@@ -433,6 +495,9 @@ def main(argv: Sequence[str] | None = None) -> int:
             rows = tidy(read(path), args.date, commit, args.run or path.stem, args.note)
             for written in add(rows, args.results):
                 print(f"{path} -> {written}")
+        return 0
+    if args.command == "rounds":
+        print(rounds(args.csv, args.floor, args.within))
         return 0
     rows = load(args.results)
     if args.command == "table":

@@ -18,6 +18,7 @@ import statistics
 import time
 from collections.abc import Callable, Sequence
 
+import numpy as np
 import torch
 import torch.distributed as dist
 
@@ -234,6 +235,24 @@ def paired_spread(base: Sequence[Sequence[float]], other: Sequence[Sequence[floa
     time over other's, round by round): the noise of a paired speedup, which the host's drift
     between turns, moving both variants of a turn alike, does not widen."""
     return spread(_round_ratios(base, other))
+
+
+def paired_interval(
+    base: Sequence[Sequence[float]], other: Sequence[Sequence[float]], level: float = 0.95, resamples: int = 2000
+) -> tuple[float, float]:
+    """Where :func:`paired_speedup` of ``other`` over ``base`` lies with probability ``level``, as
+    far as one run can tell: a bootstrap over rounds, the same rounds drawn for every rank (a round
+    is one turn of every variant on every rank), the same draws every time (seeded). The worst of
+    many shapes' speedups is a tail of noise as often as a loss; this says which a shape's is (NaN,
+    NaN where any round's time is NaN)."""
+    ratios = np.array([r[: min(map(len, base))] for r in _round_ratios(base, other)], dtype=float)
+    if ratios.size == 0 or np.isnan(ratios).any():
+        return math.nan, math.nan
+    rounds = ratios.shape[1]
+    draws = np.random.default_rng(0).integers(0, rounds, size=(resamples, rounds))
+    stats = np.median(ratios[:, draws], axis=2).min(axis=0)  # (the slowest rank's view, as paired_speedup)
+    low, high = np.quantile(stats, [(1 - level) / 2, (1 + level) / 2])
+    return float(low), float(high)
 
 
 def balanced_orders(n: int) -> list[list[int]]:

@@ -185,6 +185,35 @@ def test_appended_runs_and_which_are_current(tmp_path, capsys):
     ]
 
 
+def test_rounds_tell_a_loss_from_the_noise_of_one_run(tmp_path, capsys):
+    """``rounds``: per input mode and variant, the worst shape's paired speedup over seq with its
+    interval; a shape counts as below the floor (or outside seq's band) only where its whole
+    interval is: a steady 5 % loss does, a noisy one whose median lies below the floor does not."""
+    rng = __import__("random").Random(0)
+    path = tmp_path / "run_rounds.csv"
+    registry = 'registry:{"layout": "auto", "sequential": true} nccl=direct'
+    with path.open("w", newline="") as f:
+        out = csv.writer(f)
+        out.writerow(["shape", "inputs", "variant", "config", "rank", "round", "ms"])
+        for rank in (0, 1):
+            for r in range(30):
+                host = rng.uniform(1.0, 2.0)  # (the host's drift: every variant of a round alike)
+                for variant, config, ms in [
+                    ("seq", "", host),
+                    ("fallback", "", host * rng.gauss(1.05, 0.1)),  # noisy: its median below the floor
+                    ("fo0direct", registry, host * 1.05),  # a steady loss of 5 %
+                    ("gemm", "", 0.5),  # (a part: not compared)
+                ]:
+                    out.writerow(["8x8192x2048", "hot", variant, config, rank, r, ms])
+    assert results.main(["rounds", str(path)]) == 0
+    table = capsys.readouterr().out.splitlines()
+    assert len(table) == 4 and "gemm" not in "".join(table)
+    fallback, plain = (line.split(" | ") for line in table[2:])
+    assert fallback[1] == "fallback" and float(fallback[4].split()[0]) < 0.98 and fallback[5:] == ["0", "0 |"]
+    assert plain[1] == "registry, plain" and plain[4].startswith("0.952 (0.952-0.952")
+    assert plain[5:] == ["1: 8x8192x2048", "1: 8x8192x2048 |"]
+
+
 def test_committed_results_are_tidy():
     """The committed CSVs (what the README's and docs' numbers are read from) keep the columns and
     variants the tools read, and every setup with the registry's picks has current runs."""

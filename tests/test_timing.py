@@ -2,6 +2,7 @@
 
 import collections
 import math
+import random
 
 import pytest
 import torch
@@ -65,6 +66,24 @@ def test_a_speedup_is_paired_round_by_round_and_the_least_over_ranks():
     assert timing.paired_spread([[1.0] * 4], [[1.0, 0.5, 1.0, 0.5]]) == pytest.approx(0.5 / 1.5)
     wide = [[1.0] * 4, [1.0, 0.5, 1.0, 0.5]]  # the widest rank's
     assert timing.paired_spread([[1.0] * 4, [1.0] * 4], wide) == pytest.approx(0.5 / 1.5)
+
+
+def test_a_paired_speedup_s_interval_holds_it_and_narrows_with_rounds():
+    """The bootstrap interval of a paired speedup: it holds the speedup, is the same on every ask,
+    a point where every round agrees, narrower with more rounds of the same noise, a rank that
+    wins less taking it down (the slowest rank's view), NaN where a round is NaN."""
+    rng = random.Random(1)
+    seq = [[1.0] * 200]
+    noisy = [[1.0 / rng.gauss(1.02, 0.03) for _ in range(200)]]
+    low, high = timing.paired_interval(seq, noisy)
+    assert low < timing.paired_speedup(seq, noisy) < high and (low, high) == timing.paired_interval(seq, noisy)
+    assert 0.99 < low < 1.02 < high < 1.05
+    few = timing.paired_interval([seq[0][:20]], [noisy[0][:20]])
+    assert few[1] - few[0] > high - low
+    assert timing.paired_interval(seq, [[0.8] * 200]) == pytest.approx((1.25, 1.25))
+    slower_rank = timing.paired_interval([seq[0], seq[0]], [noisy[0], [1.0] * 200])
+    assert slower_rank[1] == pytest.approx(1.0)
+    assert all(math.isnan(x) for x in timing.paired_interval([[1.0, 1.0]], [[math.nan, 1.0]]))
 
 
 def test_rounds_are_timed_without_garbage_collections():
