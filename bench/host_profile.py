@@ -54,7 +54,8 @@ def per_call_us(fn, calls: int = CALLS, waited: bool = True) -> float:
 def setup(default_shape: str = "256x2048x2048"):
     """This rank's process group (NCCL, the GPU of its local rank) and the call the command line
     names, [MxNxK] [CONFIG_JSON] [COLLECTIVE]: rank, (m, n, k), the config dict, the collective,
-    random bf16 operands a [M, K] and w [N, K], the call's even Exchange, the public call."""
+    random bf16 operands a [M, K] and w [N, K], the Exchange of the collective split evenly, the
+    public call."""
     m, n, k = (int(x) for x in (sys.argv[1] if len(sys.argv) > 1 else default_shape).split("x"))
     config = json.loads(sys.argv[2]) if len(sys.argv) > 2 else {}
     name = sys.argv[3] if len(sys.argv) > 3 else "all_reduce"

@@ -18,7 +18,7 @@ import sys
 
 import torch
 import torch.distributed as dist
-from host_profile import (  # (bench/host_profile.py: torchrun puts this script's folder first on the path)
+from host_profile import (  # (bench/host_profile.py: Python puts a script's folder first on the path)
     per_call_us,
     setup,
 )
@@ -78,6 +78,8 @@ def timed_source(batched: bool = True) -> str:
 
 
 def main() -> None:
+    if len(sys.argv) < 3:
+        raise SystemExit(__doc__.split("\n  ")[-1])  # (the usage: a replayable config must be named)
     jit.build_runtime = lambda **kw: jit.build("fo_runtime_timed", timed_source(), arch=jit.RUNTIME_ARCH, **kw)
     rank, (m, n, k), config, name, a, w, ex, call = setup()
     cfg = OverlapConfig.from_dict(config)

@@ -416,26 +416,34 @@ PARTS = ("gemm", "comm", "kernel")  # rounds of a call's parts (kernel0, ...): n
 
 
 def _kind(variant: str, config: str) -> str:
-    """A rounds CSV's variant as :func:`rounds` groups it: the registry's calls decided plain apart
-    from the overlapped ones."""
+    """A rounds CSV's variant as :func:`rounds` groups it: each registry variant (``fo0direct``,
+    ``fo0c10d``: one per NCCL path) with its calls decided plain apart from the overlapped ones."""
     if config.startswith("registry"):
-        return "registry, plain" if '"sequential": true' in config else "registry, overlapped"
+        decided = "plain" if '"sequential": true' in config else "overlapped"
+        return f"{variant}: registry, {decided}"
     return variant if not config else f"{variant} {config}"
 
 
-def rounds(paths: Sequence[Path], floor: float = 0.98, within: float = 0.01) -> str:
-    """Every variant of a bench's ``--rounds-csv`` outputs against ``seq``, per input mode, as markdown:
-    over the shapes the mean and the worst paired speedup (flashoverlap.timing.paired_speedup, the
-    bench's) with the 95 % interval one run puts that worst in (timing.paired_interval), and the
-    shapes whose whole interval lies below ``floor`` or outside ``within`` of ``seq``: a worst of
-    many shapes is a tail of their noise as often as a loss, which only the interval tells apart."""
+def _by_volume(shape: str) -> tuple[int, ...]:
+    return tuple(int(x) for x in shape.split("x"))
+
+
+def rounds(path: Path, floor: float = 0.98, within: float = 0.01) -> str:
+    """Every variant of a bench's ``--rounds-csv`` output (one run) against ``seq``, per input mode,
+    as markdown: over the shapes, the mean and the worst paired speedup (flashoverlap.timing.
+    paired_speedup, the bench's own) with the bootstrap interval at 95 % that one run gives that
+    worst (timing.paired_interval, whose caveats hold), and the shapes whose whole interval lies
+    below ``floor`` or outside ``within`` of ``seq``. Shapes without ``seq`` rounds are left out;
+    those whose rounds hold a NaN (a variant a graph could not capture) are counted apart."""
     from flashoverlap.timing import paired_interval, paired_speedup  # (torch: the other commands need none)
 
     times: dict[tuple, dict[int, dict[int, float]]] = {}
-    for path in paths:
-        for r in read(path):
-            key = (r["inputs"], _kind(r["variant"], r["config"]), r["shape"])
-            times.setdefault(key, {}).setdefault(int(r["rank"]), {})[int(r["round"])] = _num(r["ms"])
+    for r in read(path):
+        key = (r["inputs"], _kind(r["variant"], r["config"]), r["shape"])
+        per_round = times.setdefault(key, {}).setdefault(int(r["rank"]), {})
+        if int(r["round"]) in per_round:
+            raise ValueError(f"{path}: round {r['round']} of {key} on rank {r['rank']} twice")
+        per_round[int(r["round"])] = _num(r["ms"])
 
     def ranks(key: tuple) -> list[list[float]]:
         return [[per[i] for i in sorted(per)] for _, per in sorted(times[key].items())]
@@ -447,18 +455,23 @@ def rounds(paths: Sequence[Path], floor: float = 0.98, within: float = 0.01) -> 
         base, other = ranks((inputs, "seq", shape)), ranks((inputs, kind, shape))
         cases.setdefault((inputs, kind), []).append((shape, paired_speedup(base, other), paired_interval(base, other)))
     lines = [
-        f"| inputs | variant | shapes | mean | worst (95 % interval) | wholly below {floor} | "
-        f"wholly outside {1 - within:.2f}-{1 + within:.2f} |",
+        f"| inputs | variant | shapes | mean | worst (95 % interval) | wholly below {floor:g} | "
+        f"wholly outside {1 - within:g}-{1 + within:g} |",
         "| --- | --- | --- | --- | --- | --- | --- |",
     ]
-    for (inputs, kind), shapes in sorted(cases.items(), key=lambda item: (item[0][0] != "rotated", item[0])):
+    for (inputs, kind), every in sorted(cases.items(), key=lambda item: (item[0][0] != "rotated", item[0])):
+        shapes = sorted((c for c in every if not math.isnan(c[2][0])), key=lambda c: _by_volume(c[0]))
+        untimed = f" ({len(every) - len(shapes)} with NaN rounds)" if len(shapes) < len(every) else ""
+        if not shapes:
+            lines.append(f"| {inputs} | {kind} | 0{untimed} | - | - | - | - |")
+            continue
         shape, worst, (low, high) = min(shapes, key=lambda case: case[1])
         below = [s for s, _, (_, hi) in shapes if hi < floor]
         outside = [s for s, _, (lo, hi) in shapes if hi < 1 - within or lo > 1 + within]
         mean = statistics.fmean(speedup for _, speedup, _ in shapes)
         lines.append(
-            f"| {inputs} | {kind} | {len(shapes)} | {mean:.3f} | {worst:.3f} ({low:.3f}-{high:.3f}, {shape}) | "
-            f"{_some(below)} | {_some(outside)} |"
+            f"| {inputs} | {kind} | {len(shapes)}{untimed} | {mean:.3f} | {worst:.3f} ({low:.3f}-{high:.3f}, "
+            f"{shape}) | {_some(below)} | {_some(outside)} |"
         )
     return "\n".join(lines)
 
@@ -497,7 +510,8 @@ def main(argv: Sequence[str] | None = None) -> int:
                 print(f"{path} -> {written}")
         return 0
     if args.command == "rounds":
-        print(rounds(args.csv, args.floor, args.within))
+        for path in args.csv:  # (a table per run: the rounds CSV names neither its run nor its collective)
+            print(f"{path}:\n\n{rounds(path, args.floor, args.within)}\n")
         return 0
     rows = load(args.results)
     if args.command == "table":

@@ -159,7 +159,7 @@ def run_overlapped(
     key = replay_key(prep, ex, (group, tail_group), caller, window or peers, timeout)
     known = key is not None and key in prep.programs
     program = prep.programs[key] if known else None
-    if program:  # (displaced in prep.replays by a recording with other waits since, now back)
+    if program:  # (displaced in prep.replays by a recording since, its waits or memory now as before)
         prep.replays[ex, group, tail_group, caller.cuda_stream] = program
         program.program.replay([t.data_ptr() for t in tensors])
         _watch(program.watched)

@@ -240,15 +240,19 @@ def paired_spread(base: Sequence[Sequence[float]], other: Sequence[Sequence[floa
 def paired_interval(
     base: Sequence[Sequence[float]], other: Sequence[Sequence[float]], level: float = 0.95, resamples: int = 2000
 ) -> tuple[float, float]:
-    """Where :func:`paired_speedup` of ``other`` over ``base`` lies with probability ``level``, as
-    far as one run can tell: a bootstrap over rounds, the same rounds drawn for every rank (a round
-    is one turn of every variant on every rank), the same draws every time (seeded). The worst of
-    many shapes' speedups is a tail of noise as often as a loss; this says which a shape's is (NaN,
-    NaN where any round's time is NaN)."""
-    ratios = np.array([r[: min(map(len, base))] for r in _round_ratios(base, other)], dtype=float)
-    if ratios.size == 0 or np.isnan(ratios).any():
+    """A bootstrap interval at ``level`` for :func:`paired_speedup` of ``other`` over ``base``: the
+    rounds redrawn with replacement, the same rounds for every rank (a round is one turn of every
+    variant on every rank), the same draws every time (seeded); over the rounds every rank has of
+    both. It says how far one run pins a shape's speedup down: the worst of many shapes is often a
+    tail of their noise. Not a calibrated test: rounds are not independent draws (the host's speed
+    persists over seconds), and the least over ranks of noisy medians leans low, more so the more
+    ranks, so an interval wholly below a floor overstates a loss, and one not below it is the
+    safer reading. (NaN, NaN where a round's time is NaN or there are no rounds.)"""
+    pairs = _round_ratios(base, other)
+    rounds = min((len(r) for r in pairs), default=0)
+    ratios = np.array([r[:rounds] for r in pairs], dtype=float)
+    if rounds == 0 or np.isnan(ratios).any():
         return math.nan, math.nan
-    rounds = ratios.shape[1]
     draws = np.random.default_rng(0).integers(0, rounds, size=(resamples, rounds))
     stats = np.median(ratios[:, draws], axis=2).min(axis=0)  # (the slowest rank's view, as paired_speedup)
     low, high = np.quantile(stats, [(1 - level) / 2, (1 + level) / 2])

@@ -3,6 +3,7 @@
 import csv
 import importlib.util
 import math
+import random
 from pathlib import Path
 
 import pytest
@@ -185,33 +186,50 @@ def test_appended_runs_and_which_are_current(tmp_path, capsys):
     ]
 
 
-def test_rounds_tell_a_loss_from_the_noise_of_one_run(tmp_path, capsys):
-    """``rounds``: per input mode and variant, the worst shape's paired speedup over seq with its
-    interval; a shape counts as below the floor (or outside seq's band) only where its whole
-    interval is: a steady 5 % loss does, a noisy one whose median lies below the floor does not."""
-    rng = __import__("random").Random(0)
-    path = tmp_path / "run_rounds.csv"
-    registry = 'registry:{"layout": "auto", "sequential": true} nccl=direct'
+def _rounds_csv(path, shapes):
+    """A ``--rounds-csv`` of 30 rounds on two ranks: per shape, (variant, config, ratio per round
+    against ``seq``) each; the host's speed drifts between rounds, every variant of a round alike."""
+    rng = random.Random(0)
     with path.open("w", newline="") as f:
         out = csv.writer(f)
         out.writerow(["shape", "inputs", "variant", "config", "rank", "round", "ms"])
-        for rank in (0, 1):
-            for r in range(30):
-                host = rng.uniform(1.0, 2.0)  # (the host's drift: every variant of a round alike)
-                for variant, config, ms in [
-                    ("seq", "", host),
-                    ("fallback", "", host * rng.gauss(1.05, 0.1)),  # noisy: its median below the floor
-                    ("fo0direct", registry, host * 1.05),  # a steady loss of 5 %
-                    ("gemm", "", 0.5),  # (a part: not compared)
-                ]:
-                    out.writerow(["8x8192x2048", "hot", variant, config, rank, r, ms])
-    assert results.main(["rounds", str(path)]) == 0
-    table = capsys.readouterr().out.splitlines()
-    assert len(table) == 4 and "gemm" not in "".join(table)
-    fallback, plain = (line.split(" | ") for line in table[2:])
-    assert fallback[1] == "fallback" and float(fallback[4].split()[0]) < 0.98 and fallback[5:] == ["0", "0 |"]
-    assert plain[1] == "registry, plain" and plain[4].startswith("0.952 (0.952-0.952")
-    assert plain[5:] == ["1: 8x8192x2048", "1: 8x8192x2048 |"]
+        for shape, variants in shapes.items():
+            for rank in (0, 1):
+                for r in range(30):
+                    host = rng.uniform(1.0, 2.0)
+                    for variant, config, ratio in variants:
+                        out.writerow([shape, "hot", variant, config, rank, r, host / ratio(r)])
+
+
+def test_rounds_tell_a_loss_from_the_noise_of_one_run(tmp_path, capsys):
+    """``rounds``: per input mode and variant, the worst shape's paired speedup over seq with its
+    interval; a shape counts as below the floor (or outside seq's band) only where its whole
+    interval is: a steady 5 % loss and a steady 20 % win do, a noisy tie whose median lies below the
+    floor does not; the registry's calls decided plain and overlapped apart; a shape without seq
+    left out; the parts never compared; a table per file."""
+    plain = 'registry:{"layout": "auto", "sequential": true} nccl=direct'
+    pull = 'registry:{"reduction": "pull"} nccl=direct'
+    tie = [0.86 + 0.0075 * i for i in range(16)] + [1.0 + 0.011 * i for i in range(14)]  # median 0.969
+    seq = ("seq", "", lambda r: 1.0)
+    shapes = {
+        "8x8192x2048": [seq, ("fallback", "", lambda r: tie[(7 * r) % 30]), ("fo0direct", plain, lambda r: 0.95)],
+        "2048x8192x2048": [seq, ("fallback", "", lambda r: 1.0), ("fo0direct", pull, lambda r: 1.2)],
+        "64x8192x2048": [("fallback", "", lambda r: 0.5), ("gemm", "", lambda r: 2.0)],  # (no seq)
+    }
+    _rounds_csv(tmp_path / "a.csv", shapes)
+    _rounds_csv(tmp_path / "b.csv", {"8x8192x2048": shapes["8x8192x2048"][:2]})
+    assert results.main(["rounds", str(tmp_path / "a.csv"), str(tmp_path / "b.csv")]) == 0
+    printed = capsys.readouterr().out
+    first, second = (part.splitlines() for part in printed.split("b.csv:"))
+    rows = {line.split(" | ")[1]: line.split(" | ") for line in first if line.startswith("| hot")}
+    assert set(rows) == {"fallback", "fo0direct: registry, plain", "fo0direct: registry, overlapped"}
+    assert rows["fallback"][2] == "2" and rows["fallback"][4].startswith("0.969 (")
+    assert rows["fallback"][5:] == ["0", "0 |"]  # (the tie's interval reaches past the floor and 1)
+    assert rows["fo0direct: registry, plain"][4].startswith("0.950 (0.950-0.950, 8x8192x2048)")
+    assert rows["fo0direct: registry, plain"][5:] == ["1: 8x8192x2048", "1: 8x8192x2048 |"]
+    assert rows["fo0direct: registry, overlapped"][5:] == ["0", "1: 2048x8192x2048 |"]
+    assert [line.split(" | ")[1] for line in second if line.startswith("| hot")] == ["fallback"]
+    assert "gemm" not in printed and "64x8192x2048" not in printed
 
 
 def test_committed_results_are_tidy():

@@ -70,8 +70,9 @@ def test_a_speedup_is_paired_round_by_round_and_the_least_over_ranks():
 
 def test_a_paired_speedup_s_interval_holds_it_and_narrows_with_rounds():
     """The bootstrap interval of a paired speedup: it holds the speedup, is the same on every ask,
-    a point where every round agrees, narrower with more rounds of the same noise, a rank that
-    wins less taking it down (the slowest rank's view), NaN where a round is NaN."""
+    narrows with more rounds of the same noise and widens with the level, is a point where every
+    round agrees, rests on medians (three rounds of 3x move it nowhere), takes the slowest rank's
+    view over the rounds every rank has, and is NaN where a round is or no round is."""
     rng = random.Random(1)
     seq = [[1.0] * 200]
     noisy = [[1.0 / rng.gauss(1.02, 0.03) for _ in range(200)]]
@@ -80,10 +81,23 @@ def test_a_paired_speedup_s_interval_holds_it_and_narrows_with_rounds():
     assert 0.99 < low < 1.02 < high < 1.05
     few = timing.paired_interval([seq[0][:20]], [noisy[0][:20]])
     assert few[1] - few[0] > high - low
+    half = timing.paired_interval(seq, noisy, level=0.5)
+    assert low < half[0] < half[1] < high
     assert timing.paired_interval(seq, [[0.8] * 200]) == pytest.approx((1.25, 1.25))
-    slower_rank = timing.paired_interval([seq[0], seq[0]], [noisy[0], [1.0] * 200])
+    assert timing.paired_interval([[1.0] * 30], [[1.0] * 27 + [1 / 3] * 3])[1] == pytest.approx(1.0)
+    slower_rank = timing.paired_interval([seq[0], seq[0]], [noisy[0], [1.0] * 150])
     assert slower_rank[1] == pytest.approx(1.0)
     assert all(math.isnan(x) for x in timing.paired_interval([[1.0, 1.0]], [[math.nan, 1.0]]))
+    assert all(math.isnan(x) for x in timing.paired_interval([], []))
+
+
+def test_an_interval_draws_the_same_rounds_for_every_rank():
+    """Two ranks whose rounds swing opposite ways (one slow where the other is fast, as when they
+    share a round's host): drawn together, the least of their medians is at most the middle of the
+    two ratios (1.01: one rank is at or below it in every draw); drawn apart, both would be at 1.11
+    in about a fifth of the draws, and so would the interval's top."""
+    swing = [0.9, 1.1] * 15
+    assert timing.paired_interval([[1.0] * 30] * 2, [swing, swing[::-1]])[1] == pytest.approx((1 / 0.9 + 1 / 1.1) / 2)
 
 
 def test_rounds_are_timed_without_garbage_collections():
