@@ -175,7 +175,7 @@ def run_overlapped(
     watched = _watched(ex, (a.shape[0], prep.plan.n, a.shape[1]), group, peers, window, caller, device)
     if tape is not None:  # (False: a step that is not a native call, on every call like it)
         made = fresh[len(fresh) - len(shapes) :]
-        which = next((i for i, t in enumerate(made) if t is result), None)  # (always allocated, today)
+        which = next((i for i, t in enumerate(made) if t is result), None)  # (None: not replayable)
         replay = False
         if tape.usable and which is not None:
             shared = window or peers
