@@ -161,8 +161,7 @@ def run_overlapped(
     program = prep.programs[key] if known else None
     if program:  # (displaced in prep.replays by a recording since, its waits or memory now as before)
         prep.replays[ex, group, tail_group, caller.cuda_stream] = program
-        program.program.replay([t.data_ptr() for t in tensors])
-        _watch(program.watched)
+        program.enqueue(tensors)
         return result
     tape = None
     if known and program is None:  # seen once: what it set up (events, windows, communicators) is there now
@@ -230,9 +229,7 @@ class Replay:
         return (
             (self.shared is None or self.shared.memory is self.region)
             and torch.cuda.current_device() == self.device.index
-            and not torch.cuda.is_current_stream_capturing()
-            and os.environ.get("FLASHOVERLAP_REPLAY") != "0"
-            and signal.debug_timeout() is None
+            and _replays_on(signal.debug_timeout())
             and signal.stream_waits(self.device.index, False) == self.waits
         )
 
@@ -241,9 +238,25 @@ class Replay:
         # enqueued, so that no other allocation on the stream can take its memory first)
         scaled = [t for t in epilogue(scales) if t is not None]
         made = [torch.empty(shape, dtype=self.dtype, device=self.device) for shape in self.shapes]
-        self.program.replay([t.data_ptr() for t in (a, weight, *scaled, *made)])
-        _watch(self.watched)
+        self.enqueue((a, weight, *scaled, *made))
         return made[self.result]
+
+    def enqueue(self, tensors: Sequence[torch.Tensor]) -> None:
+        """Replay the call on ``tensors`` (the operands, an FP8 call's scales, what it allocated: the
+        tape's order) and hand it to the watchdog."""
+        self.program.replay([t.data_ptr() for t in tensors])
+        _watch(self.watched)
+
+
+def _replays_on(timeout: float | None) -> bool:
+    """Whether a call now may replay natively: not in debug mode (``timeout``, signal.debug_timeout:
+    its report), not while a CUDA graph is captured (a capture records what the host does once
+    anyway), not with ``FLASHOVERLAP_REPLAY=0``."""
+    return (
+        timeout is None
+        and not torch.cuda.is_current_stream_capturing()
+        and os.environ.get("FLASHOVERLAP_REPLAY") != "0"
+    )
 
 
 def _nccl_path(group) -> str:
@@ -280,7 +293,7 @@ def replay_key(
     native = (comm.Direct, comm.Peers)
     if not (isinstance(group, native) and isinstance(tail_group or group, native)):
         return None
-    if timeout is not None or torch.cuda.is_current_stream_capturing() or os.environ.get("FLASHOVERLAP_REPLAY") == "0":
+    if not _replays_on(timeout):
         return None
     waits = signal.stream_waits(prep.counters.device.index, False)
     return ex, *groups, caller.cuda_stream, None if window is None else window.memory.data_ptr(), waits
