@@ -321,11 +321,11 @@ def _key(e: dict) -> tuple:
 
 
 def incumbent(existing: list[dict], collective: str, transport: str, dtype: str, shape, timing: str) -> dict | None:
-    """The config of the entry in ``existing`` a re-tune of this call would replace, None where there
-    is none or it runs sequentially (the tuner measures sequential anyway)."""
+    """The entry in ``existing`` a re-tune of this call would replace, None where there is none or
+    it runs sequentially (the tuner measures sequential anyway)."""
     want = (collective, transport, dtype, tuple(int(v) for v in shape), timing)
-    found = next((e["config"] for e in existing if _key(e) == want), None)
-    return None if found is None or found.get("sequential") else found
+    found = next((e for e in existing if _key(e) == want), None)
+    return None if found is None or found["config"].get("sequential") else found
 
 
 def merge(existing: list[dict], new: list[dict]) -> list[dict]:

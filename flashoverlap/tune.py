@@ -374,6 +374,33 @@ def config_to_write(rows: list[dict], margin: float) -> tuple[dict, float]:
     return {"sequential": True}, speedup  # overlap does not pay here: never slower than sequential
 
 
+SLOW_INCUMBENT = 0.85  # below this share of the speedup it was written with, an entry's measurement is doubted
+
+
+def slow_incumbent(held: dict, written: dict, rows: list[dict]) -> str | None:
+    """A warning where a re-tune replaces the registry's entry (``held``) after measuring it far
+    below the speedup it was written with (its ``measured``; ``written``: the new entry, ``rows``:
+    the shape's summary rows), else None. Peer-memory pulls can run slower for a whole process (on
+    four H200s an entry written at 1.25x measured 0.47x in one tuner's process and 1.22-1.26x in the
+    bench's): such a run swaps a good entry for a worse one, and only another process can tell."""
+    recorded = held.get("measured", {}).get("speedup")
+    config = {key: v for key, v in held["config"].items() if key != "partition"}
+    partition = held["config"].get("partition")
+    measured = next(
+        (r["speedup"] for r in rows if json.loads(r["config"]) == config and r["partition"] in (partition, None)), None
+    )
+    if recorded is None or measured is None or written["config"] == held["config"]:
+        return None
+    if not measured < SLOW_INCUMBENT * recorded:
+        return None
+    return (
+        f"{written['shape'][0]}x{written['shape'][1]}x{written['shape'][2]}: the registry's entry "
+        f"{json.dumps(held['config'], sort_keys=True)} measured {measured:.3f}x here against {recorded:.3f}x "
+        f"when it was written, and is replaced; pulls over peer memory can run slower for a whole process: "
+        f"re-tune this shape in a new process before keeping the file"
+    )
+
+
 BRUTE_BATCH = 32  # variants per timing batch: their plans stay cached (state.MAX_PLANS)
 
 
@@ -545,7 +572,8 @@ def _tune_shapes(args, shapes, candidates, existing, no_pulls, gpu, world) -> tu
     entries, rows = [], []
     for i, shape in enumerate(shapes):
         _progress(f"shape {i + 1}/{len(shapes)}")
-        current = incumbent(existing[0], args.collective, args.transport, args.dtype, shape, timing)
+        held = incumbent(existing[0], args.collective, args.transport, args.dtype, shape, timing)
+        current = None if held is None else held["config"]
         if current is not None and current.get("reduction") in comm.PULLS and no_pulls:
             current = None  # (a pull config raises where the ranks cannot pull)
         found, summary = tune_shape(
@@ -565,6 +593,8 @@ def _tune_shapes(args, shapes, candidates, existing, no_pulls, gpu, world) -> tu
         entries.append(found)
         rows += summary
         if dist.get_rank() == 0:
+            if current is not None and (warning := slow_incumbent(held, found, summary)):
+                log.warning(warning)
             write_registry(args.output, gpu, world, entries)
             if args.csv:
                 report.write_csv(args.csv, [dict(r, transport=args.transport) for r in rows])

@@ -28,8 +28,8 @@ def test_a_retune_measures_the_registry_s_entry_and_keeps_it_where_it_wins(tmp_p
     existing = read_entries(str(path), "NVIDIA H200", 2)
     with pytest.raises(ValueError, match="holds configs for 'NVIDIA H200' x2, not 'NVIDIA H100' x2"):
         read_entries(str(path), "NVIDIA H100", 2)
-    assert incumbent(existing, "all_reduce", "nvlink", "bfloat16", (4096, 8192, 8192), "eager") == pull
-    assert incumbent(existing, "all_reduce", "nvlink", "bfloat16", (4096, 8192, 8192), "graphs") == {"symmetric": True}
+    assert incumbent(existing, "all_reduce", "nvlink", "bfloat16", (4096, 8192, 8192), "eager") == written[0]
+    assert incumbent(existing, "all_reduce", "nvlink", "bfloat16", (4096, 8192, 8192), "graphs") == written[1]
     assert incumbent(existing, "all_reduce", "nvlink", "bfloat16", (1024, 8192, 8192), "eager") is None  # sequential
     assert incumbent(existing, "all_reduce", "pcie", "bfloat16", (4096, 8192, 8192), "eager") is None
     assert incumbent(existing, "reduce_scatter", "nvlink", "bfloat16", (4096, 8192, 8192), "eager") is None
@@ -50,6 +50,33 @@ def test_a_retune_measures_the_registry_s_entry_and_keeps_it_where_it_wins(tmp_p
     }
     text = format_summary([*finalists, registry_s])
     assert text.splitlines()[-1].split()[1:3] == ["-", "1.000"]  # no prediction for the registry's entry
+
+
+def test_a_retune_that_replaces_an_entry_it_measured_far_below_its_recorded_speedup_warns():
+    """tune.slow_incumbent: the registry's entry measured below SLOW_INCUMBENT of the speedup it was
+    written with and replaced: a warning naming both speedups (a process whose pulls run slow swaps
+    good entries); none where it held up, is written again, was a finalist that held, or has no
+    recorded speedup."""
+    from flashoverlap.tune import SLOW_INCUMBENT, slow_incumbent
+
+    pull = {"comm_sms": 8, "reduction": "pull_scatter", "partition": [3, 2, 1]}
+    held = entry("all_reduce", "nvlink", "bfloat16", (8192, 8192, 8192), pull, {"speedup": 1.246})
+    new = entry("all_reduce", "nvlink", "bfloat16", (8192, 8192, 8192), {"symmetric": True, "partition": [4, 2]}, {})
+
+    def rows(speedup):
+        return [
+            {"config": '{"symmetric": true}', "partition": [4, 2], "speedup": 1.232},
+            {"config": '{"comm_sms": 8, "reduction": "pull_scatter"}', "partition": [3, 2, 1], "speedup": speedup},
+        ]
+
+    warning = slow_incumbent(held, new, rows(0.469))
+    assert warning is not None and "8192x8192x8192" in warning and "0.469x" in warning and "1.246x" in warning
+    assert slow_incumbent(held, new, rows(1.246 * SLOW_INCUMBENT * 1.01)) is None  # held up: a fair swap
+    assert slow_incumbent(held, new, rows(1.246 * SLOW_INCUMBENT * 0.99)) is not None
+    assert slow_incumbent(held, {**new, "config": pull}, rows(0.469)) is None  # written again
+    assert slow_incumbent({**held, "measured": {}}, new, rows(0.469)) is None  # nothing recorded
+    other = {**rows(0.469)[1], "partition": [1, 2, 3]}  # the same config with another partition is not it
+    assert slow_incumbent(held, new, [rows(0.469)[0], other]) is None
 
 
 def test_the_tuner_writes_what_wins_against_sequential_round_by_round():
