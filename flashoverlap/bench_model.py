@@ -82,7 +82,9 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--tokens", nargs="+", type=positive, default=[2048, 8192, 32768], help="prefill lengths")
     parser.add_argument("--layers", type=positive, default=4, help="decoder layers of each model")
     parser.add_argument("--transport", choices=sorted(TRANSPORTS), default="nvlink")
-    parser.add_argument("--rounds", type=positive, default=6, help="timed rounds per variant (whole balanced cycles)")
+    # (a short stack's forward pass takes a few ms and its rounds spread a few percent: runs of 8
+    # rounds put one 2048-token stack 4 % apart, about its whole gain)
+    parser.add_argument("--rounds", type=positive, default=16, help="timed rounds per variant (whole balanced cycles)")
     parser.add_argument("--warmup", type=positive, default=2)
     parser.add_argument(
         "--config",
