@@ -82,9 +82,12 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--tokens", nargs="+", type=positive, default=[2048, 8192, 32768], help="prefill lengths")
     parser.add_argument("--layers", type=positive, default=4, help="decoder layers of each model")
     parser.add_argument("--transport", choices=sorted(TRANSPORTS), default="nvlink")
-    # (a short stack's forward pass takes a few ms and its rounds spread a few percent: runs of 8
-    # rounds put one 2048-token stack 4 % apart, about its whole gain)
-    parser.add_argument("--rounds", type=positive, default=16, help="timed rounds per variant (whole balanced cycles)")
+    # (three cycles of the three variants' six balanced orders: a short stack's forward pass takes a
+    # few ms and its rounds spread a few percent, about its whole gain at 2048 tokens; more rounds
+    # narrow a run's own median, not the few percent plain itself moves between processes)
+    parser.add_argument(
+        "--rounds", type=positive, default=18, help="timed rounds per variant (rounded up to whole balanced cycles)"
+    )
     parser.add_argument("--warmup", type=positive, default=2)
     parser.add_argument(
         "--config",

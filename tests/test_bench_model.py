@@ -17,7 +17,7 @@ pytest.importorskip("transformers")
 def test_defaults_and_bad_arguments(capsys):
     args = bench_model.build_parser().parse_args([])
     assert (args.models, args.tokens, args.layers) == (["llama3-70b", "qwen2.5-72b"], [2048, 8192, 32768], 4)
-    assert args.config is None and args.transport == "nvlink" and args.rounds == 16
+    assert args.config is None and args.transport == "nvlink" and args.rounds == 18
     args = bench_model.build_parser().parse_args(["--tokens", "512", "--layers", "2", "--config", '{"comm_sms": 8}'])
     assert (args.tokens, args.layers, args.config) == ([512], 2, {"comm_sms": 8})
     for bad in (["--tokens", "0"], ["--layers", "two"], ["--models", "gpt-5"], ["--transport", "pigeon"]):

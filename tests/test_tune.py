@@ -74,9 +74,52 @@ def test_a_retune_that_replaces_an_entry_it_measured_far_below_its_recorded_spee
     assert slow_incumbent(held, new, rows(1.246 * SLOW_INCUMBENT * 1.01)) is None  # held up: a fair swap
     assert slow_incumbent(held, new, rows(1.246 * SLOW_INCUMBENT * 0.99)) is not None
     assert slow_incumbent(held, {**new, "config": pull}, rows(0.469)) is None  # written again
-    assert slow_incumbent({**held, "measured": {}}, new, rows(0.469)) is None  # nothing recorded
+    for free_form in ({}, None, "by hand", {"speedup": "1.2x"}):  # (measured is free-form: no number, no warning)
+        assert slow_incumbent({**held, "measured": free_form}, new, rows(0.469)) is None
     other = {**rows(0.469)[1], "partition": [1, 2, 3]}  # the same config with another partition is not it
     assert slow_incumbent(held, new, [rows(0.469)[0], other]) is None
+
+
+def test_a_retune_warns_on_rank_0_and_still_writes_the_new_entry(tmp_path, monkeypatch, caplog):
+    """tune._tune_shapes hands slow_incumbent the registry's whole entry for the shape and logs its
+    warning on rank 0 only, then writes the file as it would without it."""
+    import argparse
+    import logging
+
+    from flashoverlap import tune
+
+    pull = {"comm_sms": 8, "reduction": "pull_scatter", "partition": [3, 2, 1]}
+    shape = (8192, 8192, 8192)
+    existing = [entry("all_reduce", "nvlink", "bfloat16", shape, pull, {"speedup": 1.246})]
+    new = entry("all_reduce", "nvlink", "bfloat16", shape, {"symmetric": True, "partition": [4, 2]}, {"speedup": 1.232})
+    summary = [
+        {"config": '{"symmetric": true}', "partition": [4, 2], "speedup": 1.232, "shape": "8192x8192x8192"},
+        {"config": '{"comm_sms": 8, "reduction": "pull_scatter"}', "partition": [3, 2, 1], "speedup": 0.469,
+         "shape": "8192x8192x8192"},
+    ]  # fmt: skip
+    seen = {}
+
+    def tune_shape(*args):
+        seen["current"] = args[10]
+        return new, summary
+
+    written = []
+    monkeypatch.setattr(tune, "tune_shape", tune_shape)
+    monkeypatch.setattr(tune, "write_registry", lambda path, gpu, world, entries: written.append(list(entries)))
+    monkeypatch.setattr(tune.dist, "broadcast_object_list", lambda objects, src: None)
+    args = argparse.Namespace(
+        collective="all_reduce", transport="nvlink", dtype="bfloat16", graphs=False, rounds=10, top=4, margin=0.02,
+        brute_force=0, fast_accum=False, output=str(tmp_path / "tuned.yaml"), csv=None,
+    )  # fmt: skip
+    for rank, warned in ((0, True), (1, False)):
+        monkeypatch.setattr(tune.dist, "get_rank", lambda rank=rank: rank)
+        caplog.clear()
+        written.clear()
+        with caplog.at_level(logging.WARNING, logger="flashoverlap.tune"):
+            entries, _ = tune._tune_shapes(args, [shape], [{}], existing, False, "NVIDIA H200", 4)
+        assert seen["current"] == pull and entries == [new]
+        assert any("0.469x" in r.getMessage() and "1.246x" in r.getMessage() for r in caplog.records) is warned
+        assert written == ([[new]] if rank == 0 else [])
 
 
 def test_the_tuner_writes_what_wins_against_sequential_round_by_round():
