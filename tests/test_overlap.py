@@ -292,6 +292,23 @@ def test_a_repeated_call_runs_what_its_first_decided_without_deciding(one_rank_g
     assert len(decided) == 8
 
 
+def test_fp8_arguments_are_told_apart_without_comparing_scales():
+    """Whether a call passed FP8 arguments is told by identity: a scale is never compared (``==``
+    with None on a tensor goes through torch's refusal, tens of microseconds of host time on every
+    FP8 call, which a host-bound call decided plain pays on top of torch's own)."""
+
+    class Scale:
+        def __eq__(self, other):
+            raise AssertionError("a scale was compared")
+
+        __hash__ = object.__hash__
+
+    given = flashoverlap.overlap._fp8_given
+    assert not given((None, None, None, False))
+    assert given((Scale(), Scale(), None, False)) and given((Scale(), None, None, False))
+    assert given((None, None, torch.float16, False)) and given((None, None, None, True))
+
+
 def test_a_repeated_call_decides_again_once_the_registry_is_reloaded(one_rank_group, monkeypatch, fresh_state):
     from flashoverlap import decision, registry
 
