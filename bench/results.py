@@ -5,9 +5,11 @@ H200s, ...), one row per variant, shape and run, and the plots and tables drawn 
     python bench/results.py table [--shapes]     # the current runs as markdown (a row per setup, or per shape)
     python bench/results.py plain RUN [RUN ...]  # the plain path's cost in those runs (fallback, noise floor)
     python bench/results.py rounds ROUNDS.csv ... # each variant against seq, with the interval one run allows
+    python bench/results.py models               # the end-to-end runs (e2e.csv) as markdown
     python bench/results.py append run.csv [--note TEXT] [--run NAME]
-        # add a ``python -m flashoverlap.bench --csv run.csv`` output to its machine's CSV, with
-        # today's date and this checkout's commit
+        # add a ``python -m flashoverlap.bench --csv run.csv`` output to its machine's CSV (a
+        # ``python -m flashoverlap.bench_model --csv`` output to e2e.csv), with today's date and
+        # this checkout's commit
 
 Columns (:data:`FIELDS`): ``date`` and ``commit`` the run was recorded with; ``gpu`` (torch's
 device name), ``world`` (ranks), ``transport`` (``nvlink``, ``pcie``: NCCL through host memory,
@@ -25,6 +27,10 @@ defaults, else what differed).
 The *current* runs of a setup (machine, world, transport, collective, mode, operand dtype) are
 those of the latest commit that measured the registry's picks (a call without ``config=``) on
 rotated inputs with an empty note (an FP8 run with other than per-tensor scales and promoted sums says so in its note).
+
+``e2e.csv`` holds the end-to-end runs (``python -m flashoverlap.bench_model``), one row per model,
+tensor-parallel size, transport and prefill length (:data:`E2E_FIELDS`); its current runs are the
+latest commit's with an empty note per machine, TP size and transport.
 """
 
 from __future__ import annotations
@@ -75,6 +81,26 @@ VARIANTS = {
     "model": "the tuner's predicted time of a finalist",
     "brute-force": "the best partition the tuner's brute force measured",
 }
+
+E2E = "e2e.csv"
+E2E_FIELDS = [
+    "date",
+    "commit",
+    "gpu",
+    "tp",
+    "transport",
+    "model",
+    "tokens",
+    "layers",
+    "plain_tok_s",
+    "flashoverlap_tok_s",
+    "bound_tok_s",
+    "speedup",
+    "bound_speedup",
+    "hidden",
+    "run",
+    "note",
+]
 
 TRANSPORT_NAMES = {"nvlink": "NVLink", "pcie": "P2P off", "net": "sockets"}
 COLORS = {"decomposition": "tab:blue", "async-tp": "tab:purple", "flashoverlap": "tab:orange", "ideal": "tab:green"}
@@ -183,12 +209,75 @@ def add(rows: Sequence[dict], results: Path = HERE) -> list[Path]:
     return sorted(by_file)
 
 
+def machine_csvs(results: Path = HERE) -> list[Path]:
+    """The machines' CSVs in ``results`` (``h200x2.csv``, ...; not :data:`E2E`)."""
+    return sorted(p for p in results.glob("*.csv") if re.fullmatch(r"[a-z0-9]+x\d+", p.stem))
+
+
 def load(results: Path = HERE) -> list[dict]:
     """Every row of every machine's CSV in ``results``, in file order (oldest first)."""
     rows = []
-    for path in sorted(results.glob("*.csv")):
+    for path in machine_csvs(results):
         rows += read(path)
     return rows
+
+
+def is_e2e(rows: Sequence[dict]) -> bool:
+    """Whether ``rows`` are ``python -m flashoverlap.bench_model --csv`` output."""
+    return bool(rows) and {"model", "tokens", "plain_tok_s"} <= rows[0].keys()
+
+
+def tidy_e2e(model_rows: Iterable[dict], date: str, commit: str, run: str, note: str = "") -> list[dict]:
+    """Rows of ``python -m flashoverlap.bench_model --csv`` as :data:`E2E_FIELDS` rows."""
+    return [
+        {
+            "date": date,
+            "commit": commit,
+            **{key: row[key] for key in E2E_FIELDS[2:-2]},
+            "run": run,
+            "note": note,
+        }
+        for row in model_rows
+    ]
+
+
+def add_e2e(rows: Sequence[dict], results: Path = HERE) -> Path:
+    """Append :func:`tidy_e2e` ``rows`` to :data:`E2E` in ``results`` (made with a header where new)."""
+    path = results / E2E
+    new = not path.exists()
+    with open(path, "a", newline="") as handle:
+        writer = csv.DictWriter(handle, fieldnames=E2E_FIELDS)
+        if new:
+            writer.writeheader()
+        writer.writerows(rows)
+    return path
+
+
+def current_e2e(rows: Sequence[dict]) -> list[dict]:
+    """The current end-to-end rows: per machine (gpu), TP size and transport, those of the latest
+    commit (in file order) with an empty note; sorted by setup, model and tokens."""
+    latest: dict[tuple, str] = {}
+    for row in rows:
+        if not row["note"]:
+            latest[(row["gpu"], row["tp"], row["transport"])] = row["commit"]
+    now = [r for r in rows if not r["note"] and latest.get((r["gpu"], r["tp"], r["transport"])) == r["commit"]]
+    return sorted(now, key=lambda r: (int(r["tp"]), r["gpu"], r["transport"] != "nvlink", r["model"], int(r["tokens"])))
+
+
+def e2e_table(rows: Sequence[dict]) -> str:
+    """The current end-to-end rows (:func:`current_e2e`) as markdown."""
+    lines = [
+        "| model | GPUs | transport | tokens | plain tok/s | flashoverlap | bound | hidden | run |",
+        "| --- | --- | --- | --- | --- | --- | --- | --- | --- |",
+    ]
+    for r in current_e2e(rows):
+        lines.append(
+            f"| {r['model']} | {r['tp']}x {_short_gpu(r['gpu'])} "
+            f"| {TRANSPORT_NAMES.get(r['transport'], r['transport'])} "
+            f"| {r['tokens']} | {float(r['plain_tok_s']):,.0f} | {float(r['speedup']):.3f}x "
+            f"| {float(r['bound_speedup']):.3f}x | {float(r['hidden']):.0%} | {r['date']} {r['commit']} |"
+        )
+    return "\n".join(lines)
 
 
 def setup(row: dict) -> tuple:
@@ -404,6 +493,46 @@ def plot(rows: Sequence[dict], out: Path) -> list[Path]:
     return written
 
 
+def plot_e2e(rows: Sequence[dict], out: Path) -> Path | None:
+    """``e2e.png``: a panel per machine, TP size and transport of the current end-to-end rows, the
+    patched stack's speedup over plain beside the bound's (every collective hidden), per model and
+    prefill length; None where there are none."""
+    now = current_e2e(rows)
+    if not now:
+        return None
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    panels: dict[tuple, list[dict]] = {}
+    for r in now:
+        panels.setdefault((r["tp"], _short_gpu(r["gpu"]), r["transport"]), []).append(r)
+    cols = 2
+    fig, axes = plt.subplots(-(-len(panels) // cols), cols, figsize=(12, 3.6 * -(-len(panels) // cols)), squeeze=False)
+    for ax, ((tp, gpu, transport), group) in zip(axes.flat, panels.items()):
+        cases = {
+            f"{r['model']} {int(r['tokens']) // 1024}k": {
+                "flashoverlap": float(r["speedup"]),
+                "ideal": float(r["bound_speedup"]),
+            }
+            for r in group
+        }
+        name = f"{tp}x {gpu}, {TRANSPORT_NAMES.get(transport, transport)}: {group[0]['date']} {group[0]['commit']}"
+        _bars(ax, cases, name)
+        ax.set_ylabel("tokens/s over plain TP")
+        handles, _ = ax.get_legend_handles_labels()
+        ax.legend(handles, ["flashoverlap (patched)", "bound (collectives hidden)"], fontsize=6, loc="lower right")
+    for ax in list(axes.flat)[len(panels) :]:
+        ax.axis("off")
+    fig.tight_layout()
+    out.mkdir(parents=True, exist_ok=True)
+    path = out / "e2e.png"
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
+    return path
+
+
 def git_commit() -> str:
     try:
         out = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True, check=True)
@@ -495,8 +624,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     noise.add_argument("csv", nargs="+", type=Path, help="outputs of python -m flashoverlap.bench --rounds-csv")
     noise.add_argument("--floor", type=float, default=0.98, help="speedups below this count as losses")
     noise.add_argument("--within", type=float, default=0.01, help="how close to seq counts as the same")
-    more = sub.add_parser("append", help="append bench CSVs to their machines' CSVs")
-    more.add_argument("csv", nargs="+", type=Path, help="outputs of python -m flashoverlap.bench --csv")
+    sub.add_parser("models", help="print the current end-to-end runs (e2e.csv) as markdown")
+    more = sub.add_parser("append", help="append bench CSVs to their machines' CSVs (bench_model's to e2e.csv)")
+    more.add_argument(
+        "csv", nargs="+", type=Path, help="outputs of python -m flashoverlap.bench (or bench_model) --csv"
+    )
     more.add_argument("--date", default=datetime.date.today().isoformat())
     more.add_argument("--commit", default=None, help="default: this checkout's HEAD")
     more.add_argument("--run", help="default: the file's name without its extension")
@@ -505,13 +637,20 @@ def main(argv: Sequence[str] | None = None) -> int:
     if args.command == "append":
         commit = args.commit or git_commit()
         for path in args.csv:
-            rows = tidy(read(path), args.date, commit, args.run or path.stem, args.note)
-            for written in add(rows, args.results):
+            found, run = read(path), args.run or path.stem
+            if is_e2e(found):
+                print(f"{path} -> {add_e2e(tidy_e2e(found, args.date, commit, run, args.note), args.results)}")
+                continue
+            for written in add(tidy(found, args.date, commit, run, args.note), args.results):
                 print(f"{path} -> {written}")
         return 0
     if args.command == "rounds":
         for path in args.csv:  # (a table per run: the rounds CSV names neither its run nor its collective)
             print(f"{path}:\n\n{rounds(path, args.floor, args.within)}\n")
+        return 0
+    models = read(args.results / E2E) if (args.results / E2E).exists() else []
+    if args.command == "models":
+        print(e2e_table(models))
         return 0
     rows = load(args.results)
     if args.command == "table":
@@ -525,6 +664,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 0
     for path in plot(rows, args.results / "plots"):
         print(path)
+    drawn = plot_e2e(models, args.results / "plots")
+    if drawn is not None:
+        print(drawn)
     return 0
 
 

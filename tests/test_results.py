@@ -236,7 +236,7 @@ def test_committed_results_are_tidy():
     """The committed CSVs (what the README's and docs' numbers are read from) keep the columns and
     variants the tools read, and every setup with the registry's picks has current runs."""
     store = ROOT / "bench" / "results"
-    paths = sorted(store.glob("*.csv"))
+    paths = results.machine_csvs(store)
     assert paths, "bench/results holds a CSV per machine kind"
     for path in paths:
         with open(path, newline="") as handle:
@@ -248,3 +248,62 @@ def test_committed_results_are_tidy():
                 assert results.machine(row["gpu"], row["world"]) == path.stem, (path, row)
     now = results.current(results.load(store))
     assert ("h200x2", "nvlink", "all_reduce", "eager", "bfloat16") in now
+    with open(store / results.E2E, newline="") as handle:
+        reader = csv.DictReader(handle)
+        assert reader.fieldnames == results.E2E_FIELDS
+        models = list(reader)
+    assert models and all(float(r["speedup"]) > 0 and float(r["bound_speedup"]) > 0 for r in models)
+    assert {p.name for p in store.glob("*.csv")} == {results.E2E, *(p.name for p in paths)}
+
+
+def _model_csv(path, rows):
+    """A ``python -m flashoverlap.bench_model --csv`` output of ``rows`` (model, tp, transport, tokens,
+    speedup)."""
+    fields = ["model", "tp", "tokens", "layers", "transport", "plain_ms", "flashoverlap_ms", "bound_ms"]
+    fields += ["plain_tok_s", "flashoverlap_tok_s", "bound_tok_s", "speedup", "bound_speedup", "hidden"]
+    fields += ["rel_err", "patched", "gpu"]
+    with path.open("w", newline="") as f:
+        out = csv.DictWriter(f, fieldnames=fields)
+        out.writeheader()
+        for model, tp, transport, tokens, speedup in rows:
+            plain = 1000.0 * tokens / 200_000
+            out.writerow(
+                dict(zip(fields, [model, tp, tokens, 2, transport, plain, plain / speedup, plain / 1.1]))
+                | {"plain_tok_s": 200_000, "flashoverlap_tok_s": 200_000 * speedup, "bound_tok_s": 220_000}
+                | {"speedup": speedup, "bound_speedup": 1.1, "hidden": (speedup - 1) / 0.1 / speedup * 1.1}
+                | {"rel_err": 0.0, "patched": 4, "gpu": "NVIDIA H200"}
+            )
+    return path
+
+
+def test_end_to_end_runs_go_to_their_own_file(tmp_path, capsys):
+    """``append`` sends bench_model's CSVs to e2e.csv (the machines' CSVs and their tools never see
+    them); ``models`` prints the latest commit's un-noted rows per machine, TP size and transport,
+    and the plots gain e2e.png."""
+    store = tmp_path / "results"
+    store.mkdir()
+    bench = write_bench(tmp_path / "bench.csv", [bench_row(4096, "registry:{}", 0.8)])
+    old = _model_csv(tmp_path / "old.csv", [("llama3-70b", 4, "nvlink", 8192, 1.01)])
+    new = _model_csv(tmp_path / "new.csv", [("llama3-70b", 4, "nvlink", t, 1.05) for t in (8192, 2048)])
+    two = _model_csv(tmp_path / "two.csv", [("qwen2.5-72b", 2, "pcie", 8192, 1.2)])
+    noted = _model_csv(tmp_path / "noted.csv", [("llama3-70b", 4, "nvlink", 8192, 1.5)])
+    base = ["--results", str(store), "append"]
+    assert results.main([*base, str(bench), str(old), "--commit", "c1", "--date", "2026-01-01"]) == 0
+    assert results.main([*base, str(new), str(two), "--commit", "c2", "--date", "2026-01-02"]) == 0
+    assert results.main([*base, str(noted), "--commit", "c3", "--date", "2026-01-03", "--note", "a branch"]) == 0
+    assert sorted(p.name for p in store.glob("*.csv")) == ["e2e.csv", "h200x2.csv"]
+    assert [p.name for p in results.machine_csvs(store)] == ["h200x2.csv"]
+    assert {r["variant"] for r in results.load(store)} >= {"flashoverlap", "sequential"}  # (no model rows)
+    with open(store / "e2e.csv", newline="") as handle:
+        assert csv.DictReader(handle).fieldnames == results.E2E_FIELDS
+    capsys.readouterr()
+    assert results.main(["--results", str(store), "models"]) == 0
+    lines = [line for line in capsys.readouterr().out.splitlines() if line.startswith("| qwen") or "llama" in line]
+    assert lines == [
+        "| qwen2.5-72b | 2x H200 | P2P off | 8192 | 200,000 | 1.200x | 1.100x | 183% | 2026-01-02 c2 |",
+        "| llama3-70b | 4x H200 | NVLink | 2048 | 200,000 | 1.050x | 1.100x | 52% | 2026-01-02 c2 |",
+        "| llama3-70b | 4x H200 | NVLink | 8192 | 200,000 | 1.050x | 1.100x | 52% | 2026-01-02 c2 |",
+    ]
+    pytest.importorskip("matplotlib")
+    assert results.main(["--results", str(store)]) == 0
+    assert (store / "plots" / "e2e.png").exists()
