@@ -98,9 +98,13 @@ E2E_FIELDS = [
     "speedup",
     "bound_speedup",
     "hidden",
+    "rel_err",
+    "patched",
     "run",
     "note",
 ]
+
+E2E_MEDIANS = ("plain_tok_s", "speedup", "bound_speedup", "hidden")  # what current_e2e takes medians of
 
 TRANSPORT_NAMES = {"nvlink": "NVLink", "pcie": "P2P off", "net": "sockets"}
 COLORS = {"decomposition": "tab:blue", "async-tp": "tab:purple", "flashoverlap": "tab:orange", "ideal": "tab:green"}
@@ -200,13 +204,18 @@ def add(rows: Sequence[dict], results: Path = HERE) -> list[Path]:
     for row in rows:
         by_file.setdefault(results / f"{machine(row['gpu'], row['world'])}.csv", []).append(row)
     for path, group in by_file.items():
-        new = not path.exists()
-        with open(path, "a", newline="") as handle:
-            writer = csv.DictWriter(handle, fieldnames=FIELDS)
-            if new:
-                writer.writeheader()
-            writer.writerows(group)
+        _append(path, group, FIELDS)
     return sorted(by_file)
+
+
+def _append(path: Path, rows: Sequence[dict], fields: Sequence[str]) -> None:
+    """Append ``rows`` to the CSV at ``path``, with a header of ``fields`` where it is new."""
+    new = not path.exists()
+    with open(path, "a", newline="") as handle:
+        writer = csv.DictWriter(handle, fieldnames=fields)
+        if new:
+            writer.writeheader()
+        writer.writerows(rows)
 
 
 def machine_csvs(results: Path = HERE) -> list[Path]:
@@ -244,38 +253,56 @@ def tidy_e2e(model_rows: Iterable[dict], date: str, commit: str, run: str, note:
 def add_e2e(rows: Sequence[dict], results: Path = HERE) -> Path:
     """Append :func:`tidy_e2e` ``rows`` to :data:`E2E` in ``results`` (made with a header where new)."""
     path = results / E2E
-    new = not path.exists()
-    with open(path, "a", newline="") as handle:
-        writer = csv.DictWriter(handle, fieldnames=E2E_FIELDS)
-        if new:
-            writer.writeheader()
-        writer.writerows(rows)
+    _append(path, rows, E2E_FIELDS)
     return path
 
 
+def _e2e_setup(row: dict) -> tuple:
+    return (row["gpu"], int(row["tp"]), row["transport"])
+
+
 def current_e2e(rows: Sequence[dict]) -> list[dict]:
-    """The current end-to-end rows: per machine (gpu), TP size and transport, those of the latest
-    commit (in file order) with an empty note; sorted by setup, model and tokens."""
+    """The current end-to-end numbers: per machine (gpu), TP size and transport, the runs of the
+    latest commit (in file order) with an empty note; a row per model and prefill length holding
+    the median over those runs of each rate and ratio, and ``runs``, how many there were. Sorted
+    by setup, model and tokens."""
     latest: dict[tuple, str] = {}
     for row in rows:
         if not row["note"]:
-            latest[(row["gpu"], row["tp"], row["transport"])] = row["commit"]
-    now = [r for r in rows if not r["note"] and latest.get((r["gpu"], r["tp"], r["transport"])) == r["commit"]]
-    return sorted(now, key=lambda r: (int(r["tp"]), r["gpu"], r["transport"] != "nvlink", r["model"], int(r["tokens"])))
+            latest[_e2e_setup(row)] = row["commit"]
+    cases: dict[tuple, list[dict]] = {}
+    for row in rows:
+        if not row["note"] and latest.get(_e2e_setup(row)) == row["commit"]:
+            cases.setdefault((*_e2e_setup(row), row["model"], int(row["tokens"])), []).append(row)
+    now = [
+        {
+            "date": max(r["date"] for r in group),
+            "commit": group[0]["commit"],
+            "gpu": gpu,
+            "tp": tp,
+            "transport": transport,
+            "model": model,
+            "tokens": tokens,
+            **{key: statistics.median(float(r[key]) for r in group) for key in E2E_MEDIANS},
+            "runs": len(group),
+        }
+        for (gpu, tp, transport, model, tokens), group in cases.items()
+    ]
+    return sorted(now, key=lambda r: (r["tp"], r["gpu"], r["transport"] != "nvlink", r["model"], r["tokens"]))
 
 
 def e2e_table(rows: Sequence[dict]) -> str:
-    """The current end-to-end rows (:func:`current_e2e`) as markdown."""
+    """The current end-to-end numbers (:func:`current_e2e`) as markdown."""
     lines = [
-        "| model | GPUs | transport | tokens | plain tok/s | flashoverlap | bound | hidden | run |",
+        "| model | GPUs | transport | tokens | plain tok/s | flashoverlap | bound | hidden | runs |",
         "| --- | --- | --- | --- | --- | --- | --- | --- | --- |",
     ]
     for r in current_e2e(rows):
         lines.append(
             f"| {r['model']} | {r['tp']}x {_short_gpu(r['gpu'])} "
-            f"| {TRANSPORT_NAMES.get(r['transport'], r['transport'])} "
-            f"| {r['tokens']} | {float(r['plain_tok_s']):,.0f} | {float(r['speedup']):.3f}x "
-            f"| {float(r['bound_speedup']):.3f}x | {float(r['hidden']):.0%} | {r['date']} {r['commit']} |"
+            f"| {TRANSPORT_NAMES.get(r['transport'], r['transport'])} | {r['tokens']} | {r['plain_tok_s']:,.0f} "
+            f"| {r['speedup']:.3f}x | {r['bound_speedup']:.3f}x | {r['hidden']:.0%} "
+            f"| {r['runs']}: {r['date']} {r['commit']} |"
         )
     return "\n".join(lines)
 
@@ -512,10 +539,7 @@ def plot_e2e(rows: Sequence[dict], out: Path) -> Path | None:
     fig, axes = plt.subplots(-(-len(panels) // cols), cols, figsize=(12, 3.6 * -(-len(panels) // cols)), squeeze=False)
     for ax, ((tp, gpu, transport), group) in zip(axes.flat, panels.items()):
         cases = {
-            f"{r['model']} {int(r['tokens']) // 1024}k": {
-                "flashoverlap": float(r["speedup"]),
-                "ideal": float(r["bound_speedup"]),
-            }
+            f"{r['model']} {r['tokens'] // 1024}k": {"flashoverlap": r["speedup"], "ideal": r["bound_speedup"]}
             for r in group
         }
         name = f"{tp}x {gpu}, {TRANSPORT_NAMES.get(transport, transport)}: {group[0]['date']} {group[0]['commit']}"
@@ -613,7 +637,7 @@ def _some(shapes: Sequence[str], shown: int = 4) -> str:
 
 def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python bench/results.py", description=__doc__.split("\n\n")[0])
-    parser.add_argument("--results", type=Path, default=HERE, help="the folder of the machines' CSVs")
+    parser.add_argument("--results", type=Path, default=HERE, help="the folder of the machines' CSVs and e2e.csv")
     sub = parser.add_subparsers(dest="command")
     sub.add_parser("plot", help="redraw the plots (the default)")
     show = sub.add_parser("table", help="print the current runs as markdown")
@@ -650,6 +674,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 0
     models = read(args.results / E2E) if (args.results / E2E).exists() else []
     if args.command == "models":
+        if not models:
+            parser.error(f"no end-to-end runs: {args.results / E2E} is missing or empty")
         print(e2e_table(models))
         return 0
     rows = load(args.results)

@@ -258,38 +258,42 @@ def test_committed_results_are_tidy():
 
 def _model_csv(path, rows):
     """A ``python -m flashoverlap.bench_model --csv`` output of ``rows`` (model, tp, transport, tokens,
-    speedup)."""
+    speedup, bound_speedup) on H200s."""
     fields = ["model", "tp", "tokens", "layers", "transport", "plain_ms", "flashoverlap_ms", "bound_ms"]
     fields += ["plain_tok_s", "flashoverlap_tok_s", "bound_tok_s", "speedup", "bound_speedup", "hidden"]
     fields += ["rel_err", "patched", "gpu"]
     with path.open("w", newline="") as f:
         out = csv.DictWriter(f, fieldnames=fields)
         out.writeheader()
-        for model, tp, transport, tokens, speedup in rows:
-            plain = 1000.0 * tokens / 200_000
+        for model, tp, transport, tokens, speedup, bound in rows:
+            plain = tokens / 200_000 * 1e3
             out.writerow(
-                dict(zip(fields, [model, tp, tokens, 2, transport, plain, plain / speedup, plain / 1.1]))
-                | {"plain_tok_s": 200_000, "flashoverlap_tok_s": 200_000 * speedup, "bound_tok_s": 220_000}
-                | {"speedup": speedup, "bound_speedup": 1.1, "hidden": (speedup - 1) / 0.1 / speedup * 1.1}
-                | {"rel_err": 0.0, "patched": 4, "gpu": "NVIDIA H200"}
+                dict(zip(fields, [model, tp, tokens, 2, transport, plain, plain / speedup, plain / bound]))
+                | {"plain_tok_s": 200_000, "flashoverlap_tok_s": 200_000 * speedup, "bound_tok_s": 200_000 * bound}
+                | {"speedup": speedup, "bound_speedup": bound, "hidden": (1 - 1 / speedup) / (1 - 1 / bound)}
+                | {"rel_err": 0.0, "patched": 2 * 2, "gpu": "NVIDIA H200"}
             )
     return path
 
 
 def test_end_to_end_runs_go_to_their_own_file(tmp_path, capsys):
     """``append`` sends bench_model's CSVs to e2e.csv (the machines' CSVs and their tools never see
-    them); ``models`` prints the latest commit's un-noted rows per machine, TP size and transport,
-    and the plots gain e2e.png."""
+    them); ``models`` prints, per machine, TP size and transport, the latest commit's un-noted runs,
+    the median of each case over them, ordered by setup, model and prefill length (as numbers); the
+    plots gain e2e.png."""
     store = tmp_path / "results"
     store.mkdir()
     bench = write_bench(tmp_path / "bench.csv", [bench_row(4096, "registry:{}", 0.8)])
-    old = _model_csv(tmp_path / "old.csv", [("llama3-70b", 4, "nvlink", 8192, 1.01)])
-    new = _model_csv(tmp_path / "new.csv", [("llama3-70b", 4, "nvlink", t, 1.05) for t in (8192, 2048)])
-    two = _model_csv(tmp_path / "two.csv", [("qwen2.5-72b", 2, "pcie", 8192, 1.2)])
-    noted = _model_csv(tmp_path / "noted.csv", [("llama3-70b", 4, "nvlink", 8192, 1.5)])
+    old = _model_csv(tmp_path / "old.csv", [("llama3-70b", 4, "nvlink", 8192, 1.01, 1.2)])
+    pcie = _model_csv(tmp_path / "pcie.csv", [("qwen2.5-72b", 2, "pcie", 8192, 1.2, 1.6)])  # (only c1 has it)
+    new = [
+        _model_csv(tmp_path / f"new{i}.csv", [("llama3-70b", 4, "nvlink", t, s, 1.2) for t in (32768, 8192, 2048)])
+        for i, s in enumerate((1.04, 1.05, 1.09))
+    ]
+    noted = _model_csv(tmp_path / "noted.csv", [("llama3-70b", 4, "nvlink", 8192, 1.5, 1.6)])
     base = ["--results", str(store), "append"]
-    assert results.main([*base, str(bench), str(old), "--commit", "c1", "--date", "2026-01-01"]) == 0
-    assert results.main([*base, str(new), str(two), "--commit", "c2", "--date", "2026-01-02"]) == 0
+    assert results.main([*base, str(bench), str(old), str(pcie), "--commit", "c1", "--date", "2026-01-01"]) == 0
+    assert results.main([*base, *map(str, new), "--commit", "c2", "--date", "2026-01-02"]) == 0
     assert results.main([*base, str(noted), "--commit", "c3", "--date", "2026-01-03", "--note", "a branch"]) == 0
     assert sorted(p.name for p in store.glob("*.csv")) == ["e2e.csv", "h200x2.csv"]
     assert [p.name for p in results.machine_csvs(store)] == ["h200x2.csv"]
@@ -298,12 +302,19 @@ def test_end_to_end_runs_go_to_their_own_file(tmp_path, capsys):
         assert csv.DictReader(handle).fieldnames == results.E2E_FIELDS
     capsys.readouterr()
     assert results.main(["--results", str(store), "models"]) == 0
-    lines = [line for line in capsys.readouterr().out.splitlines() if line.startswith("| qwen") or "llama" in line]
+    lines = [line for line in capsys.readouterr().out.splitlines() if "llama" in line or "qwen" in line]
     assert lines == [
-        "| qwen2.5-72b | 2x H200 | P2P off | 8192 | 200,000 | 1.200x | 1.100x | 183% | 2026-01-02 c2 |",
-        "| llama3-70b | 4x H200 | NVLink | 2048 | 200,000 | 1.050x | 1.100x | 52% | 2026-01-02 c2 |",
-        "| llama3-70b | 4x H200 | NVLink | 8192 | 200,000 | 1.050x | 1.100x | 52% | 2026-01-02 c2 |",
+        "| qwen2.5-72b | 2x H200 | P2P off | 8192 | 200,000 | 1.200x | 1.600x | 44% | 1: 2026-01-01 c1 |",
+        "| llama3-70b | 4x H200 | NVLink | 2048 | 200,000 | 1.050x | 1.200x | 29% | 3: 2026-01-02 c2 |",
+        "| llama3-70b | 4x H200 | NVLink | 8192 | 200,000 | 1.050x | 1.200x | 29% | 3: 2026-01-02 c2 |",
+        "| llama3-70b | 4x H200 | NVLink | 32768 | 200,000 | 1.050x | 1.200x | 29% | 3: 2026-01-02 c2 |",
     ]
     pytest.importorskip("matplotlib")
     assert results.main(["--results", str(store)]) == 0
     assert (store / "plots" / "e2e.png").exists()
+
+
+def test_end_to_end_table_without_runs_is_a_clear_error(tmp_path, capsys):
+    with pytest.raises(SystemExit):
+        results.main(["--results", str(tmp_path), "models"])
+    assert "no end-to-end runs" in capsys.readouterr().err
