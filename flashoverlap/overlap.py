@@ -172,10 +172,10 @@ _NO_FP8 = (None, None, None, False)  # the public calls' FP8 arguments, left out
 
 
 def _fp8_given(fp8_args: tuple) -> bool:
-    """Whether a call passed any FP8 argument. Compared by identity: ``fp8_args != _NO_FP8`` puts a
-    scale tensor through ``Tensor.__eq__(None)``, whose refusal (a TypeError caught inside torch)
-    cost 10-30 us of host time on every FP8 call, a host-bound plain call's whole excess over
-    torch's own."""
+    """Whether a call passed any FP8 argument, by identity: comparing the tuple with ``_NO_FP8``
+    would put a scale tensor through ``Tensor.__eq__(None)``, which torch refuses with a TypeError it
+    catches, 10-30 us of host time on every FP8 call (most of a call decided plain's excess over
+    torch's own)."""
     scale_a, scale_b, out_dtype, use_fast_accum = fp8_args
     return scale_a is not None or scale_b is not None or out_dtype is not None or use_fast_accum is not False
 
