@@ -92,6 +92,7 @@ E2E_FIELDS = [
     "model",
     "tokens",
     "layers",
+    "rounds",
     "plain_tok_s",
     "flashoverlap_tok_s",
     "bound_tok_s",
@@ -242,7 +243,7 @@ def tidy_e2e(model_rows: Iterable[dict], date: str, commit: str, run: str, note:
         {
             "date": date,
             "commit": commit,
-            **{key: row[key] for key in E2E_FIELDS[2:-2]},
+            **{key: row.get(key, "") for key in E2E_FIELDS[2:-2]},  # (no rounds before bench_model wrote them)
             "run": run,
             "note": note,
         }

@@ -183,7 +183,10 @@ def _generator(device: torch.device) -> torch.Generator:
 
 
 def _row(name: str, tokens: int, args, world: int, ms: dict, error: float, patched: int) -> dict:
-    row = dict(model=name, tp=world, tokens=tokens, layers=args.layers, transport=args.transport)
+    from .timing import whole_cycles
+
+    rounds = whole_cycles(args.rounds, len(VARIANTS))  # (what was timed: --rounds rounded up)
+    row = dict(model=name, tp=world, tokens=tokens, layers=args.layers, rounds=rounds, transport=args.transport)
     row.update({f"{mode}_ms": round(ms[mode], 3) for mode in VARIANTS})
     row.update({f"{mode}_tok_s": round(tokens * 1000 / ms[mode]) for mode in VARIANTS})
     row["speedup"] = round(ms["plain"] / ms["flashoverlap"], 4)

@@ -149,7 +149,7 @@ def time_samples(
     dist.barrier(group=group)
     names = random.Random(0).sample(list(runs), len(runs))  # their places in the design, alike on every rank
     orders = balanced_orders(len(names))
-    total = -(-rounds // len(orders)) * len(orders) if orders else 0
+    total = whole_cycles(rounds, len(names))
     events = []
     with without_collections():
         for r in range(total):
@@ -257,6 +257,13 @@ def paired_interval(
     stats = np.median(ratios[:, draws], axis=2).min(axis=0)  # (the slowest rank's view, as paired_speedup)
     low, high = np.quantile(stats, [(1 - level) / 2, (1 + level) / 2])
     return float(low), float(high)
+
+
+def whole_cycles(rounds: int, variants: int) -> int:
+    """``rounds`` rounded up to whole cycles of :func:`balanced_orders` of ``variants``: how many
+    rounds :func:`time_samples` times."""
+    cycle = len(balanced_orders(variants))
+    return -(-rounds // cycle) * cycle if cycle else 0
 
 
 def balanced_orders(n: int) -> list[list[int]]:

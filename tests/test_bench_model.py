@@ -85,9 +85,10 @@ def loop_worker(rank: int, world: int, store_path: str):
         import flashoverlap.timing
 
         flashoverlap.timing.time_variants = time_variants
-        args = bench_model.build_parser().parse_args(["--tokens", "16", "--layers", "2"])
+        args = bench_model.build_parser().parse_args(["--tokens", "16", "--layers", "2", "--rounds", "8"])
         (row,) = bench_model.bench_model("llama3-70b", args, torch.device("cpu"))
         assert float(row["rel_err"]) < 1e-6 and row["patched"] == 4
+        assert row["rounds"] == 12  # (what was timed: whole cycles of the three variants' six orders)
         assert (row["speedup"], row["bound_speedup"], row["hidden"]) == (1.3333, 2.0, 0.5)
         assert row["plain_tok_s"] == 4000 and row["flashoverlap_tok_s"] == round(16000 / 3)
         torch.testing.assert_close(outputs["flashoverlap"], outputs["plain"])
