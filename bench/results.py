@@ -506,19 +506,37 @@ def plot(rows: Sequence[dict], out: Path) -> list[Path]:
         written.append(path)
     summary = [(key, group) for key, group in groups if key[2:] == ("all_reduce", "eager", "bfloat16")]
     if summary:
-        cols = 2
-        rows_n = -(-len(summary) // cols)
-        fig, axes = plt.subplots(rows_n, cols, figsize=(12, 3.6 * rows_n), squeeze=False)
-        for ax, (key, group) in zip(axes.flat, summary):
-            _bars(ax, per_shape(group), describe(key, group))
-        for ax in list(axes.flat)[len(summary) :]:
-            ax.axis("off")
-        fig.tight_layout()
-        path = out / "summary.png"
-        fig.savefig(path, dpi=100)
-        plt.close(fig)
-        written.append(path)
+        panels = [(describe(key, group), per_shape(group)) for key, group in summary]
+        written.append(_grid(panels, out / "summary.png"))
     return written
+
+
+def _grid(
+    panels: Sequence[tuple[str, dict[str, dict[str, float]]]],
+    path: Path,
+    ylabel: str | None = None,
+    labels: Sequence[str] | None = None,
+) -> Path:
+    """Two columns of :func:`_bars` panels, one per (title, cases) of ``panels``, saved at ``path``
+    (matplotlib's backend chosen by the caller); ``ylabel`` and the legend's ``labels``, where given,
+    in place of _bars' own."""
+    import matplotlib.pyplot as plt
+
+    rows_n = -(-len(panels) // 2)
+    fig, axes = plt.subplots(rows_n, 2, figsize=(12, 3.6 * rows_n), squeeze=False)
+    for ax, (title, cases) in zip(axes.flat, panels):
+        _bars(ax, cases, title)
+        if ylabel is not None:
+            ax.set_ylabel(ylabel)
+        if labels is not None:
+            handles, _ = ax.get_legend_handles_labels()
+            ax.legend(handles, labels, fontsize=6, loc="lower right")
+    for ax in list(axes.flat)[len(panels) :]:
+        ax.axis("off")
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
+    return path
 
 
 def plot_e2e(rows: Sequence[dict], out: Path) -> Path | None:
@@ -531,31 +549,22 @@ def plot_e2e(rows: Sequence[dict], out: Path) -> Path | None:
     import matplotlib
 
     matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    panels: dict[tuple, list[dict]] = {}
+    setups: dict[tuple, list[dict]] = {}
     for r in now:
-        panels.setdefault((r["tp"], _short_gpu(r["gpu"]), r["transport"]), []).append(r)
-    cols = 2
-    fig, axes = plt.subplots(-(-len(panels) // cols), cols, figsize=(12, 3.6 * -(-len(panels) // cols)), squeeze=False)
-    for ax, ((tp, gpu, transport), group) in zip(axes.flat, panels.items()):
-        cases = {
-            f"{r['model']} {r['tokens'] // 1024}k": {"flashoverlap": r["speedup"], "ideal": r["bound_speedup"]}
-            for r in group
-        }
-        name = f"{tp}x {gpu}, {TRANSPORT_NAMES.get(transport, transport)}: {group[0]['date']} {group[0]['commit']}"
-        _bars(ax, cases, name)
-        ax.set_ylabel("tokens/s over plain TP")
-        handles, _ = ax.get_legend_handles_labels()
-        ax.legend(handles, ["flashoverlap (patched)", "bound (collectives hidden)"], fontsize=6, loc="lower right")
-    for ax in list(axes.flat)[len(panels) :]:
-        ax.axis("off")
-    fig.tight_layout()
+        setups.setdefault((r["tp"], _short_gpu(r["gpu"]), r["transport"]), []).append(r)
+    panels = [
+        (
+            f"{tp}x {gpu}, {TRANSPORT_NAMES.get(transport, transport)}: {group[0]['date']} {group[0]['commit']}",
+            {
+                f"{r['model']} {r['tokens'] // 1024}k": {"flashoverlap": r["speedup"], "ideal": r["bound_speedup"]}
+                for r in group
+            },
+        )
+        for (tp, gpu, transport), group in setups.items()
+    ]
     out.mkdir(parents=True, exist_ok=True)
-    path = out / "e2e.png"
-    fig.savefig(path, dpi=100)
-    plt.close(fig)
-    return path
+    labels = ["flashoverlap (patched)", "bound (collectives hidden)"]
+    return _grid(panels, out / "e2e.png", ylabel="tokens/s over plain TP", labels=labels)
 
 
 def git_commit() -> str:
